@@ -5,7 +5,8 @@ Conventions followed:
   then GSM8K's ``#### x``, then an answer phrase ("The answer is", "Answer:", "A:", the
   Minerva "Final Answer: The final answer is ..."), then the last number in the text.
 - Normalisation: Hendrycks MATH ``is_equiv`` / ``_strip_string`` (as reused by the PRM800K
-  grader), plus numeric equality: exact via ``fractions.Fraction``, else relative tolerance.
+  grader), plus numeric equality (1/2 = \\frac{1}{2} = 0.5): exact via ``fractions.Fraction``;
+  non-integers also within 1e-6 (a rounded 0.3333333 for 1/3), like math-verify's rounding.
 
 Every step is linear-time: no nested regex quantifiers, brace matching by a scan, length caps.
 """
@@ -19,7 +20,7 @@ from functools import lru_cache
 MAX_TEXT = 50_000  # final answers live at the end; scanning only the tail bounds the time
 MAX_SNIPPET = 200  # an answer longer than this is no answer a grader would accept
 MAX_NORMALISE = 400  # longer strings are compared raw; normalising them buys nothing
-REL_TOL = 1e-6
+REL_TOL, ABS_TOL = 1e-9, 1e-6  # for non-integers; integers compare exactly
 
 _NUM = r"-?(?:\d+(?:,\d{3})*(?:\.\d+)?|\.\d+)"  # commas only in groups of 3: unambiguous
 _NUMBER = re.compile(_NUM)
@@ -31,9 +32,8 @@ _LEAD_NUMBER = re.compile(rf"\$?\s*({_NUM})(?:\s*\\?%)?(?:\s+[A-Za-z].*)?")  # "
 
 _UNIT_TEXT = re.compile(r"\\(?:text|mbox)\{\s[^{}]*\}(?:\^\{?\d\}?)?")  # "5 \text{ cm}^2"
 _TEXT = re.compile(r"\\(?:text|textbf|textrm|mbox|mathrm|mathbf)\{([^{}]*)\}")
-_DROP = re.compile(r"\\left|\\right|\\[!,;: ]|\^\{?\\circ\}?|\\?%|\\?\$|\s")
-_FRAC_2 = re.compile(r"\\frac(\d)(\d)")  # \frac12
-_FRAC_1 = re.compile(r"\\frac(\{[^{}]*\}|\w)(\{[^{}]*\}|\w)")  # \frac{270}7, \frac9{19}
+_DROP = re.compile(r"\\left|\\right|(?<!\\)\\[!,;: ]|\^\{?\\circ\}?|\\?%|\\?\$|\s")
+_FRAC_ARGS = re.compile(r"\\frac(\{[^{}]*\}|\w)(\{[^{}]*\}|\w)")  # \frac12, \frac{270}7, \frac9{19}
 _SQRT = re.compile(r"\\sqrt(\w)")
 _LEAD_DOT = re.compile(r"(?<!\d)\.(?=\d)")
 _THOUSANDS = re.compile(r"-?\d{1,3}(?:,\d{3})+(?:\.\d+)?")
@@ -111,13 +111,12 @@ def normalise(answer: str) -> str:
     if len(s) > MAX_NORMALISE:
         return s
     s = s.replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac").replace("{,}", ",")
-    s = s.replace("\u2212", "-").replace("\\\\", " ")
+    s = s.replace("\u2212", "-")
     without_units = _UNIT_TEXT.sub("", s).strip()
     s = without_units if without_units else s  # "\text{ cm}" alone is the answer itself
     s = _TEXT.sub(r"\1", s)
     s = _DROP.sub("", s)
-    s = _FRAC_2.sub(r"\\frac{\1}{\2}", s)
-    s = _FRAC_1.sub(lambda m: "\\frac" + "".join(
+    s = _FRAC_ARGS.sub(lambda m: "\\frac" + "".join(
         g if g.startswith("{") else "{" + g + "}" for g in m.groups()), s)
     s = _SQRT.sub(r"\\sqrt{\1}", s)
     s = _LEAD_DOT.sub("0.", s).rstrip(".")
@@ -156,18 +155,18 @@ def _equal(a: str, b: str) -> bool:
     x, y = _to_number(a), _to_number(b)
     if x is None or y is None:
         return False
-    return x == y or math.isclose(x, y, rel_tol=REL_TOL)
+    if x.denominator == 1 and y.denominator == 1:  # 999999 is not 1000000
+        return x == y
+    # Rounded decimals (0.3333333 for 1/3) and float noise on large values (1e12 + 1e-4).
+    return math.isclose(x, y, rel_tol=REL_TOL, abs_tol=ABS_TOL)
 
 
 def _split_top_level(s: str) -> list[str]:
     """Split on commas that are not inside braces or brackets."""
     parts, depth, start = [], 0, 0
     for i, ch in enumerate(s):
-        if ch in "({[":
-            depth += 1
-        elif ch in ")}]":
-            depth -= 1
-        elif ch == "," and depth == 0:
+        depth += (ch in "({[") - (ch in ")}]")
+        if ch == "," and depth == 0:
             parts.append(s[start:i])
             start = i + 1
     return parts + [s[start:]]
