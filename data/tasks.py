@@ -1,0 +1,116 @@
+"""Problems for training and evaluation: the project's own arithmetic task, and GSM8K/MATH JSONL files.
+
+A problem is a question (the user turn, before the chat template) and a gold answer string that
+`verifier.verify` compares completions against. Specs accepted by `load_problems`:
+  arith-<level>   generated arithmetic, deterministic; levels from easy to hard are listed in LEVELS
+  path/to.jsonl   GSM8K form {"question", "answer": "... #### 42"} or MATH form {"problem", "answer"}
+"""
+
+import json
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class Problem:
+    question: str
+    answer: str
+
+
+# level: (operator, range of the first operand, range of the second). Ordered from easy to hard for
+# SmolLM2-135M at T=1: easy levels give mostly all-correct groups, hard ones mostly all-wrong groups.
+LEVELS = {
+    "add1": ("+", range(0, 10), range(0, 10)),
+    "mul1": ("*", range(1, 10), range(1, 10)),
+    "add2": ("+", range(10, 100), range(10, 100)),
+    "mul2": ("*", range(10, 100), range(2, 10)),
+    "mul3": ("*", range(100, 1000), range(10, 100)),
+}
+OPERATIONS = {"+": lambda a, b: a + b, "*": lambda a, b: a * b}
+TEST_FRACTION = 0.2
+MAX_PROBLEMS_PER_LEVEL = 20_000
+BOXED_INSTRUCTION = "\nPut the final answer in \\boxed{}."
+
+
+def arithmetic_problems(level: str, split: str, seed: int = 0) -> list[Problem]:
+    """All problems of a level, shuffled by `seed`; the last TEST_FRACTION of pairs is the test split,
+    so train and test never share a problem. Large levels are subsampled to MAX_PROBLEMS_PER_LEVEL."""
+    if level not in LEVELS:
+        raise ValueError(f"unknown arithmetic level {level!r}; choose one of {', '.join(LEVELS)}")
+    op, left, right = LEVELS[level]
+    rng = random.Random(f"{level}-{seed}")
+    if len(left) * len(right) <= MAX_PROBLEMS_PER_LEVEL:
+        pairs = [(a, b) for a in left for b in right]
+        rng.shuffle(pairs)
+    else:
+        pairs = list({(rng.choice(left), rng.choice(right)) for _ in range(MAX_PROBLEMS_PER_LEVEL)})
+        pairs.sort()
+        rng.shuffle(pairs)
+    n_test = max(1, int(len(pairs) * TEST_FRACTION))
+    chosen = pairs[-n_test:] if split == "test" else pairs[:-n_test]
+    return [Problem(f"What is {a} {op} {b}?", str(OPERATIONS[op](a, b))) for a, b in chosen]
+
+
+def gold_from_gsm8k(solution: str) -> str:
+    """GSM8K solutions end with '#### <answer>'; the gold is that answer without thousands separators."""
+    return solution.rsplit("####", 1)[1].strip().replace(",", "")
+
+
+def read_jsonl(path: Path) -> list[Problem]:
+    """Read GSM8K-form or MATH-form JSONL; a bad line raises ValueError naming the file and line."""
+    if not path.is_file():
+        raise FileNotFoundError(f"dataset file not found: {path}")
+    problems = []
+    with path.open(encoding="utf-8") as f:
+        for lineno, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            where = f"{path}:{lineno}"
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{where}: not valid JSON ({e.msg})") from None
+            if not isinstance(row, dict):
+                raise ValueError(f"{where}: expected a JSON object, got {type(row).__name__}")
+            if "problem" in row and "answer" in row:  # MATH form: the answer field is the gold itself
+                question, answer = row["problem"], str(row["answer"])
+            elif "question" in row and "answer" in row:  # GSM8K form: a worked solution ending '#### x'
+                if "####" not in str(row["answer"]):
+                    raise ValueError(f"{where}: GSM8K-form 'answer' must end with '#### <final answer>'")
+                question, answer = row["question"], gold_from_gsm8k(str(row["answer"]))
+            else:
+                raise ValueError(
+                    f"{where}: expected fields 'question' and 'answer' (GSM8K form) or 'problem' and 'answer' "
+                    f"(MATH form); got {sorted(row)}"
+                )
+            if not str(question).strip() or not answer.strip():
+                raise ValueError(f"{where}: empty question or answer")
+            problems.append(Problem(str(question) + BOXED_INSTRUCTION, answer))
+    if not problems:
+        raise ValueError(f"{path}: dataset is empty")
+    return problems
+
+
+def load_eval_problems(spec: str, seed: int = 0) -> list[Problem]:
+    """Problems to evaluate on: the test split of a generated task, or a whole JSONL file."""
+    return load_problems(spec, "test" if spec.startswith("arith-") else "all", seed)
+
+
+def load_problems(spec: str, split: str = "train", seed: int = 0) -> list[Problem]:
+    """Problems for `spec` (arith-<level> or a .jsonl path). A JSONL file is split deterministically:
+    the test split is every 10th problem, so `--dataset` alone gives a held-out evaluation set."""
+    if split not in ("train", "test", "all"):
+        raise ValueError(f"split must be train, test or all; got {split!r}")
+    if spec.startswith("arith-"):
+        level = spec.removeprefix("arith-")
+        if split == "all":
+            return arithmetic_problems(level, "train", seed) + arithmetic_problems(level, "test", seed)
+        return arithmetic_problems(level, split, seed)
+    path = Path(spec).expanduser()
+    if path.suffix != ".jsonl":
+        raise ValueError(f"unknown dataset {spec!r}: use arith-<level> ({', '.join(LEVELS)}) or a .jsonl file")
+    problems = read_jsonl(path)
+    if split == "all" or len(problems) < 10:
+        return problems
+    return [p for i, p in enumerate(problems) if (i % 10 == 9) == (split == "test")]

@@ -1,0 +1,122 @@
+"""Evaluate models on math problems with the same prompts and verifier as training.
+
+    python eval.py --model smollm2-135m runs/default/grpo/checkpoint --dataset arith-mul1
+    python eval.py --model smollm2-135m --dataset ../shared/data/gsm8k_test.jsonl --limit 100 --samples 8
+
+Greedy pass@1 by default; with --samples n, n completions per problem at --temperature give mean@n
+and the unbiased pass@k estimator 1 - C(n - c, k) / C(n, k) (Chen et al. 2021, Eq. 1) for k <= n.
+"""
+
+import argparse
+import json
+import re
+import sys
+from math import comb
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from data.tasks import Problem, load_eval_problems
+from model import load_model, pick_device, sample
+from verifier import extract_answer, verify
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k from n samples of which c are correct: 1 - C(n - c, k) / C(n, k).
+
+    >>> pass_at_k(4, 1, 1), pass_at_k(4, 1, 2), pass_at_k(4, 0, 4), pass_at_k(4, 1, 4)
+    (0.25, 0.5, 0.0, 1.0)
+    """
+    if not 0 < k <= n:
+        raise ValueError(f"pass@k needs 0 < k <= n; got k={k}, n={n}")
+    return 1.0 - comb(n - c, k) / comb(n, k)
+
+
+@torch.no_grad()
+def evaluate(model, tokenizer, problems: list[Problem], *, max_new_tokens: int, samples: int = 1,
+             temperature: float = 0.0, batch_size: int = 32, progress: bool = False) -> dict:
+    """Accuracy of `model` on `problems`: greedy when samples == 1 and temperature == 0.
+
+    Returns accuracy (mean over all completions: pass@1 greedy, mean@n sampled), pass@k for k = 1, 2, 4, ..
+    up to n, and one record per completion.
+    """
+    if samples > 1 and temperature == 0:
+        raise ValueError("several samples per problem need a temperature > 0")
+    records, correct_per_problem = [], []
+    starts = range(0, len(problems), batch_size)
+    for start in tqdm(starts, desc="eval", disable=not progress, leave=False):
+        batch = problems[start : start + batch_size]
+        rollout = sample(model, tokenizer, [p.question for p in batch], samples, max_new_tokens, temperature)
+        for i, problem in enumerate(batch):
+            texts = rollout.texts[i * samples : (i + 1) * samples]
+            scores = [verify(text, problem.answer) for text in texts]
+            correct_per_problem.append(int(sum(scores)))
+            records += [{"question": problem.question, "completion": text, "extracted": extract_answer(text),
+                         "gold": problem.answer, "correct": bool(s)} for text, s in zip(texts, scores)]
+    ks = [k for k in (1, 2, 4, 8, 16, 32, 64) if k < samples] + [samples]
+    return {
+        "accuracy": float(np.mean([r["correct"] for r in records])) if records else 0.0,
+        "pass_at_k": {k: float(np.mean([pass_at_k(samples, c, k) for c in correct_per_problem])) for k in ks},
+        "problems": len(problems), "samples": samples, "records": records,
+    }
+
+
+def slug(name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9._-]+", "_", name.strip("/")).strip("_")[-80:]
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description="Evaluate one or more models with the training verifier.")
+    p.add_argument("--model", nargs="+", default=["smollm2-135m"], help="aliases, hub ids, folders or checkpoints")
+    p.add_argument("--dataset", default="arith-mul1", help="arith-<level> (its test split) or a GSM8K/MATH .jsonl")
+    p.add_argument("--limit", type=int, default=0, help="evaluate only the first N problems (0: all)")
+    p.add_argument("--samples", type=int, default=1, help="completions per problem (n); >1 samples at --temperature")
+    p.add_argument("--temperature", type=float, default=None, help="default: 0 (greedy) for 1 sample, else 1.0")
+    p.add_argument("--max-new-tokens", type=int, default=256, help="completion length limit")
+    p.add_argument("--batch-size", type=int, default=32, help="prompts per generate call")
+    p.add_argument("--out", default="", help="folder for summary.json and per-model samples JSONL")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed")
+    args = p.parse_args(argv)
+    temperature = args.temperature if args.temperature is not None else (0.0 if args.samples == 1 else 1.0)
+    try:
+        problems = load_eval_problems(args.dataset)
+        problems = problems[: args.limit] if args.limit else problems
+        results = {}
+        for name in args.model:
+            try:
+                model, tokenizer = load_model(name, pick_device())
+            except OSError as e:  # hub ids that cannot be reached, folders without a model
+                raise ValueError(f"could not load model {name!r}: {str(e).splitlines()[0]}") from None
+            torch.manual_seed(args.seed)
+            results[name] = evaluate(model.eval(), tokenizer, problems, max_new_tokens=args.max_new_tokens,
+                                     samples=args.samples, temperature=temperature, batch_size=args.batch_size,
+                                     progress=True)
+    except (FileNotFoundError, ValueError) as e:
+        sys.exit(f"error: {e}")
+
+    ks = list(next(iter(results.values()))["pass_at_k"])
+    label = "pass@1 (greedy)" if args.samples == 1 else f"mean@{args.samples}"
+    width = max(len(label), *(len(k) for k in [f"pass@{k}" for k in ks]))
+    print(f"\n{args.dataset}: {len(problems)} problems, T={temperature}")
+    print(f"{'':{width}}" + "".join(f"  {name[-28:]:>28}" for name in results))
+    print(f"{label:{width}}" + "".join(f"  {r['accuracy']:28.3f}" for r in results.values()))
+    if args.samples > 1:
+        for k in ks:
+            print(f"{'pass@' + str(k):{width}}" + "".join(f"  {r['pass_at_k'][k]:28.3f}" for r in results.values()))
+    summary = {name: {key: r[key] for key in ("accuracy", "pass_at_k", "problems", "samples")} for name, r in results.items()}
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "summary.json").write_text(json.dumps({"dataset": args.dataset, "temperature": temperature,
+                                                      "models": summary}, indent=2))
+        for name, r in results.items():
+            with (out / f"samples-{slug(name)}.jsonl").open("w") as f:
+                f.writelines(json.dumps(rec) + "\n" for rec in r["records"])
+        print(f"wrote {out / 'summary.json'} and per-sample JSONL")
+    return summary
+
+
+if __name__ == "__main__":
+    main()

