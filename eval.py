@@ -85,10 +85,7 @@ def main(argv: list[str] | None = None) -> dict:
         problems = problems[: args.limit] if args.limit else problems
         results = {}
         for name in args.model:
-            try:
-                model, tokenizer = load_model(name, pick_device())
-            except OSError as e:  # hub ids that cannot be reached, folders without a model
-                raise ValueError(f"could not load model {name!r}: {str(e).splitlines()[0]}") from None
+            model, tokenizer = load_model(name, pick_device())
             torch.manual_seed(args.seed)
             results[name] = evaluate(model.eval(), tokenizer, problems, max_new_tokens=args.max_new_tokens,
                                      samples=args.samples, temperature=temperature, batch_size=args.batch_size,

@@ -127,8 +127,11 @@ def load_model(name: str, device: torch.device | None = None) -> tuple[PreTraine
         if (path / "model" / "config.json").exists():  # a train.py checkpoint folder
             path = path / "model"
         source = str(path) if path.exists() else name
-        tokenizer = AutoTokenizer.from_pretrained(source)
-        model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(source)
+            model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
+        except OSError as e:  # no such hub id, no network, or a folder without a model
+            raise FileNotFoundError(f"could not load model {name!r}: {str(e).splitlines()[0]}") from None
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     tokenizer.padding_side = "left"  # generation appends to the right end of every row

@@ -9,8 +9,9 @@ Choices, each made once here:
      its completion (TRL's "grpo" per-sequence mean favours short wrong answers; "dr_grpo" divides by
      a constant). Advantages are per completion, broadcast over its tokens.
   2. One update per batch by default (--updates-per-batch 1): old log-probs are the current ones
-     detached, so the PPO ratio is exactly 1 and the clipped loss's value is 0 while its gradient is
-     the REINFORCE gradient -A * grad log pi. Log advantage stats and the grad norm, not the loss.
+     detached, so the PPO ratio is exactly 1, the clip never acts, and the loss value is just -mean(A)
+     per token (~0) while its gradient is the REINFORCE gradient -A * grad log pi. So we log advantage
+     stats and the grad norm, not only the loss.
   3. KL to the reference is the k3 estimator exp(ref - logp) - (ref - logp) - 1 (Schulman, 2020),
      computed only when --beta > 0; the AAPO paper uses no KL and no ratio (the same gradient here).
 """
@@ -22,6 +23,7 @@ import json
 import math
 import random
 import shutil
+import sys
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -35,8 +37,8 @@ from advantage import (AdaptiveThreshold, aapo_advantages, aapo_margin, advantag
                        collapsed_groups, effective_collapse_rate, grpo_advantages, num_virtual_samples)
 from data.tasks import Problem, load_eval_problems, load_problems
 from eval import evaluate
-from plots import plot_training_curves
 from model import Rollout, completion_logprobs, load_model, pick_device, sample, trim_padding
+from plots import plot_training_curves, read_jsonl
 from verifier import verify
 
 ALGOS = ("grpo", "avspo", "aapo")
@@ -84,7 +86,7 @@ class Args:
     # evaluation and logging
     eval_every: int = arg(10, "greedy held-out accuracy every N steps (0: only before and after)")
     eval_size: int = arg(64, "held-out problems per evaluation")
-    save_every: int = arg(10, "checkpoint every N steps (and at the end and on Ctrl-C)")
+    save_every: int = arg(10, "checkpoint every N steps, at the end and on Ctrl-C (0: never)")
 
 
 def parse_args(argv: list[str] | None = None) -> Args:
@@ -132,47 +134,47 @@ def policy_loss(logp, old_logp, ref_logp, advantages, mask, args: Args, num_toke
 def update_policy(model, optimizer, rollout: Rollout, b_advantages, ref_model, args: Args, autocast) -> dict:
     """`updates_per_batch` optimizer steps on one batch, in micro-batches; returns what to log.
 
+    Rows whose advantage is 0 (every row of a collapsed GRPO group) add nothing to the gradient when
+    beta = 0, so their forward and backward passes are skipped: the gradient is the same, the cost is not.
     A non-finite gradient (from a NaN/inf loss) skips the step and leaves weights and optimizer as they were.
     """
-    n = rollout.input_ids.shape[0]
-    num_tokens = int(rollout.completion_mask.sum())
-    micro = [slice(i, i + args.micro_batch) for i in range(0, n, args.micro_batch)]
-    micro = [(s, *trim_padding(rollout.input_ids[s], rollout.attention_mask[s], rollout.completion_mask[s]))
-             for s in micro]
+    num_tokens = int(rollout.completion_mask.sum())  # the denominator counts every row, trained or not
+    rows = torch.arange(len(b_advantages)) if args.beta > 0 else b_advantages.nonzero().flatten().cpu()
+    micro = []
+    for i in range(0, len(rows), args.micro_batch):
+        idx = rows[i : i + args.micro_batch]
+        micro.append((idx, *trim_padding(rollout.input_ids[idx], rollout.attention_mask[idx], rollout.completion_mask[idx])))
 
     def logprobs(net, ids, attn, mask):
         with autocast:
             return completion_logprobs(net, ids, attn, mask.shape[1], args.temperature)
 
-    old_logp, ref_logp = [None] * len(micro), [None] * len(micro)
-    with torch.no_grad():
-        for i, (_, ids, attn, mask) in enumerate(micro):
-            if args.updates_per_batch > 1:
-                old_logp[i] = logprobs(model, ids, attn, mask)
-            if args.beta > 0:
-                ref_logp[i] = logprobs(ref_model, ids, attn, mask)
+    with torch.no_grad():  # log-probs that stay fixed during the updates: old policy (PPO epochs) and reference
+        old_logp = [logprobs(model, *m[1:]) if args.updates_per_batch > 1 else None for m in micro]
+        ref_logp = [logprobs(ref_model, *m[1:]) if args.beta > 0 else None for m in micro]
     model.train()
-    stats = {"loss": 0.0, "kl": 0.0 if args.beta > 0 else None, "skipped": 0}
+    skipped = 0
     for _ in range(args.updates_per_batch):
         loss_sum, kl_sum = 0.0, 0.0
-        for i, (s, ids, attn, mask) in enumerate(micro):
+        for (idx, ids, attn, mask), old, ref in zip(micro, old_logp, ref_logp):
             logp = logprobs(model, ids, attn, mask)  # [n, C] with grad
-            old = old_logp[i] if old_logp[i] is not None else logp.detach()
-            loss, kl = policy_loss(logp, old, ref_logp[i], b_advantages[s], mask, args, num_tokens)
+            loss, kl = policy_loss(logp, logp.detach() if old is None else old, ref, b_advantages[idx], mask, args,
+                                   num_tokens)
             loss.backward()
             loss_sum += loss.item()
             kl_sum += 0.0 if kl is None else kl.item()
+        if not micro:  # nothing to learn from: a zero gradient, so the optimizer steps exactly as it would
+            for p in model.parameters():
+                p.grad = torch.zeros_like(p)
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm).item()
         if math.isfinite(grad_norm):
             optimizer.step()
         else:
-            stats["skipped"] += 1
+            skipped += 1
         optimizer.zero_grad(set_to_none=True)
     model.eval()
-    stats.update(loss=loss_sum, grad_norm=grad_norm, train_tokens=sum(ids.numel() for _, ids, _, _ in micro))
-    if args.beta > 0:
-        stats["kl"] = kl_sum
-    return stats
+    return {"loss": loss_sum, "kl": kl_sum if args.beta > 0 else None, "grad_norm": grad_norm, "skipped": skipped,
+            "rows_trained": len(rows), "train_tokens": sum(ids.numel() for _, ids, _, _ in micro)}
 
 
 # ------------------------------------------------------------------------------ checkpoints
@@ -248,8 +250,7 @@ def append_jsonl(path: Path, record: dict) -> None:
 
 
 def read_jsonl_upto(path: Path, last_step: int) -> list[dict]:
-    rows = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
-    return [r for r in rows if r["step"] <= last_step]
+    return [r for r in read_jsonl(path) if r["step"] <= last_step]
 
 
 def train(args: Args, run_dir: Path) -> dict:
@@ -257,16 +258,18 @@ def train(args: Args, run_dir: Path) -> dict:
     device = pick_device()
     bf16 = args.precision == "bf16" or (args.precision == "auto" and device.type == "cuda")
     autocast = torch.autocast(device.type, dtype=torch.bfloat16) if bf16 else nullcontext()
-    run_dir.mkdir(parents=True, exist_ok=True)
     checkpoint = load_checkpoint(run_dir) if args.resume else None
+    if args.resume and not checkpoint:
+        print(f"[{args.algo}] --resume: no checkpoint in {run_dir}, starting from scratch")
     model, tokenizer = load_model(str(checkpoint / "model") if checkpoint else args.model, device)
     ref_model = None
     if args.algo == "aapo" or args.beta > 0:  # frozen copy of the initial policy, only when needed
         ref_model = load_model(args.model, device)[0] if checkpoint else copy.deepcopy(model)
         ref_model.eval().requires_grad_(False)
     if args.grad_checkpointing:
-        model.gradient_checkpointing_enable()
+        model.activation_checkpointing_enable()
     model.eval()  # dropout off; update_policy switches to train mode only around the backward passes
+    run_dir.mkdir(parents=True, exist_ok=True)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
     train_problems = load_problems(args.dataset, "train", args.seed)
     eval_problems = (load_eval_problems(args.eval_dataset, args.seed) if args.eval_dataset
@@ -344,12 +347,13 @@ def train(args: Args, run_dir: Path) -> dict:
                                 f"len {record['completion_len']:.0f} {t3 - t0:.1f}s")
             if (args.eval_every and step % args.eval_every == 0) or step == args.steps:
                 run_eval(step)
-            if step % args.save_every == 0 or step == args.steps:
+            if args.save_every and (step % args.save_every == 0 or step == args.steps):
                 checkpoint_now()
     except KeyboardInterrupt:
         bar.close()
-        checkpoint_now()
-        print(f"\n[{args.algo}] interrupted: checkpoint of step {done} saved in {run_dir}; resume with --resume")
+        if args.save_every:
+            checkpoint_now()
+            print(f"\n[{args.algo}] interrupted: checkpoint of step {done} saved in {run_dir}; resume with --resume")
         raise
     rows, evals = read_jsonl_upto(metrics_path, done), read_jsonl_upto(evals_path, done)
     summary = {"algo": args.algo, "acc_before": evals[0]["eval_accuracy"], "acc_after": evals[-1]["eval_accuracy"],
@@ -364,7 +368,10 @@ def train(args: Args, run_dir: Path) -> dict:
 def main(argv: list[str] | None = None) -> list[dict]:
     args = parse_args(argv)
     out = Path(args.out)
-    summaries = [train(dataclasses.replace(args, algo=algo), out / algo) for algo in args.algo.split(",")]
+    try:
+        summaries = [train(dataclasses.replace(args, algo=algo), out / algo) for algo in args.algo.split(",")]
+    except FileNotFoundError as e:  # an unknown model or a missing file: one line, not a traceback
+        sys.exit(f"error: {e}")
     plot = plot_training_curves(out, [s["algo"] for s in summaries])
     print(f"\n{'algo':6} {'acc before':>10} {'acc after':>10} {'ACR':>6} {'eff. ACR':>9} {'s/step':>7}")
     for s in summaries:

@@ -87,6 +87,22 @@ def test_avspo_collapsed_group_gives_nonzero_gradient(tiny, rollout):
     assert any(not torch.equal(a, b) for a, b in zip(before, after))
 
 
+def test_skipping_zero_advantage_rows_keeps_the_gradient(tiny, rollout):
+    model, _ = load_model("tiny-qwen2", torch.device("cpu"))
+    advantages = torch.tensor([0.0, 0.0, 0.0, 0.0, 1.5, -0.5, -0.5, -0.5])  # first group collapsed
+    mask = rollout.completion_mask
+    logp = completion_logprobs(model, rollout.input_ids, rollout.attention_mask, rollout.completion_len)
+    loss, _ = train.policy_loss(logp, logp.detach(), None, advantages, mask, train.Args(), int(mask.sum()))
+    expected = torch.autograd.grad(loss, list(model.parameters()))  # every row, no skipping, no trimming
+    before = [p.detach().clone() for p in model.parameters()]
+    sgd = torch.optim.SGD(model.parameters(), lr=1.0)  # weight change = -gradient
+    stats = train.update_policy(model, sgd, rollout, advantages, None, train.Args(micro_batch=3, max_grad_norm=1e9),
+                                torch.autocast("cpu", enabled=False))
+    assert stats["rows_trained"] == 4
+    for b, a, g in zip(before, model.parameters(), expected):
+        torch.testing.assert_close(b - a.detach(), g, atol=1e-6, rtol=1e-4)
+
+
 def test_pad_tokens_carry_no_loss(tiny, rollout):
     advantages = torch.linspace(-1, 1, 8)
     reference, _, _ = run_update(tiny, rollout, advantages)
@@ -107,7 +123,7 @@ def test_nan_loss_skips_update_and_keeps_weights(tiny, rollout):
 
 def test_each_algorithm_runs_end_to_end(tmp_path):
     summaries = train.main(TINY + ["--algo", "grpo,avspo,aapo", "--steps", "2", "--out", str(tmp_path),
-                                   "--eval-every", "1", "--beta", "0.05"])
+                                   "--eval-every", "1", "--beta", "0.05", "--grad-checkpointing"])
     assert [s["algo"] for s in summaries] == ["grpo", "avspo", "aapo"]
     for algo in ("grpo", "avspo", "aapo"):
         rows = [json.loads(line) for line in (tmp_path / algo / "metrics.jsonl").read_text().splitlines()]
@@ -149,3 +165,9 @@ def test_bad_dataset_line_is_named(tmp_path, capsys):
     err = capsys.readouterr().err
     assert f"{bad}:3" in err and "not valid JSON" in err
     assert not (tmp_path / "run").exists()  # nothing was started, nothing lost
+
+
+def test_unknown_model_is_one_line_error(tmp_path):
+    with pytest.raises(SystemExit, match="unknown model"):
+        train.main(["--model", "no-such-model", "--steps", "1", "--out", str(tmp_path / "run")])
+    assert not (tmp_path / "run" / "grpo").exists()

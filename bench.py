@@ -1,0 +1,306 @@
+"""Speed and memory of one training step: ours vs TRL's GRPOTrainer, GRPO vs AVSPO vs AAPO, and the verifier.
+
+    python bench.py                      # reference config: SmolLM2-135M, fp32, B=2 prompts x G=8, 64 new tokens
+    python bench.py --precision both     # also bf16 autocast
+    python bench.py --quick              # tiny random Qwen2, 2 steps, 200 verifier cases per check: seconds
+
+Every training config runs in a fresh process, so its peak memory is its own: max RSS on CPU,
+torch.cuda.max_memory_allocated on GPU. Step times are medians over --steps steps after --warmup
+steps; the held-out evaluation and checkpoint that train.train does around the steps are not timed.
+TRL is optional (pip install trl==1.16.0); without it, or with --skip-trl, its rows are left out.
+
+How each number is measured:
+  1. ours: train.train on the config; generate / reward / train (log-probs + backward + optimizer
+     step) are the per-step times it logs in metrics.jsonl.
+  2. TRL: GRPOTrainer on the same model, prompts, sampling and loss ("dapo", beta 0, one update per
+     batch); a callback times each optimizer step, the reward function times itself, and
+     _generate_and_score_completions is wrapped to time generation (TRL has no per-phase timer).
+  3. AVSPO and AAPO: their own train.train runs. AVSPO's only extra work is its advantage step, timed
+     directly (train.compute_advantages, many calls) against GRPO's step time; AAPO also samples a
+     second group from the frozen reference model, so its whole step is compared with GRPO's.
+  4. Verifier: verifier.verify (and math-verify, if installed) per call on the shared GSM8K and
+     MATH-500 cases of benchmarks/verifier_bench.py.
+"""
+
+import argparse
+import dataclasses
+import importlib.util
+import json
+import multiprocessing
+import resource
+import statistics
+import tempfile
+import time
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+import train
+from advantage import AdaptiveThreshold
+from data.tasks import load_problems
+from model import load_model, pick_device
+from verifier import verify
+
+ROOT = Path(__file__).resolve().parent
+DATA_DIR = ROOT.parent / "shared" / "data"
+AVSPO_GOAL, AAPO_GOAL = 0.1, 1.6  # AVSPO advantage step < 0.1% of a GRPO step; AAPO step <= 1.6x GRPO's
+
+
+def reference_args(model: str, steps: int, precision: str, algo: str = "grpo", micro_batch: int = 8) -> train.Args:
+    """The reference config: G=8, 2 prompts, 64 new tokens, lr 1e-5, beta 0, one update, no eval, no saving."""
+    return train.Args(algo=algo, model=model, dataset="arith-mul1", steps=steps, prompts_per_step=2, group_size=8,
+                      max_new_tokens=64, temperature=1.0, lr=1e-5, beta=0.0, updates_per_batch=1,
+                      micro_batch=micro_batch, precision=precision, eval_every=0, eval_size=1, save_every=0)
+
+
+# ------------------------------------------------------------------------------ one config per process
+
+
+def run_isolated(fn: Callable, *args):
+    """fn(*args) in a fresh (spawned) Python process, so that its peak memory is measured alone."""
+    with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return pool.submit(fn, *args).result()
+
+
+def peak_memory_mb() -> float:
+    """Peak memory of this process so far: CUDA allocations on GPU, resident set size on CPU."""
+    if torch.cuda.is_available():
+        return torch.cuda.max_memory_allocated() / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+
+
+def median_of(rows: list[dict], key: str) -> float:
+    return statistics.median(r[key] for r in rows)
+
+
+def bench_ours(args: train.Args, warmup: int) -> dict:
+    """train.train for warmup + steps steps; medians of the per-step times it logs, after the warm-up."""
+    args = dataclasses.replace(args, steps=warmup + args.steps)
+    with tempfile.TemporaryDirectory() as tmp:
+        run_dir = Path(tmp) / args.algo
+        train.train(args, run_dir)
+        rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()][warmup:]
+    for r in rows:
+        r["time_step"] = r["time_generate"] + r["time_score"] + r["time_train"]
+    return {"generate_s": median_of(rows, "time_generate"), "reward_s": median_of(rows, "time_score"),
+            "train_s": median_of(rows, "time_train"), "step_s": median_of(rows, "time_step"),
+            "gen_tok_s": median_of(rows, "gen_tokens_per_s"), "train_tok_s": median_of(rows, "train_tokens_per_s"),
+            "completion_len": median_of(rows, "completion_len"), "peak_mb": peak_memory_mb(),
+            "rows_trained": median_of(rows, "rows_trained") if "rows_trained" in rows[0] else None}
+
+
+def bench_trl(args: train.Args, warmup: int) -> dict:
+    """TRL's GRPOTrainer on the same config; per-step times from a callback, medians after the warm-up."""
+    from datasets import Dataset
+    from transformers import TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    device = pick_device()
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    model, tokenizer = load_model(args.model, device)
+    problems = load_problems(args.dataset, "train", args.seed)
+    dataset = Dataset.from_list([{"prompt": [{"role": "user", "content": p.question}], "answer": p.answer}
+                                 for p in problems])
+    steps: list[dict] = []  # one record per optimizer step, filled in by the three timers below
+
+    class StepTimer(TrainerCallback):
+        def on_step_begin(self, *_, **__):
+            sync()
+            steps.append({"reward_s": 0.0, "gen_tokens": 0, "start": time.perf_counter()})
+
+        def on_step_end(self, *_, **__):
+            sync()
+            steps[-1]["step_s"] = time.perf_counter() - steps[-1]["start"]
+
+    def correctness(completions, answer, completion_ids, **_) -> list[float]:
+        start = time.perf_counter()
+        rewards = [float(verify(c[0]["content"], a)) for c, a in zip(completions, answer)]
+        steps[-1]["reward_s"] += time.perf_counter() - start
+        steps[-1]["gen_tokens"] += sum(len(ids) for ids in completion_ids)
+        return rewards
+
+    completions = args.prompts_per_step * args.group_size
+    with tempfile.TemporaryDirectory() as tmp:
+        config = GRPOConfig(
+            output_dir=tmp, max_steps=warmup + args.steps, seed=args.seed,
+            # 2 prompts x 8 completions per optimizer step, forward/backward in micro-batches like ours
+            num_generations=args.group_size, per_device_train_batch_size=min(args.micro_batch, completions),
+            gradient_accumulation_steps=max(1, completions // args.micro_batch),
+            max_completion_length=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, top_k=0,
+            learning_rate=args.lr, lr_scheduler_type="constant", weight_decay=0.0, max_grad_norm=args.max_grad_norm,
+            beta=args.beta, num_iterations=args.updates_per_batch, epsilon=args.epsilon,
+            epsilon_high=args.epsilon_high, loss_type="dapo", scale_rewards="group", disable_dropout=True,
+            bf16=args.precision == "bf16", use_cpu=device.type == "cpu",
+            eval_strategy="no", save_strategy="no", report_to="none", logging_steps=10**9,
+        )
+        trainer = GRPOTrainer(model=model, reward_funcs=correctness, args=config, train_dataset=dataset,
+                              processing_class=tokenizer, callbacks=[StepTimer()])
+        generate_and_score = trainer._generate_and_score_completions  # private, but the one place it samples
+
+        def timed_generate_and_score(*a, **kw):
+            start = time.perf_counter()
+            out = generate_and_score(*a, **kw)
+            sync()
+            steps[-1]["gen_score_s"] = steps[-1].get("gen_score_s", 0.0) + time.perf_counter() - start
+            return out
+
+        trainer._generate_and_score_completions = timed_generate_and_score
+        trainer.train()
+    rows = steps[warmup:]
+    for r in rows:
+        r["generate_s"] = r["gen_score_s"] - r["reward_s"]
+        r["train_s"] = r["step_s"] - r["gen_score_s"]
+        r["gen_tok_s"] = r["gen_tokens"] / r["generate_s"]
+    return {"generate_s": median_of(rows, "generate_s"), "reward_s": median_of(rows, "reward_s"),
+            "train_s": median_of(rows, "train_s"), "step_s": median_of(rows, "step_s"),
+            "gen_tok_s": median_of(rows, "gen_tok_s"), "train_tok_s": None,
+            "completion_len": median_of(rows, "gen_tokens") / completions, "peak_mb": peak_memory_mb(),
+            "rows_trained": completions}  # TRL runs forward/backward on every row, zero advantage or not
+
+
+# ------------------------------------------------------------------------------ AVSPO's extra work
+
+
+def advantage_seconds(args: train.Args, reps: int) -> float:
+    """Seconds per train.compute_advantages call on realistic [B, G] 0/1 rewards, worst of two batches:
+    mixed groups (AVSPO does GRPO's work) and all groups collapsed (it adds virtual samples)."""
+    shape = (args.prompts_per_step, args.group_size)
+    mixed = (torch.arange(shape[0] * shape[1]).view(shape) % 3 == 0).float()  # every group has both rewards
+    batches = {"mixed": mixed, "collapsed": torch.ones(shape).index_fill_(0, torch.tensor([0]), 0.0)}
+    ref_rewards = torch.zeros(shape)  # only AAPO reads it
+    worst = 0.0
+    for rewards in batches.values():
+        threshold = AdaptiveThreshold(init=args.acr_threshold)
+        train.compute_advantages(args, rewards, ref_rewards, threshold)  # warm-up
+        start = time.perf_counter()
+        for _ in range(reps):
+            train.compute_advantages(args, rewards, ref_rewards, threshold)
+        worst = max(worst, (time.perf_counter() - start) / reps)
+    return worst
+
+
+# ------------------------------------------------------------------------------ verifier
+
+
+def verifier_rows(data_dir: Path, limit: int | None) -> list[list[str]] | None:
+    """Median and worst µs per call of each verifier on GSM8K and MATH-500 (self + cross) cases;
+    None, with a message, when the shared data folder is absent."""
+    from benchmarks.verifier_bench import load_cases, math_verify_check, run
+
+    if not (data_dir / "math500_test.jsonl").exists():
+        print(f"shared data not found in {data_dir}: verifier section skipped")
+        return None
+    cases = load_cases(data_dir)
+    half = None if limit is None else limit // 2  # MATH-500: as many should-accept as should-reject cases
+    sets = {"GSM8K": cases["gsm8k"][:limit], "MATH-500": cases["math_self"][:half] + cases["math_cross"][:half]}
+    checks = {"verifier.verify": verify, "math-verify": math_verify_check()}
+    rows = []
+    for name, check in checks.items():
+        if check is None:
+            print("math-verify not installed (pip install math-verify): its rows are left out")
+            continue
+        for label, subset in sets.items():
+            print(f"verifier: {name} on {len(subset)} {label} cases")
+            agree, seconds = run(check, subset)
+            us = [s * 1e6 for s in seconds]
+            rows.append([name, label, str(len(us)), f"{100 * agree / len(us):.1f}%",
+                         f"{statistics.median(us):.1f}", f"{max(us):.1f}"])
+    return rows
+
+
+# ------------------------------------------------------------------------------ report
+
+
+def markdown_table(headers: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
+    return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in rows])
+
+
+def fmt(x: float | None, digits: int = 2) -> str:
+    return "–" if x is None else f"{x:.{digits}f}"
+
+
+STEP_COLUMNS = ["impl", "algo", "precision", "generate s", "reward s", "logprob+backward s", "step s",
+                "gen tok/s", "train tok/s", "completion len", "rows trained", "peak MB"]
+
+
+def step_row(impl: str, algo: str, precision: str, r: dict) -> list[str]:
+    return [impl, algo, precision, fmt(r["generate_s"]), fmt(r["reward_s"], 3), fmt(r["train_s"]), fmt(r["step_s"]),
+            fmt(r["gen_tok_s"], 0), fmt(r["train_tok_s"], 0), fmt(r["completion_len"], 1), fmt(r["rows_trained"], 0),
+            fmt(r["peak_mb"], 0)]
+
+
+def bench_training(model: str, steps: int, warmup: int, precisions: list[str], with_trl: bool,
+                   micro_batch: int = 8, adv_reps: int = 10_000) -> tuple[list[list[str]], list[str]]:
+    """Sections 1-3: the step table rows and the summary lines (ours/TRL, AVSPO and AAPO vs GRPO)."""
+    rows, notes, results = [], [], {}
+    jobs = [("ours", "grpo", p) for p in precisions] + [("TRL", "grpo", p) for p in precisions if with_trl]
+    jobs += [("ours", algo, precisions[0]) for algo in ("avspo", "aapo")]
+    for i, (impl, algo, precision) in enumerate(jobs, 1):
+        print(f"[{i}/{len(jobs)}] {impl} {algo} {precision}: {warmup} warm-up + {steps} timed steps", flush=True)
+        args = reference_args(model, steps, precision, algo, micro_batch)
+        results[impl, algo, precision] = run_isolated(bench_ours if impl == "ours" else bench_trl, args, warmup)
+        rows.append(step_row(impl, algo, precision, results[impl, algo, precision]))
+    notes.append("rows trained: completions that went through log-prob + backward; train.update_policy skips "
+                 "zero-advantage rows (collapsed GRPO groups), TRL trains all of them")
+    for p in precisions:
+        if ("TRL", "grpo", p) in results:
+            ratio = results["ours", "grpo", p]["step_s"] / results["TRL", "grpo", p]["step_s"]
+            notes.append(f"ours / TRL step time, {p}: {ratio:.2f}x")
+    grpo_step = results["ours", "grpo", precisions[0]]["step_s"]
+    adv = {algo: advantage_seconds(reference_args(model, steps, precisions[0], algo), adv_reps) for algo in train.ALGOS}
+    avspo_share = 100 * adv["avspo"] / grpo_step
+    notes.append("advantage step µs/call: " + ", ".join(f"{a} {s * 1e6:.0f}" for a, s in adv.items()) +
+                 f"; AVSPO's is {avspo_share:.4f}% of a GRPO step (goal < {AVSPO_GOAL}%): "
+                 f"{'met' if avspo_share < AVSPO_GOAL else 'NOT met'}")
+    for algo in ("avspo", "aapo"):
+        ratio = results["ours", algo, precisions[0]]["step_s"] / grpo_step
+        goal = f" (goal <= {AAPO_GOAL}x: {'met' if ratio <= AAPO_GOAL else 'NOT met'})" if algo == "aapo" else ""
+        notes.append(f"{algo.upper()} / GRPO step time, {precisions[0]}: {ratio:.2f}x{goal}")
+    return rows, notes
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="smollm2-135m", help="model alias, folder or hub id")
+    parser.add_argument("--steps", type=int, default=4, help="timed steps per config (median reported)")
+    parser.add_argument("--warmup", type=int, default=1, help="untimed steps before them")
+    parser.add_argument("--precision", choices=("fp32", "bf16", "both"), default="fp32",
+                        help="bf16 is autocast (train.py --precision bf16); AVSPO/AAPO use the first")
+    parser.add_argument("--micro-batch", type=int, default=8, help="completions per forward/backward, ours and TRL's")
+    parser.add_argument("--skip-trl", action="store_true", help="leave out TRL's GRPOTrainer")
+    parser.add_argument("--skip-verifier", action="store_true", help="leave out the verifier section")
+    parser.add_argument("--data-dir", type=Path, default=DATA_DIR, help="shared data with GSM8K / MATH-500")
+    parser.add_argument("--quick", action="store_true", help="tiny-qwen2, 2 steps, 1k advantage calls, "
+                        "200 verifier cases per set: a smoke test in seconds")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.model, args.steps = "tiny-qwen2", 2
+    precisions = ["fp32", "bf16"] if args.precision == "both" else [args.precision]
+    with_trl = not args.skip_trl and importlib.util.find_spec("trl") is not None
+    if not args.skip_trl and not with_trl:
+        print("trl not installed (pip install trl==1.16.0): TRL rows are left out")
+    cuda = torch.cuda.is_available()
+    device = f"CUDA {torch.cuda.get_device_name()}" if cuda else f"CPU, torch threads={torch.get_num_threads()}"
+    start = time.perf_counter()
+    rows, notes = bench_training(args.model, args.steps, args.warmup, precisions, with_trl, args.micro_batch,
+                                 adv_reps=1_000 if args.quick else 10_000)
+    verifier = None if args.skip_verifier else verifier_rows(args.data_dir, limit=200 if args.quick else None)
+    ref = reference_args(args.model, args.steps, "fp32")
+    print(f"\n## Training step: {args.model}, {ref.dataset}, B={ref.prompts_per_step} x G={ref.group_size}, "
+          f"{ref.max_new_tokens} new tokens, micro-batch {args.micro_batch}, {device}")
+    print(f"median of {args.steps} steps after {args.warmup} warm-up; peak MB = "
+          f"{'max CUDA allocated' if cuda else 'max RSS'} of the config's process\n")
+    print(markdown_table(STEP_COLUMNS, rows))
+    print("\n" + "\n".join(f"- {n}" for n in notes))
+    if verifier:
+        print("\n## Verifier, µs per call\n")
+        print(markdown_table(["verifier", "set", "cases", "agree", "median µs", "worst µs"], verifier))
+    print(f"\nbench.py took {time.perf_counter() - start:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

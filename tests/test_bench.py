@@ -1,0 +1,61 @@
+"""The benchmark scripts on tiny settings: bench.py's table and sections, gpu_bench.py's CPU smoke mode."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import bench
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_bench_quick_prints_the_step_table(capsys, monkeypatch):
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # the spawned per-config processes: no thread oversubscription
+    assert bench.main(["--quick", "--skip-trl", "--skip-verifier"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.startswith("| impl |"))
+    assert [c.strip() for c in lines[header].strip("|").split("|")] == bench.STEP_COLUMNS
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in lines[header + 2 : header + 5]]
+    assert [(r[0], r[1], r[2]) for r in rows] == [("ours", "grpo", "fp32"), ("ours", "avspo", "fp32"),
+                                                  ("ours", "aapo", "fp32")]
+    for row in rows:
+        assert len(row) == len(bench.STEP_COLUMNS) and float(row[6]) > 0  # step s
+        assert float(row[-1]) > 100  # peak MB: a Python process with torch loaded
+    summary = "\n".join(lines)
+    assert "AVSPO's is" in summary and "AAPO / GRPO step time" in summary and "ours / TRL" not in summary
+
+
+def test_verifier_section_is_skipped_without_shared_data(tmp_path, capsys):
+    assert bench.verifier_rows(tmp_path, limit=5) is None
+    assert "verifier section skipped" in capsys.readouterr().out
+
+
+@pytest.mark.skipif(not (bench.DATA_DIR / "math500_test.jsonl").exists(), reason="shared data folder absent")
+def test_verifier_section_on_a_few_cases():
+    rows = bench.verifier_rows(bench.DATA_DIR, limit=5)
+    assert {(r[0], r[1]) for r in rows} >= {("verifier.verify", "GSM8K"), ("verifier.verify", "MATH-500")}
+    assert all(r[2] in ("4", "5") and float(r[4]) <= float(r[5]) for r in rows)  # median <= worst
+
+
+def test_advantage_step_is_timed_for_each_algorithm():
+    for algo in ("grpo", "avspo", "aapo"):
+        seconds = bench.advantage_seconds(bench.reference_args("tiny-qwen2", 1, "fp32", algo), reps=20)
+        assert 0 < seconds < 0.01
+
+
+def test_gpu_bench_tiny_runs_on_cpu(tmp_path):
+    out = tmp_path / "gpu_bench.json"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}  # CPU even on a GPU machine
+    proc = subprocess.run([sys.executable, "benchmarks/gpu_bench.py", "--tiny", "--out", str(out)], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    report = json.loads(out.read_text())
+    assert [(r["size"], r["grad_checkpointing"]) for r in report["results"]] == [("tiny", False), ("tiny", True)]
+    for r in report["results"]:
+        assert r["completion_len"] == 8 and r["rows_trained"] == 4  # runs to max_new_tokens, every row trains
+        assert r["generate_s"] > 0 and r["train_s"] > 0 and 0 < r["mfu_step"] < 1
+    assert report["skipped"] == [] and "| size | grad ckpt |" in proc.stdout

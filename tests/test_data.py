@@ -1,0 +1,75 @@
+"""Problem sources: the generated arithmetic task and GSM8K/MATH JSONL, with named errors."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from data.tasks import LEVELS, load_eval_problems, load_problems
+from verifier import verify
+
+SHARED = Path(__file__).resolve().parent.parent.parent / "shared" / "data"
+
+
+@pytest.mark.parametrize("level", list(LEVELS))
+def test_arithmetic_is_deterministic_with_disjoint_splits(level):
+    train, test = load_problems(f"arith-{level}", "train"), load_problems(f"arith-{level}", "test")
+    assert train == load_problems(f"arith-{level}", "train")  # same seed, same problems, same order
+    assert train and test and not set(train) & set(test)
+    assert load_problems(f"arith-{level}", "train", seed=1) != train
+    for p in train[:20]:
+        a, op, b = p.question.removeprefix("What is ").removesuffix("?").split()
+        assert int(p.answer) == (int(a) + int(b) if op == "+" else int(a) * int(b))
+        assert verify(f"The answer is {p.answer}.", p.answer) == 1.0
+
+
+def write(tmp_path, lines: list[str]) -> Path:
+    path = tmp_path / "data.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def test_gsm8k_and_math_forms(tmp_path):
+    path = write(tmp_path, [json.dumps({"question": "2 apples and 1,000 more?", "answer": "2 + 1000\n#### 1,002"}), "",
+                            json.dumps({"problem": "Half of 1?", "answer": "\\frac{1}{2}", "level": 2})])
+    problems = load_problems(str(path), "all")
+    assert [p.answer for p in problems] == ["1002", "\\frac{1}{2}"]
+    assert problems[0].question.startswith("2 apples") and "\\boxed{}" in problems[0].question
+    assert load_eval_problems(str(path)) == problems  # a JSONL evaluation set is the whole file
+
+
+def test_jsonl_train_test_split_is_disjoint(tmp_path):
+    path = write(tmp_path, [json.dumps({"problem": f"q{i}", "answer": str(i)}) for i in range(30)])
+    train, test = load_problems(str(path), "train"), load_problems(str(path), "test")
+    assert len(train) == 27 and len(test) == 3 and not set(train) & set(test)
+
+
+@pytest.mark.parametrize("lines, message", [
+    (['{"question": "ok", "answer": "#### 1"}', '{"question": "broken"'], ":2: not valid JSON"),
+    (['{"question": "ok", "answer": "#### 1"}', '{"prompt": "x", "label": 1}'], ":2: expected fields"),
+    (['{"question": "no hashes", "answer": "42"}'], ":1: GSM8K-form 'answer' must end"),
+    (['[1, 2]'], ":1: expected a JSON object"),
+    (['{"problem": "", "answer": "1"}'], ":1: empty question"),
+    (['', '  '], "dataset is empty"),
+])
+def test_bad_jsonl_names_file_and_line(tmp_path, lines, message):
+    path = write(tmp_path, lines)
+    with pytest.raises(ValueError, match=message) as info:
+        load_problems(str(path))
+    assert str(path) in str(info.value)
+
+
+def test_unknown_specs(tmp_path):
+    with pytest.raises(FileNotFoundError, match="not found"):
+        load_problems(str(tmp_path / "missing.jsonl"))
+    with pytest.raises(ValueError, match="unknown arithmetic level"):
+        load_problems("arith-div9")
+    with pytest.raises(ValueError, match="unknown dataset"):
+        load_problems("gsm8k")
+
+
+@pytest.mark.skipif(not SHARED.exists(), reason="shared evaluation data not present")
+def test_shared_datasets_load():
+    assert len(load_eval_problems(str(SHARED / "gsm8k_test.jsonl"))) == 1319
+    math500 = load_eval_problems(str(SHARED / "math500_test.jsonl"))
+    assert len(math500) == 500 and all(p.answer for p in math500)

@@ -1,0 +1,65 @@
+"""eval.py: the pass@k estimator, scoring of known completions, the CLI on the tiny model."""
+
+import json
+from math import comb
+
+import pytest
+import torch
+
+import eval as evaluation
+from data.tasks import Problem
+from eval import evaluate, pass_at_k
+from model import Rollout
+
+
+@pytest.mark.parametrize("n, c, k, expected", [
+    (5, 0, 1, 0.0), (5, 5, 3, 1.0), (5, 1, 1, 0.2), (5, 2, 2, 1 - 3 / 10), (10, 3, 5, 1 - comb(7, 5) / comb(10, 5)),
+    (8, 4, 8, 1.0), (8, 1, 4, 0.5),
+])
+def test_pass_at_k_hand_values(n, c, k, expected):
+    assert pass_at_k(n, c, k) == pytest.approx(expected)
+
+
+def test_pass_at_k_rejects_k_above_n():
+    with pytest.raises(ValueError):
+        pass_at_k(2, 1, 3)
+
+
+def test_evaluate_scores_known_completions(monkeypatch):
+    texts = ["7 * 8 = 56", "\\boxed{56}", "It is 54.", "I don't know",  # problem 1: 2 of 4 correct
+             "The answer is 1,000.", "1000", "#### 1000", "100"]  # problem 2: 3 of 4 correct
+
+    def fake_sample(model, tokenizer, questions, group_size, max_new_tokens, temperature):
+        n = len(questions) * group_size
+        return Rollout(torch.zeros(n, 1), torch.ones(n, 1), torch.ones(n, 1), texts[:n], torch.zeros(n, dtype=torch.bool))
+
+    monkeypatch.setattr(evaluation, "sample", fake_sample)
+    problems = [Problem("What is 7 * 8?", "56"), Problem("What is 10 * 100?", "1000")]
+    result = evaluate(None, None, problems, max_new_tokens=8, samples=4, temperature=1.0)
+    assert result["accuracy"] == pytest.approx(5 / 8)
+    assert result["pass_at_k"][1] == pytest.approx((0.5 + 0.75) / 2)
+    assert result["pass_at_k"][4] == 1.0
+    assert [r["extracted"] for r in result["records"][:3]] == ["56", "56", "54"]
+    assert [r["correct"] for r in result["records"]] == [True, True, False, False, True, True, True, False]
+
+
+def test_cli_on_tiny_model_writes_outputs(tmp_path, capsys):
+    summary = evaluation.main(["--model", "tiny-qwen2", "tiny-qwen2", "--dataset", "arith-add1", "--limit", "3",
+                               "--samples", "2", "--max-new-tokens", "4", "--out", str(tmp_path)])
+    assert summary["tiny-qwen2"]["problems"] == 3
+    written = json.loads((tmp_path / "summary.json").read_text())
+    assert written["models"]["tiny-qwen2"]["samples"] == 2
+    rows = [json.loads(line) for line in (tmp_path / "samples-tiny-qwen2.jsonl").read_text().splitlines()]
+    assert len(rows) == 6 and set(rows[0]) == {"question", "completion", "extracted", "gold", "correct"}
+    assert "mean@2" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--dataset", "missing.jsonl"], "not found"),
+    (["--model", "no-such-model", "--dataset", "arith-add1"], "unknown model"),
+    (["--dataset", "arith-add1", "--samples", "2", "--temperature", "0", "--model", "tiny-qwen2"], "temperature"),
+])
+def test_cli_errors_are_one_line(argv, message, capsys):
+    with pytest.raises(SystemExit) as info:
+        evaluation.main(argv)
+    assert message in str(info.value) and "\n" not in str(info.value)
