@@ -205,7 +205,8 @@ def sample(
         input_ids=out,
         attention_mask=torch.cat([prompt_mask, completion_mask], dim=1),
         completion_mask=completion_mask,
-        texts=tokenizer.batch_decode(completion_ids * completion_mask, skip_special_tokens=True),
+        texts=tokenizer.batch_decode(completion_ids.masked_fill(completion_mask == 0, tokenizer.pad_token_id),
+                                     skip_special_tokens=True),
         truncated=completion_mask.all(dim=1) & (completion_ids[:, -1] != tokenizer.eos_token_id),
     )
 

@@ -1,10 +1,11 @@
 """Properties of the advantage estimators (hypothesis) plus hand-computed examples."""
 
 import math
+import statistics
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from advantage import (
@@ -102,7 +103,9 @@ def test_all_outputs_finite(rewards):
 @given(reward_groups())
 def test_acr_is_fraction_of_constant_groups(rewards):
     acr = advantage_collapse_rate(rewards)
-    constant = sum(len(set(row)) == 1 for row in rewards.tolist())
+    spreads = [statistics.pstdev(row) for row in rewards.tolist()]
+    assume(all(not 5e-7 < s < 2e-6 for s in spreads))  # float32 vs float64 may disagree right at tau
+    constant = sum(s < 1e-6 for s in spreads)  # ACR's tau: [0, 1e-19] counts as collapsed
     assert 0.0 <= acr <= 1.0
     assert acr == pytest.approx(constant / rewards.shape[0])
 

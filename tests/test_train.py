@@ -171,3 +171,24 @@ def test_unknown_model_is_one_line_error(tmp_path):
     with pytest.raises(SystemExit, match="unknown model"):
         train.main(["--model", "no-such-model", "--steps", "1", "--out", str(tmp_path / "run")])
     assert not (tmp_path / "run" / "grpo").exists()
+
+
+def test_ctrl_c_saves_a_checkpoint_that_resumes(tmp_path, monkeypatch):
+    common = TINY + ["--algo", "grpo", "--eval-every", "0", "--steps", "3", "--out", str(tmp_path)]
+    real_update, calls = train.update_policy, []
+
+    def interrupt_on_second_step(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real_update(*args, **kwargs)
+
+    monkeypatch.setattr(train, "update_policy", interrupt_on_second_step)
+    with pytest.raises(KeyboardInterrupt):
+        train.main(common)
+    state = torch.load(tmp_path / "grpo" / "checkpoint" / "state.pt", weights_only=False)
+    assert state["step"] == 1  # the interrupted step 2 is not counted
+    monkeypatch.setattr(train, "update_policy", real_update)
+    train.main(common + ["--resume"])
+    steps = [json.loads(line)["step"] for line in (tmp_path / "grpo" / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3]
