@@ -121,7 +121,8 @@ def early_acr_scatter(run_dirs: list[Path], figures: Path) -> dict:
     r2 = float(1 - residual / total) if total > 0 else 0.0
     fig, ax = plt.subplots(figsize=(5, 3.6))
     for d, xi, yi in zip(run_dirs, x, y):
-        ax.scatter(xi, yi, color=COLORS.get(d.name), label=d.name)
+        variant = "-k1" if d.parent.name.endswith("-k1") else ""
+        ax.scatter(xi, yi, color=COLORS.get(d.name), marker="s" if variant else "o", label=d.name + variant)
     ax.plot(sorted(x), [slope * xi + intercept for xi in sorted(x)], "k--", lw=1)
     handles, labels = ax.get_legend_handles_labels()
     unique = dict(zip(labels, handles))
