@@ -104,6 +104,9 @@ def parse_args(argv: list[str] | None = None) -> Args:
             parser.error(f"--algo: unknown algorithm {algo!r}; choose from {', '.join(ALGOS)} or a comma list")
     if args.group_size < 2:
         parser.error("--group-size must be >= 2: advantages compare samples within a group")
+    for name in ("steps", "prompts_per_step", "max_new_tokens", "updates_per_batch", "micro_batch"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1")
     if args.precision not in ("auto", "fp32", "bf16"):
         parser.error("--precision must be auto, fp32 or bf16")
     try:  # read the data before loading any model: a bad line fails in a second, naming file and line

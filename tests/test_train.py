@@ -192,3 +192,10 @@ def test_ctrl_c_saves_a_checkpoint_that_resumes(tmp_path, monkeypatch):
     train.main(common + ["--resume"])
     steps = [json.loads(line)["step"] for line in (tmp_path / "grpo" / "metrics.jsonl").read_text().splitlines()]
     assert steps == [1, 2, 3]
+
+
+@pytest.mark.parametrize("flag, value", [("--group-size", "1"), ("--micro-batch", "0"), ("--algo", "ppo")])
+def test_bad_flags_are_rejected_before_anything_runs(flag, value, tmp_path):
+    with pytest.raises(SystemExit):
+        train.main(TINY + [flag, value, "--out", str(tmp_path)])
+    assert not any(tmp_path.iterdir())
