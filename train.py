@@ -1,5 +1,6 @@
-"""GRPO, AVSPO and AAPO on one device, side by side. Read top to bottom:
+"""GRPO, AVSPO and AAPO on one device, side by side.
 
+Read top to bottom:
     config -> helpers (loss, update, checkpoint) -> the loop: sample groups, verify, advantages,
     loss, step, log, sometimes evaluate and checkpoint -> compare several algorithms in one plot.
 
