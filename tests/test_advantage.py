@@ -159,11 +159,12 @@ def test_avspo_is_permutation_equivariant(rewards):
     torch.testing.assert_close(avspo_advantages(rewards[:, perm], **kwargs), avspo_advantages(rewards, **kwargs)[:, perm])
 
 
-def test_avspo_does_not_differentiate_through_virtual_samples():
-    rewards = torch.tensor([[1.0, 1.0, 1.0, 1.0]], requires_grad=True)
-    adv = avspo_advantages(rewards, acr_threshold=0.0, num_virtual=2)
-    assert adv.requires_grad  # it is a function of the real rewards only; the virtual ones are constants
-    assert adv.shape == (1, 4)
+@pytest.mark.parametrize("num_virtual", [1, 3, 8])
+def test_virtual_samples_get_no_advantage(num_virtual):
+    rewards = torch.tensor([[1.0, 1.0, 1.0, 1.0], [0.0, 1.0, 0.0, 1.0]])
+    adv = avspo_advantages(rewards, acr_threshold=0.0, num_virtual=num_virtual)
+    assert adv.shape == rewards.shape  # advantages only for the G real samples, whatever K is
+    assert torch.all(adv[0] == adv[0, 0]) and adv[0, 0] > 0
 
 
 # ---------------------------------------------------------------- AAPO
