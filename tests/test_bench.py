@@ -1,4 +1,4 @@
-"""The benchmark scripts on tiny settings: bench.py's table and sections, gpu_bench.py's CPU smoke mode."""
+"""The benchmark scripts on tiny settings: benchmarks/bench.py's table and sections, gpu_bench.py's CPU smoke mode."""
 
 import json
 import os
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-import bench
+from benchmarks import bench
 
 ROOT = Path(__file__).resolve().parent.parent
 

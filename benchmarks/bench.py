@@ -1,8 +1,8 @@
 """Speed and memory of one training step: ours vs TRL's GRPOTrainer, GRPO vs AVSPO vs AAPO, and the verifier.
 
-    python bench.py                      # reference config: SmolLM2-135M, fp32, B=2 prompts x G=8, 64 new tokens
-    python bench.py --precision both     # also bf16 autocast
-    python bench.py --quick              # tiny random Qwen2, 2 steps, 200 verifier cases per check: seconds
+    python benchmarks/bench.py           # reference config: SmolLM2-135M, fp32, B=2 prompts x G=8, 64 new tokens
+    python benchmarks/bench.py --precision both  # also bf16 autocast
+    python benchmarks/bench.py --quick   # tiny random Qwen2, 2 steps, 200 verifier cases per check: seconds
 
 Every training config runs in a fresh process, so its peak memory is its own: max RSS on CPU,
 torch.cuda.max_memory_allocated on GPU. Step times are medians over --steps steps after --warmup
@@ -29,6 +29,7 @@ import json
 import multiprocessing
 import resource
 import statistics
+import sys
 import tempfile
 import time
 from concurrent.futures import ProcessPoolExecutor
@@ -37,13 +38,15 @@ from typing import Callable
 
 import torch
 
-import train
-from advantage import AdaptiveThreshold
-from data.tasks import load_problems
-from model import load_model, pick_device
-from verifier import verify
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
 
-ROOT = Path(__file__).resolve().parent
+import train  # noqa: E402
+from advantage import AdaptiveThreshold  # noqa: E402
+from data.tasks import load_problems  # noqa: E402
+from model import load_model, pick_device  # noqa: E402
+from verifier import verify  # noqa: E402
+
 DATA_DIR = ROOT.parent / "shared" / "data"
 AVSPO_GOAL, AAPO_GOAL = 0.1, 1.6  # AVSPO advantage step < 0.1% of a GRPO step; AAPO step <= 1.6x GRPO's
 
@@ -298,7 +301,7 @@ def main(argv: list[str] | None = None) -> int:
     if verifier:
         print("\n## Verifier, µs per call\n")
         print(markdown_table(["verifier", "set", "cases", "agree", "median µs", "worst µs"], verifier))
-    print(f"\nbench.py took {time.perf_counter() - start:.0f} s")
+    print(f"\nbenchmarks/bench.py took {time.perf_counter() - start:.0f} s")
     return 0
 
 
