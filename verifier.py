@@ -1,35 +1,84 @@
-"""Rule-based answer verifier for math reasoning rewards (pure standard library).
+"""Rule-based answer verifier for math reasoning rewards (pure standard library, no eval).
 
-Conventions followed:
-- Extraction: the last ``\\boxed{...}`` (as the Hendrycks MATH ``last_boxed_only_string``),
-  then GSM8K's ``#### x``, then an answer phrase ("The answer is", "Answer:", "A:", the
-  Minerva "Final Answer: The final answer is ..."), then the last number in the text.
-- Normalisation: Hendrycks MATH ``is_equiv`` / ``_strip_string`` (as reused by the PRM800K
-  grader), plus numeric equality (1/2 = \\frac{1}{2} = 0.5): exact via ``fractions.Fraction``;
-  non-integers also within 1e-6 (a rounded 0.3333333 for 1/3), like math-verify's rounding.
+In RLVR the verifier is the only teacher: a false negative turns a right answer into a wrong
+one, so this module reads an answer the way a human grader would, while staying strict.
 
-Every step is linear-time: no nested regex quantifiers, brace matching by a scan, length caps.
+Order of checks in ``verify(completion, gold)``:
+
+1. Extraction (``extract_answer``): the last ``\\boxed{...}`` / ``\\fbox{...}`` (Hendrycks
+   ``last_boxed_only_string``); GSM8K's ``#### x``; an answer phrase ("The answer is", "Answer:",
+   "A:", Minerva's "Final Answer: The final answer is ..."); a short completion that is only a
+   formula (``k = \\cfrac{1}{3}``); the last ``$...$`` / ``\\(...\\)`` / ``\\[...\\]`` formula
+   when no digit follows it; the last number (or ``a/b``).
+2. Verbatim equality, then equality of Hendrycks MATH ``_strip_string``-style normal forms.
+3. Structural equality of both answers, read by the same rules (``_interpret``):
+   matrices cell by cell (same shape); ``\\pm`` as two answers; ``\\cup`` / "or" / "and" and bare
+   comma lists and ``\\{...\\}`` sets as multisets (order-free); ``(a, b]``-style tuples and
+   intervals element by element with equal brackets; one-variable inequalities as intervals
+   (``1 \\le x < 4`` = ``[1, 4)``, ``x > 2`` = ``(2, \\infty)``); ``x =``, ``f(x) =``, ``x \\in``
+   prefixes dropped; a completion's "... = 5" states 5; equations side by side or as the same
+   equation up to scale (2x + 4y = 3 vs y = -x/2 + 3/4); text answers case-insensitively; anything
+   else is a formula, parsed by a small recursive-descent parser and compared by value.
+4. If the completion boxes several answers and the gold has several, all boxes as one list.
+
+Conventions for formulas: ``\\frac \\dfrac \\tfrac \\cfrac`` (also ``\\frac12``), ``\\sqrt[n]{}``,
+``^``, implicit products (``2\\sqrt{3}``, ``2x``), ``\\pi``, ``e``, ``i``, ``\\sin``..``\\exp``,
+``!``, ``\\binom``. Values are exact ``Fraction`` where possible, complex floats otherwise;
+formulas with variables are compared at three fixed rational points. Two exact values that
+include an integer must be equal exactly (999999 is not 1000000); other exact values may differ
+by a relative 1e-6 (a rounded 0.3333333 for 1/3); computed (irrational) values by 1e-9.
+Cosmetics: thousands separators (``1,000``, ``1\\,000``, ``1 000``), ``\\left``/``\\right``,
+units in ``\\text{}``/``\\mbox{}`` and trailing unit words, ``^\\circ``, ``\\$``, and ``%``
+(50% matches 50 and 0.5). Multiple-choice ``\\textbf{(C)}`` reads as ``C``.
+
+Every path is bounded: length caps, a recursion-depth cap, exact powers capped by result size
+(``9^{9^{9}}`` is refused in microseconds), no nested regex quantifiers. ``verify`` never raises.
+
+>>> verify("The probability is $\\\\frac{3}{4}$.", "\\\\frac{3}{4}")
+1.0
+>>> verify("\\\\boxed{(2, 1)}", "(1, 2)")
+0.0
 """
 from __future__ import annotations
 
+import cmath
+import importlib
 import math
 import re
 from fractions import Fraction
 from functools import lru_cache
+from typing import Callable, Union
 
 MAX_TEXT = 50_000  # final answers live at the end; scanning only the tail bounds the time
+MAX_BOX_TEXT = 10_000  # boxes are looked for in this tail: the brace scan is a Python loop
 MAX_SNIPPET = 200  # an answer longer than this is no answer a grader would accept
 MAX_NORMALISE = 400  # longer strings are compared raw; normalising them buys nothing
-REL_TOL, ABS_TOL = 1e-9, 1e-6  # for non-integers; integers compare exactly
+MAX_PARSE = 400  # longer answers are compared as strings only
+MAX_DEPTH = 40  # nesting depth of brackets / \frac the parser follows
+MAX_DIGITS = 300  # digits in one literal (also keeps int() far from its 4300-digit limit)
+MAX_BITS = 20_000  # exact values larger than this are refused (2^{10^9} must not be computed)
+MAX_ITEMS = 32  # elements of a list, set, tuple or matrix
+MAX_BOXES = 8  # boxes read together as one list
+MAX_VARS = 8
+REL_TOL = 1e-6  # rounded decimals: 0.3333333 for 1/3, 1.414214 for \sqrt{2}
+FLOAT_TOL = 1e-9  # two computed values (2\sqrt{3} vs \sqrt{12}): only float noise
+ABS_TOL = 1e-12  # \sin\pi vs 0
 
 _NUM = r"-?(?:\d+(?:,\d{3})*(?:\.\d+)?|\.\d+)"  # commas only in groups of 3: unambiguous
-_NUMBER = re.compile(_NUM)
+_NUMBER = re.compile(rf"(?<![A-Za-z]){_NUM}(?:/\d+(?:\.\d+)?)?")  # "1/2" is one answer, not "2"
 _BRACE = re.compile(r"[{}]")
+_BOX_OR_BRACE = re.compile(r"\\(?:boxed|fbox)\s*\{|[{}]")
 _HASHES = re.compile(r"####[ \t]*([^\n]*)")
 # "the answer is", "final answer:", "Answer =", and the "Q: ... A: ..." convention.
 _PHRASE = re.compile(r"(?i:answer)[ \t]*(?:(?i:is)\b[ \t]*:?|[:=])|\bA:")
 _LEAD_NUMBER = re.compile(rf"\$?\s*({_NUM})(?:\s*\\?%)?(?:\s+[A-Za-z].*)?")  # "18 dollars"
+# A word outside commands and \text{}: 3+ letters, or a common 2-letter one ("It is 54." is no product
+# I*t*i*s*54). Not "or": "1 or 2" is a list of answers.
+_PROSE = re.compile(r"(?<![\\A-Za-z])(?:[A-Za-z]{3,}|(?i:is|it|so|be|as|to|we|an|at|by|if|of|on|no|do|he|us)(?![A-Za-z]))")
+_ENVIRONMENT = re.compile(r"\\(?:begin|end)\{\w+\*?\}")
+_DIGIT = re.compile(r"\d")
 
+# ------------------------------------------------------------------ string normal form (MATH)
 _UNIT_TEXT = re.compile(r"\\(?:text|mbox)\{\s[^{}]*\}(?:\^\{?\d\}?)?")  # "5 \text{ cm}^2"
 _TEXT = re.compile(r"\\(?:text|textbf|textrm|mbox|mathrm|mathbf)\{([^{}]*)\}")
 _DROP = re.compile(r"\\left|\\right|(?<!\\)\\[!,;: ]|\^\{?\\circ\}?|\\?%|\\?\$|\s")
@@ -37,10 +86,9 @@ _FRAC_ARGS = re.compile(r"\\frac(\{[^{}]*\}|\w)(\{[^{}]*\}|\w)")  # \frac12, \fr
 _SQRT = re.compile(r"\\sqrt(\w)")
 _LEAD_DOT = re.compile(r"(?<!\d)\.(?=\d)")
 _THOUSANDS = re.compile(r"-?\d{1,3}(?:,\d{3})+(?:\.\d+)?")
-_DECIMAL = re.compile(r"-?(?:\d+(?:\.\d*)?|\.\d+)")
-_SLASH = re.compile(r"(-?\d+(?:\.\d+)?)/(\d+(?:\.\d+)?)")
-_FRAC = re.compile(r"(-?)\\frac\{(-?\d+(?:\.\d+)?)\}\{(-?\d+(?:\.\d+)?)\}")
 _LETTER_CHOICE = re.compile(r"\(([A-Z])\)")
+_DIGIT_SPACE = re.compile(r"(?<=\d)\s+(?=\d)")
+_SPACED_THOUSANDS = re.compile(r"(?<![\d.])\d{1,3}(?: \d{3})+(?![\d.])")
 
 
 def _braced(text: str, start: int) -> str | None:
@@ -53,55 +101,124 @@ def _braced(text: str, start: int) -> str | None:
     return None
 
 
-def _last_boxed(text: str) -> str | None:
-    """Content of the last balanced \\boxed{...} / \\fbox{...} (or \\boxed 5)."""
-    end = len(text)
-    for _ in range(3):  # try only a few: unbalanced ones could make this quadratic
-        start = max(text.rfind("\\boxed", 0, end), text.rfind("\\fbox", 0, end))
-        if start < 0:
-            return None
-        i = start + (6 if text.startswith("\\boxed", start) else 5)
-        if text[i : i + 1] == "{":
-            content = _braced(text, i)
-            if content is not None:
-                return content
-        elif text[i : i + 1].isspace():  # "\\boxed 5$": Hendrycks takes the token up to "$"
-            token = text[i : i + MAX_SNIPPET].split(None, 1)
-            if token and token[0].split("$")[0]:
-                return token[0].split("$")[0]
-        end = start
-    return None
+def _boxes(text: str) -> list[tuple[int, str]]:
+    """(start, content) of every balanced \\boxed{...} / \\fbox{...}, in one linear scan."""
+    found, stack = [], []
+    for m in _BOX_OR_BRACE.finditer(text):
+        token = m.group()
+        if token == "{":
+            stack.append(-1)
+        elif token != "}":
+            stack.append(m.end())
+        elif stack:
+            start = stack.pop()
+            if start >= 0:
+                found.append((start, text[start : m.start()]))
+    return sorted(found)
+
+
+def _last_boxed(text: str, boxes: list[tuple[int, str]]) -> str | None:
+    """Content of the last balanced box, or the token after a later "\\boxed 5"."""
+    start = max(text.rfind("\\boxed "), text.rfind("\\fbox "))
+    if start >= 0 and (not boxes or start > boxes[-1][0]):
+        token = text[start + 6 : start + 6 + MAX_SNIPPET].split(None, 1)
+        if token and token[0].split("$")[0]:  # Hendrycks takes the token up to "$"
+            return token[0].split("$")[0]
+    return boxes[-1][1] if boxes else None
 
 
 def _clean_snippet(snippet: str) -> str | None:
     """Trim an answer phrase's tail to the answer: one sentence, a bare leading number."""
     s = snippet[:MAX_SNIPPET].strip().strip("*").strip()
+    if not s.startswith("$") and s.count("$") >= 2 and not s.split("$")[-1].strip(" .,;!"):
+        return s.split("$")[-2].strip() or None  # "is the point $(3,-1)$."
     s = s.split(". ", 1)[0].rstrip(". ").strip("$").strip()
     lead = _LEAD_NUMBER.fullmatch(s)
-    return (lead.group(1) if lead else s) or None
+    if lead:
+        return lead.group(1)
+    if "$" in s and not _is_formula(s):  # "The volume of $ABCH$ is 120": the number
+        numbers = _NUMBER.findall(s)
+        return numbers[-1] if numbers else None
+    return s or None
 
 
-def extract_answer(text: str) -> str | None:
-    """The final answer stated in a completion, or None if it states none."""
-    if not isinstance(text, str) or not text:
+def _is_formula(s: str) -> bool:
+    """No words outside LaTeX commands, environments and \\text{} (which may hold units)."""
+    return not _PROSE.search(_TEXT.sub("", _ENVIRONMENT.sub("", s)))
+
+
+def _final_formula(text: str) -> str | None:
+    """The last $...$ ($$...$$, \\(...\\), \\[...\\]) formula in the text, if no digit follows it."""
+    tail = text[-2000:]
+    close = max(tail.rfind("$"), tail.rfind("\\)"), tail.rfind("\\]"))
+    if close < 0 or _DIGIT.search(tail, close):
+        return None  # "costs $5 and $10": a later number, so these are dollars, not formulas
+    if tail[close] == "$":
+        end = close
+        while end > 0 and tail[end - 1] == "$":  # "$$" closes display math
+            end -= 1
+        width = close + 1 - end
+        start = tail.rfind("$" * width, 0, end)
+    else:
+        end, width = close, 2
+        start = tail.rfind("\\(" if tail[close + 1] == ")" else "\\[", 0, end)
+    content = tail[start + width : end].strip().rstrip(".,;") if start >= 0 else ""
+    if not content or len(content) > MAX_SNIPPET or not _is_formula(content):
         return None
-    text = text[-MAX_TEXT:]
-    boxed = _last_boxed(text)
-    if boxed is not None:
-        return boxed.strip()
-    for pattern in (_HASHES, _PHRASE):
+    return content
+
+
+_NOT_NUMBER = re.compile(r"[^\d.,/-]")
+
+
+def _last_match(pattern: re.Pattern, text: str) -> re.Match | None:
+    """The last match, looked for in the tail first: 10^4 earlier matches cost nothing."""
+    start = len(text) - 2_000
+    if start > 0:  # begin between tokens, so a number is not cut in two
+        cut = _NOT_NUMBER.search(text, start)
+        start = cut.start() if cut else 0
+    for begin in ((start, 0) if start > 0 else (0,)):
         last = None
-        for last in pattern.finditer(text):
+        for last in pattern.finditer(text, begin):
             pass
+        if last is not None:
+            return last
+    return None
+
+
+def _extract(text: str) -> tuple[str | None, list[str]]:
+    """(final answer, contents of all boxes) of a completion."""
+    if not isinstance(text, str) or not text:
+        return None, []
+    text = text[-MAX_TEXT:]
+    box_text = text[-MAX_BOX_TEXT:]
+    boxes = _boxes(box_text)
+    boxed = _last_boxed(box_text, boxes)
+    if boxed is not None:
+        return boxed.strip(), [b.strip() for _, b in boxes]
+    for pattern in (_HASHES, _PHRASE):
+        last = _last_match(pattern, text)
         if last is not None:
             tail = last.group(1) if pattern is _HASHES else text[last.end() :].split("\n", 1)[0]
             answer = _clean_snippet(tail)
             if answer is not None:
-                return answer
-    last_number = None
-    for last_number in _NUMBER.finditer(text):
-        pass
-    return last_number.group() if last_number else None
+                return answer, []
+    bare = text.strip().strip("$").strip()
+    short = len(bare) <= MAX_SNIPPET and "\n" not in bare and "$" not in bare
+    if short and _is_formula(bare):
+        return bare or None, []  # the whole completion is a formula
+    formula = _final_formula(text)
+    if formula:
+        return formula, []
+    last_number = _last_match(_NUMBER, text)
+    if last_number is None and short and len(bare.split()) <= 2:  # "odd", "Evelyn": a word answer
+        return bare or None, []
+    return (last_number.group() if last_number else None), []
+
+
+def extract_answer(text: str) -> str | None:
+    """The final answer stated in a completion, or None if it states none."""
+    return _extract(text)[0]
 
 
 @lru_cache(maxsize=4096)  # golds repeat: every completion of a GRPO group shares one
@@ -110,78 +227,683 @@ def normalise(answer: str) -> str:
     s = answer.strip()
     if len(s) > MAX_NORMALISE:
         return s
-    s = s.replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac").replace("{,}", ",")
-    s = s.replace("\u2212", "-")
+    s = s.replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac").replace("\\cfrac", "\\frac")
+    s = s.replace("{,}", ",").replace("\u2212", "-")
     without_units = _UNIT_TEXT.sub("", s).strip()
     s = without_units if without_units else s  # "\text{ cm}" alone is the answer itself
     s = _TEXT.sub(r"\1", s)
+    s = _SPACED_THOUSANDS.sub(lambda m: m.group().replace(" ", ""), s)  # "1 000" is 1000
+    s = _DIGIT_SPACE.sub("\u00b7", s)  # but "2 3" is not 23
+    spaced_comma = ", " in s  # "1, 000" is a list, not 1000
     s = _DROP.sub("", s)
     s = _FRAC_ARGS.sub(lambda m: "\\frac" + "".join(
         g if g.startswith("{") else "{" + g + "}" for g in m.groups()), s)
     s = _SQRT.sub(r"\\sqrt{\1}", s)
     s = _LEAD_DOT.sub("0.", s).rstrip(".")
-    if s.count("=") == 1 and len(s.split("=")[0]) <= 2:  # "x=5" -> "5", "k=2" -> "2"
+    if s.count("=") == 1 and _SIMPLE_LHS.fullmatch(s.split("=")[0]):  # "x=5" -> "5"
         s = s.split("=")[1]
     if s.startswith(("x\\in", "k\\in")):  # "x \in [-2,7]" -> "[-2,7]"
         s = s[4:]
-    if _THOUSANDS.fullmatch(s):
+    if _THOUSANDS.fullmatch(s) and not spaced_comma:
         s = s.replace(",", "")
     return _LETTER_CHOICE.sub(r"\1", s)  # "\text{(C)}" -> "C"
 
 
-def _to_number(s: str) -> Fraction | None:
-    """Exact value of a plain number, a/b, or \\frac{a}{b}; None for anything else."""
-    if len(s) > 60:  # also keeps int() away from the 4300-digit limit
+# ------------------------------------------------------------------ cleaning for the parser
+_REPLACEMENTS = (
+    ("\\dfrac", "\\frac"), ("\\tfrac", "\\frac"), ("\\cfrac", "\\frac"), ("\\dbinom", "\\binom"),
+    ("\\tbinom", "\\binom"), ("{,}", ","), ("\u2212", "-"), ("\u00b7", "\\cdot"),
+    ("\u00d7", "\\times"), ("\u00f7", "\\div"), ("\u2264", "\\le "), ("\u2265", "\\ge "),
+    ("\u221e", "\\infty"), ("\u03c0", "\\pi"), ("\\leqslant", "\\le"), ("\\geqslant", "\\ge"),
+    ("\\leq", "\\le"), ("\\geq", "\\ge"), ("<=", "\\le "), (">=", "\\ge "), ("\\lt", "<"),
+    ("\\gt", ">"), ("\\lbrace", "\\{"), ("\\rbrace", "\\}"), ("\\lvert", "|"), ("\\rvert", "|"),
+    ("\\vert", "|"), ("\\langle", "("), ("\\rangle", ")"), ("\\displaystyle", ""),
+    ("\\!", ""), ("\\neq", "\\ne "), ("!=", "\\ne "), ("\\approx", "="), ("\\$", ""), ("$", ""), ("\\infin", "\\infty"), ("\u00b0", "^\\circ"),
+)
+_DELIMITER = re.compile(r"(?<!\\)\\[()\[\]]")  # \( x \) and \[ x \] around a formula
+_SIZING = re.compile(r"\\(?:left|right|[bB]igg?[lr]?)(?![A-Za-z])\.?")
+_SPACE = re.compile(r"(?<!\\)\\[,;: ]|\\q?quad(?![A-Za-z])|~")
+_DEGREES = re.compile(r"\^\s*\{?\s*\\circ\s*\}?|\\circ(?![A-Za-z])|\\degree(?![A-Za-z])")
+_CONNECTOR = re.compile(r"\\(?:text|textnormal|mbox|textrm)\{\s*(?:and|or)\s*\}|\s(?:and|or)\s")
+_UNIT = re.compile(r"(?<=[\d})\]])\s*\\(?:text|textnormal|mbox|mathrm|textrm|textit|textbf)\{\s*"
+                   r"[A-Za-z]{2,}[A-Za-z .]*\}(?:\s*\^\s*\{?\d\}?)?|(?<=[\d})])\s+[A-Za-z]{2,}"
+                   r"(?:\s+[A-Za-z]{2,})*\.?(?:\s*\^\s*\{?\d\}?)?\s*$")
+_WRAPPER = re.compile(
+    r"\\(?:text|textnormal|textbf|textit|textrm|mbox|mathrm|mathbf|mathit|operatorname|boxed)"
+    r"\s*\{([^{}]*)\}")
+_COMMA_THOUSANDS = re.compile(r"-?\d{1,3}(?:,\d{3})+(?:\.\d+)?")
+_PERCENT = re.compile(r"(?:\\?%|\s(?:percent|pct)\.?)\s*$")
+_CHOICE = re.compile(r"\(?([A-E])[).:]?")
+_PLAIN_FUNCTION = re.compile(r"(?<![\\A-Za-z])(sin|cos|tan|ln|log|exp|sqrt)(?![A-Za-z])")
+_WORD = re.compile(r"(?<![\\A-Za-z])[A-Za-z]{3,}|(?<![\\A-Za-z])(?i:no|yes)(?![A-Za-z])")
+_SIMPLE_LHS = re.compile(r"[A-Za-z](?:_\{?\w+\}?)?'*|\\[A-Za-z]+|[A-Za-z]\([A-Za-z](?:,[A-Za-z])*\)"
+                         r"|\([A-Za-z](?:,[A-Za-z])+\)")
+_IN_PREFIX = re.compile(r"^[A-Za-z]\s*\\in(?![A-Za-z])")
+_MATRIX = re.compile(r"\\begin\{(?:[pbBvV]?matrix|array|smallmatrix)\}(?:\{[^{}]*\})?(.*)"
+                     r"\\end\{(?:[pbBvV]?matrix|array|smallmatrix)\}", re.S)
+_RELATION = re.compile(r"\\le(?![A-Za-z])|\\ge(?![A-Za-z])|<|>")
+
+
+@lru_cache(maxsize=8192)
+def _clean(answer: str) -> str:
+    """Drop LaTeX cosmetics (sizing, spacing, units, degrees, thousands separators)."""
+    s = answer.strip()
+    for old, new in _REPLACEMENTS:
+        if old in s:
+            s = s.replace(old, new)
+    s = _DELIMITER.sub("", s)
+    s = _SIZING.sub("", s)
+    s = _SPACE.sub(" ", s)
+    s = _DEGREES.sub("", s)
+    s = _CONNECTOR.sub(",", s)
+    without_units = _UNIT.sub("", s).strip()
+    s = without_units or s  # "\text{cm}" alone is the answer itself
+    for _ in range(3):  # \textbf{\text{(C)}}: unwrap a few levels
+        s = _WRAPPER.sub(r"\1", s)
+    s = _PLAIN_FUNCTION.sub(r"\\\1", s)
+    s = _SPACED_THOUSANDS.sub(lambda m: m.group().replace(" ", ""), s.strip())
+    if _COMMA_THOUSANDS.fullmatch(s):  # a bare "1,000" is a number, "(1,000)" is not
+        s = s.replace(",", "")
+    return s.strip()
+
+
+# ------------------------------------------------------------------ formula parser
+class _Refused(Exception):
+    """A formula the parser does not read, or a value too large to compute."""
+
+
+Value = Union[Fraction, complex, float]  # float only for +-infinity
+Node = tuple
+
+_TOKEN = re.compile(r"\s*(?:(\d+(?:\.\d*)?(?:[eE][-+]?\d+)?|\.\d+)|(\\[A-Za-z]+|\\[{}|])"
+                    r"|([A-Za-z])|(\S))")
+_FUNCTIONS = {
+    "sin": cmath.sin, "cos": cmath.cos, "tan": cmath.tan, "ln": cmath.log, "exp": cmath.exp,
+    "sec": lambda z: 1 / cmath.cos(z), "csc": lambda z: 1 / cmath.sin(z),
+    "cot": lambda z: 1 / cmath.tan(z), "arcsin": cmath.asin, "arccos": cmath.acos,
+    "arctan": cmath.atan, "sinh": cmath.sinh, "cosh": cmath.cosh, "tanh": cmath.tanh,
+    "log": cmath.log,  # natural, as both sides are read the same way
+}
+_CONSTANTS = {"pi": complex(math.pi), "e": complex(math.e), "i": 1j}
+_GREEK = frozenset("alpha beta gamma delta epsilon varepsilon zeta eta theta vartheta kappa "
+                   "lambda mu nu xi rho sigma tau phi varphi chi psi omega Gamma Delta Theta "
+                   "Lambda Xi Sigma Phi Psi Omega".split())
+_PRODUCT = frozenset(("*", "\\cdot", "\\times", "\\ast"))
+_QUOTIENT = frozenset(("/", "\\div"))
+
+
+def _tokenize(s: str) -> list[tuple[str, str]]:
+    tokens, pos = [], 0
+    while pos < len(s):
+        m = _TOKEN.match(s, pos)
+        if m is None:  # only trailing spaces are left
+            break
+        pos = m.end()
+        kind = ("num", "cmd", "var", "op")[m.lastindex - 1]
+        if kind == "num" and len(m.group(1)) > MAX_DIGITS:
+            raise _Refused("literal too long")
+        tokens.append((kind, m.group(m.lastindex)))
+    return tokens
+
+
+class _Parser:
+    """Recursive descent over tokens: expr = term (+|- term)*; term = signed (op? power)*."""
+
+    def __init__(self, text: str) -> None:
+        self.tokens = _tokenize(text)
+        self.i = 0
+        self.depth = 0
+
+    def peek(self) -> tuple[str, str]:
+        return self.tokens[self.i] if self.i < len(self.tokens) else ("end", "")
+
+    def take(self) -> tuple[str, str]:
+        token = self.peek()
+        self.i += 1
+        return token
+
+    def expect(self, value: str) -> None:
+        if self.take()[1] != value:
+            raise _Refused(f"expected {value}")
+
+    def parse(self) -> Node:
+        node = self.expr()
+        if self.i != len(self.tokens):
+            raise _Refused("trailing tokens")
+        return node
+
+    def expr(self) -> Node:
+        self.depth += 1
+        if self.depth > MAX_DEPTH:
+            raise _Refused("too deep")
+        node = self.term()
+        while self.peek()[1] in ("+", "-"):
+            op = self.take()[1]
+            node = ("add" if op == "+" else "sub", node, self.term())
+        self.depth -= 1
+        return node
+
+    def starts_factor(self) -> bool:
+        kind, value = self.peek()
+        if kind in ("num", "var") or value in ("(", "{", "["):
+            return True
+        name = value[1:]
+        return kind == "cmd" and (name in _FUNCTIONS or name in _CONSTANTS or name in _GREEK
+                                  or name in ("frac", "sqrt", "infty", "binom", "log"))
+
+    def term(self) -> Node:
+        node = self.signed()
+        while True:
+            kind, value = self.peek()
+            if value in _PRODUCT:
+                self.take()
+                node = ("mul", node, self.signed())
+            elif value in _QUOTIENT:
+                self.take()
+                node = ("div", node, self.signed())
+            elif self.starts_factor():
+                if kind == "num" and self.tokens[self.i - 1][0] == "num":
+                    raise _Refused("two numbers side by side")  # "2 3" is no product
+                node = ("mul", node, self.power())
+            else:
+                return node
+
+    def signed(self) -> Node:
+        if self.peek()[1] in ("+", "-"):
+            negative = self.take()[1] == "-"
+            node = self.signed()
+            return ("neg", node) if negative else node
+        return self.power()
+
+    def power(self) -> Node:
+        base = self.postfix()
+        if self.peek()[1] == "^":
+            self.take()
+            return ("pow", base, self.argument(signed=True))
+        return base
+
+    def postfix(self) -> Node:
+        node = self.primary()
+        while self.peek()[1] == "!":
+            self.take()
+            node = ("fact", node)
+        return node
+
+    def argument(self, signed: bool = False) -> Node:
+        """A brace group or one token: \\frac12, x^2, \\sqrt3 (x^23 is x^2 * 3, as in LaTeX)."""
+        kind, value = self.peek()
+        if value == "{":
+            self.take()
+            node = self.expr()
+            self.expect("}")
+            return node
+        if signed and value in ("+", "-"):
+            self.take()
+            node = self.argument()
+            return ("neg", node) if value == "-" else node
+        if kind == "num" and len(value) > 1:  # split off one digit, leave the rest
+            self.tokens[self.i] = ("num", value[1:])
+            return ("num", Fraction(value[0]))
+        return self.primary()
+
+    def primary(self) -> Node:
+        kind, value = self.take()
+        if kind == "num":
+            return ("num", Fraction(value))
+        if kind == "var":
+            if value in ("e", "i"):
+                return ("const", value)
+            return ("var", value + self.subscript())
+        if value in ("(", "[", "{"):
+            self.depth += 1
+            node = self.expr()
+            self.depth -= 1
+            self.expect({"(": ")", "[": "]", "{": "}"}[value])
+            return node
+        if value == "|":
+            node = self.expr()
+            self.expect("|")
+            return ("abs", node)
+        if kind != "cmd":
+            raise _Refused(f"unexpected {value!r}")
+        name = value[1:]
+        if name == "frac":
+            return ("div", self.argument(), self.argument())
+        if name == "binom":
+            return ("binom", self.argument(), self.argument())
+        if name == "sqrt":
+            index: Node = ("num", Fraction(2))
+            if self.peek()[1] == "[":
+                self.take()
+                index = self.expr()
+                self.expect("]")
+            return ("root", self.argument(), index)
+        if name == "infty":
+            return ("inf",)
+        if name in _CONSTANTS:
+            return ("const", name)
+        if name in _GREEK:
+            return ("var", value + self.subscript())
+        if name in _FUNCTIONS:
+            return self.function(name)
+        raise _Refused(f"unknown command {value}")
+
+    def subscript(self) -> str:
+        """x_1, x_{12}: a subscript is part of a variable's name."""
+        if self.peek()[1] != "_":
+            return ""
+        self.take()
+        if self.peek()[1] == "{":
+            self.take()
+            parts = []
+            while self.peek()[1] not in ("}", ""):
+                parts.append(self.take()[1])
+            self.expect("}")
+            return "_" + "".join(parts)
+        return "_" + self.take()[1]
+
+    def function(self, name: str) -> Node:
+        """\\sin x, \\sin(2x), \\sin^2 x, \\log_2 8."""
+        base = None
+        if name == "log" and self.peek()[1] == "_":
+            self.take()
+            base = self.argument()
+        exponent = None
+        if self.peek()[1] == "^":
+            self.take()
+            exponent = self.argument(signed=True)
+        if self.peek()[1] in ("(", "{", "["):
+            arg = self.primary()
+        else:  # \sin 2x: the argument is the product that follows
+            arg = self.power()
+            while self.peek()[0] in ("num", "var"):
+                arg = ("mul", arg, self.power())
+        node: Node = ("log", arg, base) if base is not None else ("fn", name, arg)
+        return ("pow", node, exponent) if exponent is not None else node
+
+
+# ------------------------------------------------------------------ evaluation
+def _check(v: Value) -> Value:
+    """Refuse values too large to keep exact (and non-finite floats)."""
+    if isinstance(v, Fraction):
+        if v.numerator.bit_length() + v.denominator.bit_length() > MAX_BITS:
+            raise _Refused("value too large")
+    elif isinstance(v, complex) and not (math.isfinite(v.real) and math.isfinite(v.imag)):
+        raise _Refused("not finite")
+    return v
+
+
+def _exact_root(a: Fraction, n: int) -> Fraction | None:
+    """The exact n-th root of a non-negative rational, if it is rational."""
+    def int_root(k: int) -> int | None:
+        if k.bit_length() > 2000:
+            return None
+        r = round(k ** (1.0 / n)) if k.bit_length() < 1000 else math.isqrt(k) if n == 2 else None
+        if r is None:
+            return None
+        for c in (r - 1, r, r + 1):
+            if c >= 0 and c ** n == k:
+                return c
         return None
-    try:
-        if _DECIMAL.fullmatch(s):
-            return Fraction(s)
-        m = _SLASH.fullmatch(s)
-        if m:
-            return Fraction(m.group(1)) / Fraction(m.group(2))
-        m = _FRAC.fullmatch(s)
-        if m:
-            value = Fraction(m.group(2)) / Fraction(m.group(3))
-            return -value if m.group(1) else value
-    except (ValueError, ZeroDivisionError):
-        pass
-    return None
+    p, q = int_root(a.numerator), int_root(a.denominator)
+    return Fraction(p, q) if p is not None and q is not None else None
 
 
-def _equal(a: str, b: str) -> bool:
-    """Normalised strings equal, or both numbers with (almost) the same value."""
-    if a == b:
-        return True
-    x, y = _to_number(a), _to_number(b)
-    if x is None or y is None:
+def _root(a: Value, n: Value) -> Value:
+    if isinstance(n, Fraction) and n.denominator == 1 and 2 <= n <= 64 and isinstance(a, Fraction):
+        exact = _exact_root(abs(a), int(n))
+        if a >= 0 and exact is not None:
+            return exact
+        if a < 0 and n % 2 == 1:  # real odd root: \sqrt[3]{-8} = -2
+            return -exact if exact is not None else -complex(float(-a) ** (1 / float(n)))
+    return _power(a, 1 / n)
+
+
+def _power(a: Value, b: Value) -> Value:
+    if isinstance(a, Fraction) and isinstance(b, Fraction):
+        if b.denominator == 1:
+            size = max(a.numerator.bit_length(), a.denominator.bit_length())
+            if abs(b.numerator) * size > MAX_BITS:
+                raise _Refused("power too large")  # 9^{9^{9}}: refused before computing
+            return a ** b.numerator
+        if a > 0 and b.denominator <= 64:  # 8^{2/3} = 4 exactly
+            root = _exact_root(a, b.denominator)
+            if root is not None:
+                return _power(root, Fraction(b.numerator))
+    if isinstance(b, Fraction) and abs(b) > 10_000:
+        raise _Refused("power too large")
+    return complex(a) ** complex(b)
+
+
+def _eval(node: Node, env: dict[str, Value]) -> Value:
+    tag = node[0]
+    if tag == "num":
+        return node[1]
+    if tag == "var":
+        return env[node[1]]
+    if tag == "const":
+        return _CONSTANTS[node[1]]
+    if tag == "inf":
+        return math.inf
+    if tag == "neg":
+        return -_eval(node[1], env)
+    if tag in ("fn", "log"):
+        arg = _eval(node[2] if tag == "fn" else node[1], env)
+        if isinstance(arg, float):
+            raise _Refused("function of infinity")
+        if tag == "log":
+            base = _eval(node[2], env)
+            return _check(cmath.log(complex(arg)) / cmath.log(complex(base)))
+        return _check(complex(_FUNCTIONS[node[1]](complex(arg))))
+    if tag == "abs":
+        v = _eval(node[1], env)
+        return abs(v) if isinstance(v, Fraction) else complex(abs(v))
+    if tag == "fact":
+        v = _eval(node[1], env)
+        if not (isinstance(v, Fraction) and v.denominator == 1 and 0 <= v <= 170):
+            raise _Refused("factorial of a non-integer or a large number")
+        return Fraction(math.factorial(int(v)))
+    a, b = _eval(node[1], env), _eval(node[2], env)
+    if isinstance(a, float) or isinstance(b, float):
+        raise _Refused("arithmetic with infinity")
+    if tag == "add":
+        return _check(a + b)
+    if tag == "sub":
+        return _check(a - b)
+    if tag == "mul":
+        return _check(a * b)
+    if tag == "div":
+        return _check(a / b)
+    if tag == "pow":
+        return _check(_power(a, b))
+    if tag == "root":
+        return _check(_root(a, b))
+    if tag == "binom":
+        if not all(isinstance(v, Fraction) and v.denominator == 1 and 0 <= v <= 1000 for v in (a, b)):
+            raise _Refused("binomial of non-integers")
+        return Fraction(math.comb(int(a), int(b)))
+    raise _Refused(f"unknown node {tag}")
+
+
+def _variables(node: Node) -> frozenset[str]:
+    if node[0] == "var":
+        return frozenset((node[1],))
+    found = frozenset()
+    for child in node[1:]:
+        if isinstance(child, tuple):
+            found |= _variables(child)
+    return found
+
+
+# Distinct rationals: variable j takes _POINTS[(j + 3k) % 11] at point k (deterministic).
+_POINTS = tuple(Fraction(p, q) for p, q in ((3, 7), (11, 13), (-5, 17), (19, 23), (29, 11),
+                                            (-31, 37), (41, 19), (7, 43), (-47, 29), (53, 59),
+                                            (61, 31)))
+
+
+def _close(a: Value, b: Value) -> bool:
+    """Exact for integers, relative 1e-6 for rounded decimals, 1e-9 for computed values."""
+    if isinstance(a, float) or isinstance(b, float):  # +-infinity
+        return a == b
+    if isinstance(a, Fraction) and isinstance(b, Fraction):
+        if a == b:
+            return True
+        if a.denominator == 1 or b.denominator == 1:
+            return False  # 999999.5 is not 1000000
+        return abs(a - b) <= REL_TOL * max(abs(a), abs(b))
+    rounded = any(isinstance(v, Fraction) and v.denominator != 1 for v in (a, b))
+    tol = REL_TOL if rounded else FLOAT_TOL
+    za, zb = complex(a), complex(b)
+    return abs(za - zb) <= max(tol * max(abs(za), abs(zb)), ABS_TOL)
+
+
+def _formula_equal(a: tuple, b: tuple) -> bool:
+    """Same value, or for formulas with variables, the same value at three fixed points."""
+    if a[3] is not None and b[3] is not None:  # constants: evaluated once when read
+        return _close(a[3], b[3])
+    names = sorted(a[2] | b[2])
+    if len(names) > MAX_VARS:
         return False
-    if x.denominator == 1 and y.denominator == 1:  # 999999 is not 1000000
-        return x == y
-    # Rounded decimals (0.3333333 for 1/3) and float noise on large values (1e12 + 1e-4).
-    return math.isclose(x, y, rel_tol=REL_TOL, abs_tol=ABS_TOL)
+    try:
+        for k in range(3):
+            env = {n: _POINTS[(j + 3 * k) % len(_POINTS)] for j, n in enumerate(names)}
+            if not _close(_eval(a[1], env), _eval(b[1], env)):
+                return False
+    except (_Refused, ArithmeticError, ValueError, TypeError, KeyError):
+        return False
+    return True
 
 
-def _split_top_level(s: str) -> list[str]:
-    """Split on commas that are not inside braces or brackets."""
-    parts, depth, start = [], 0, 0
-    for i, ch in enumerate(s):
-        depth += (ch in "({[") - (ch in ")}]")
-        if ch == "," and depth == 0:
+# ------------------------------------------------------------------ structured answers
+# An answer is one of: ("formula", ast, variables, value or None), ("seq", kind, open, close,
+# items) with kind "tuple" (ordered) or "set" (order-free), ("matrix", rows), ("eq", lhs, rhs),
+# ("text", key), ("any", alternatives), ("raw", normal form).
+Answer = tuple
+
+
+def _split_top(s: str, sep: str) -> list[str]:
+    """Split on `sep` outside (), [], {}, \\{\\} (any closer closes any opener: [1, 4) is balanced)."""
+    parts, depth, start, i = [], 0, 0, 0
+    word = sep[-1].isalpha()  # "\\cup" must not split "\\cupcake"
+    while i < len(s):
+        if depth == 0 and s.startswith(sep, i) and not (word and s[i + len(sep) : i + len(sep) + 1].isalpha()):
             parts.append(s[start:i])
-            start = i + 1
+            i += len(sep)
+            start = i
+            continue
+        ch = s[i]
+        if ch == "\\":  # an escaped pair: only \\{ and \\} nest
+            nxt = s[i + 1 : i + 2]
+            depth += (nxt == "{") - (nxt == "}")
+            i += 2
+            continue
+        depth += (ch in "([{") - (ch in ")]}")
+        i += 1
     return parts + [s[start:]]
 
 
-def _equal_tuples(a: str, b: str) -> bool:
-    """Tuples/intervals like (3,\\frac{\\pi}{2}) vs (3,\\frac{\\pi}2) elementwise."""
-    if "," not in a or "," not in b:
+def _closing(s: str, start: int) -> int:
+    """Index of the bracket closing the one at s[start] (any closer), or -1."""
+    depth = 0
+    for i in range(start, len(s)):
+        if s[i] in "([{":
+            depth += 1
+        elif s[i] in ")]}":
+            depth -= 1
+            if depth == 0:
+                return i
+    return -1
+
+
+def _items(parts: list[str], depth: int) -> list[Answer] | None:
+    if len(parts) > MAX_ITEMS:
+        return None
+    items = [_structure(p, depth + 1) for p in parts]
+    return None if any(x is None for x in items) else items
+
+
+def _inequality(s: str, depth: int) -> Answer | None:
+    """1 \\le x < 4 -> [1, 4); x > 2 -> (2, \\infty); 3 \\ge x -> (-\\infty, 3]."""
+    pieces = _RELATION.split(s)
+    ops = _RELATION.findall(s)
+    strip = [p.strip() for p in pieces]
+    is_var = [bool(re.fullmatch(r"[A-Za-z](?:_\{?\w+\}?)?|\\[A-Za-z]+", p)) and p not in (
+        "\\infty", "\\pi") for p in strip]
+    less = [op in ("<", "\\le") for op in ops]
+    closed = [op in ("\\le", "\\ge") for op in ops]
+    if len(ops) == 2 and is_var[1] and less[0] == less[1]:
+        lo, hi, lo_closed, hi_closed = strip[0], strip[2], closed[0], closed[1]
+        if not less[0]:
+            lo, hi, lo_closed, hi_closed = hi, lo, hi_closed, lo_closed
+    elif len(ops) == 1 and (is_var[0] or is_var[1]):
+        value, closed_end = (strip[1], closed[0]) if is_var[0] else (strip[0], closed[0])
+        upper = less[0] == is_var[0]  # x < 3 or 3 > x: 3 is the upper end
+        lo, hi = ("-\\infty", value) if upper else (value, "\\infty")
+        lo_closed, hi_closed = (False, closed_end) if upper else (closed_end, False)
+    else:
+        return None
+    ends = _items([lo, hi], depth)
+    if ends is None:
+        return None
+    return ("seq", "tuple", "[" if lo_closed else "(", "]" if hi_closed else ")", ends)
+
+
+def _formula(s: str) -> Answer | None:
+    try:
+        ast = _Parser(s).parse()
+    except (_Refused, ValueError, ZeroDivisionError, IndexError):
+        return None
+    names = _variables(ast)
+    value = None
+    if not names:
+        try:
+            value = _eval(ast, {})
+        except (_Refused, ArithmeticError, ValueError, TypeError):
+            return None
+    return ("formula", ast, names, value)
+
+
+def _matrix(body: str, depth: int) -> Answer | None:
+    rows = [r for r in _split_top(body, "\\\\") if r.strip()]
+    if not rows or len(rows) > MAX_ITEMS:
+        return None
+    cells = [_items(_split_top(r, "&"), depth) for r in rows]
+    if any(c is None for c in cells) or len({len(c) for c in cells}) != 1:
+        return None
+    return ("matrix", cells)
+
+
+def _structure(s: str, depth: int) -> Answer | None:
+    """Read one cleaned answer (see the module docstring for the order of these rules)."""
+    s = s.strip().rstrip(".").strip()
+    if not s or depth > 4:
+        return None
+    while s.startswith("{") and _closing(s, 0) == len(s) - 1:
+        s = s[1:-1].strip()
+    m = _MATRIX.fullmatch(s) or (s[:1] in "([" and _MATRIX.fullmatch(s[1:-1].strip()))
+    if m:
+        return _matrix(m.group(1), depth)
+    for sign in ("\\pm", "\\mp"):
+        if sign in s:
+            plus, minus = s.replace(sign, "+", 1), s.replace(sign, "-", 1)
+            items = _items([plus, minus], depth)
+            return ("seq", "set", "", "", items) if items else None
+    for sep in ("\\cup", ","):
+        parts = _split_top(s, sep)
+        if len(parts) > 1 and all(p.strip() for p in parts):
+            if sep == "," and s[0] in "([" and _closing(s, 0) == len(s) - 1:
+                break  # a tuple or interval, read below
+            items = _items(parts, depth)
+            return ("seq", "set", "", "", items) if items else None
+    if s.startswith("\\{") and s.endswith("\\}"):
+        items = _items(_split_top(s[2:-2], ","), depth)
+        return ("seq", "set", "{", "}", items) if items else None
+    if _IN_PREFIX.match(s):
+        return _structure(_IN_PREFIX.sub("", s), depth)
+    sides = _split_top(s, "=")
+    if len(sides) > 1:  # ("eq", lhs, rhs, names a value): x = 5, f(x) = ..., a = b = 5
+        lhs, rhs = _structure(sides[0], depth + 1), _structure(sides[-1], depth + 1)
+        value = bool(_SIMPLE_LHS.fullmatch(re.sub(r"\s", "", sides[0]))) or len(sides) > 2
+        return ("eq", lhs, rhs, value) if rhs and (lhs or value) else None
+    if _RELATION.search(s):
+        return _inequality(s, depth)
+    if s[0] in "([" and _closing(s, 0) == len(s) - 1 and len(_split_top(s[1:-1], ",")) > 1:
+        items = _items(_split_top(s[1:-1], ","), depth)
+        return ("seq", "tuple", s[0], s[-1], items) if items else None
+    if _PERCENT.search(s):
+        base = _PERCENT.sub("", s).strip()
+        options = [x for x in (_structure(base, depth + 1),
+                               _formula(f"({base})/100")) if x is not None]
+        return ("any", options) if options else None
+    choice = _CHOICE.fullmatch(s)
+    if choice:
+        return _formula(choice.group(1))
+    if _WORD.search(s):  # a word, not a product of letters: "odd", "Evelyn"
+        return ("text", re.sub(r"[^a-z0-9]", "", s.lower()))
+    return _formula(s) or ("raw", normalise(s))
+
+
+@lru_cache(maxsize=8192)  # golds repeat across a group; completions are short
+def _interpret(answer: str) -> Answer | None:
+    if len(answer) > MAX_PARSE:
+        return None
+    return _structure(_clean(answer), 0)
+
+
+def _proportional(a: Answer, b: Answer) -> bool:
+    """Equations with the same solutions up to scale: 2x + 4y - 3 = 0 and y = -x/2 + 3/4."""
+    if any(side is None or side[0] != "formula" for side in (a[1], a[2], b[1], b[2])):
         return False
-    if a[0] in "([" and b[0] in "([":  # brackets must agree: (3,4] is not [3,4]
-        if a[0] + a[-1] != b[0] + b[-1]:
+    da, db = ("sub", a[1][1], a[2][1]), ("sub", b[1][1], b[2][1])
+    names = sorted(a[1][2] | a[2][2] | b[1][2] | b[2][2])
+    if not names or len(names) > MAX_VARS:
+        return False
+    try:
+        ratios = []
+        for k in range(3):
+            env = {n: _POINTS[(j + 3 * k) % len(_POINTS)] for j, n in enumerate(names)}
+            ratios.append(_eval(da, env) / _eval(db, env))
+        return ratios[0] != 0 and all(_close(r, ratios[0]) for r in ratios[1:])
+    except (_Refused, ArithmeticError, ValueError, TypeError, KeyError):
+        return False
+
+
+def _multiset_equal(xs: list[Answer], ys: list[Answer]) -> bool:
+    if len(xs) != len(ys):
+        return False
+    left = list(ys)
+    for x in xs:  # greedy matching is enough: equal answers are (nearly) transitive
+        for j, y in enumerate(left):
+            if _same(x, y):
+                del left[j]
+                break
+        else:
             return False
-        a, b = a[1:-1], b[1:-1]
-    xs, ys = _split_top_level(a), _split_top_level(b)
-    return len(xs) == len(ys) and all(_equal(x, y) for x, y in zip(xs, ys))
+    return True
+
+
+def _same(a: Answer | None, b: Answer | None) -> bool:
+    """Structural equality of two interpreted answers."""
+    if a is None or b is None:
+        return False
+    if a[0] == "any":
+        return any(_same(x, b) for x in a[1])
+    if b[0] == "any":
+        return any(_same(a, y) for y in b[1])
+    # Equations; `a` is always the completion's side. A stated "... = 5" matches the gold 5;
+    # the gold "7 = 11a + c" is an equation, so "11a + c" does not match it, but "x = 5" does.
+    if a[0] == "eq" and (b[0] != "eq" or (a[3] and b[3] and _same(a[2], b[2]))):
+        return _same(a[2], b)
+    if b[0] == "eq" and a[0] != "eq":
+        return b[3] and _same(a, b[2])
+    if a[0] == "seq" and b[0] == "seq":
+        if a[1] == "tuple" and b[1] == "tuple":  # brackets agree: (1, 4] is not [1, 4]
+            return a[2:4] == b[2:4] and len(a[4]) == len(b[4]) and all(
+                _same(x, y) for x, y in zip(a[4], b[4]))
+        if sorted((a[2], b[2])) == ["", "("]:  # a bare list 3, 5 vs (3, 5): order-free
+            return _multiset_equal(a[4], b[4])
+        return a[1] == b[1] == "set" and _multiset_equal(a[4], b[4])
+    if a[0] == "seq" and a[1] == "set" and len(a[4]) == 1:  # \{2\} is the answer 2
+        return _same(a[4][0], b)
+    if b[0] == "seq" and b[1] == "set" and len(b[4]) == 1:
+        return _same(a, b[4][0])
+    if a[0] != b[0]:
+        return False
+    if a[0] == "formula":
+        return _formula_equal(a, b)
+    if a[0] == "matrix":
+        return len(a[1]) == len(b[1]) and all(
+            len(r) == len(s) and all(_same(x, y) for x, y in zip(r, s)) for r, s in zip(a[1], b[1]))
+    if a[0] == "eq":
+        return (_same(a[1], b[1]) and _same(a[2], b[2])) or (
+            _same(a[1], b[2]) and _same(a[2], b[1])) or _proportional(a, b)
+    return a[1] == b[1]  # text and raw forms
+
+
+def _matches(predicted: str, gold: str) -> bool:
+    if normalise(predicted) == normalise(gold):
+        return True
+    return _same(_interpret(predicted), _interpret(gold))
 
 
 def verify(completion: str, answer: str) -> float:
@@ -189,12 +911,69 @@ def verify(completion: str, answer: str) -> float:
     try:
         if isinstance(answer, (int, float)):
             answer = str(answer)
-        predicted = extract_answer(completion)
-        if predicted is None or not isinstance(answer, str) or not answer.strip():
+        if not isinstance(answer, str) or not answer.strip():
             return 0.0
-        if predicted == answer.strip():  # fast path: most correct answers match verbatim
+        predicted, boxes = _extract(completion)
+        if predicted is None:
+            return 0.0
+        gold = answer.strip()
+        if "\\boxed" in gold or "\\fbox" in gold:  # a gold solution: read it like a completion
+            gold = _extract(gold)[0] or gold
+        if predicted == gold or _matches(predicted, gold):  # verbatim first: the common case
             return 1.0
-        p, g = normalise(predicted), normalise(answer)
-        return 1.0 if _equal(p, g) or _equal_tuples(p, g) else 0.0
+        if 1 < len(boxes) <= MAX_BOXES:  # "\boxed{3} and \boxed{5}" for the gold "3, 5"
+            g = _interpret(gold)
+            if g is not None and g[0] == "seq" and len(g[4]) == len(boxes):
+                return 1.0 if _matches(", ".join(boxes), gold) else 0.0
+        return 0.0
     except Exception:  # a reward function must not crash a training run
         return 0.0
+
+
+# ------------------------------------------------------------------ pluggable rewards
+def _math_verify_reward() -> Callable[[str, str], float]:
+    try:
+        from math_verify import parse, verify as mv_verify
+    except ImportError as err:
+        raise ImportError("reward 'math-verify' needs the optional package: "
+                          "pip install math-verify") from err
+
+    def reward(completion: str, gold: str) -> float:
+        """math-verify's documented use: the gold wrapped in $...$ so it is read as LaTeX."""
+        try:
+            gold_text = gold if "$" in gold or "\\boxed" in gold else f"${gold}$"
+            return 1.0 if mv_verify(parse(gold_text), parse(completion)) else 0.0
+        except Exception:  # never crash a training run
+            return 0.0
+
+    return reward
+
+
+def load_reward(spec: str = "verifier") -> Callable[[str, str], float]:
+    """A reward function f(completion, gold) -> float from a spec.
+
+    "verifier" (default): this module's ``verify``; "math-verify": the optional math-verify
+    package (imported only when asked); "module:function": a user's function, e.g.
+    "my_rewards:exact" or "pkg.mod:fn". A bad spec raises ValueError naming it.
+
+    >>> load_reward("verifier") is verify
+    True
+    """
+    if spec in ("verifier", "", None):
+        return verify
+    if spec in ("math-verify", "math_verify"):
+        return _math_verify_reward()
+    module_name, sep, attr = str(spec).partition(":")
+    if not sep or not module_name or not attr:
+        raise ValueError(f"reward spec {spec!r}: expected 'verifier', 'math-verify' or "
+                         "'module:function'")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as err:
+        raise ValueError(f"reward spec {spec!r}: no module {module_name!r} ({err})") from err
+    fn = getattr(module, attr, None)
+    if fn is None:
+        raise ValueError(f"reward spec {spec!r}: module {module_name!r} has no function {attr!r}")
+    if not callable(fn):
+        raise ValueError(f"reward spec {spec!r}: {module_name}.{attr} is not callable")
+    return fn

@@ -5,23 +5,30 @@ Usage (from the repo root): python benchmarks/verifier_bench.py [--data-dir ../s
 - GSM8K: 5,276 real model solutions with correctness labels; we report label agreement.
 - MATH-500: each reference solution against its own answer (should accept) and against the
   next problem's answer (should reject; pairs whose golds normalise equal are skipped).
-Times are per call (extraction + normalisation + comparison), with the garbage collector off.
+- Suite: the hand-written gold/completion pairs of tests/verifier_cases.py (format coverage and
+  must-reject near misses), needs no data folder.
+- Hostile inputs: the slowest of best-of-3 timings over deep nesting, 10^5 digits, 9^{9^{9}}, ...
+Each verifier is compared with a naive baseline (last number in the text, compared as a number)
+and with math-verify when installed. Times are per call, with the garbage collector off.
 """
 from __future__ import annotations
 
 import argparse
 import gc
 import json
+import re
 import statistics
 import sys
 import time
+from fractions import Fraction
 from pathlib import Path
 from typing import Callable
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from verifier import normalise, verify  # noqa: E402
+from tests.verifier_cases import CASES  # noqa: E402
+from verifier import load_reward, normalise, verify  # noqa: E402
 
 GSM8K_MODELS = ("6b_finetuning", "6b_verification", "175b_finetuning", "175b_verification")
 Verifier = Callable[[str, str], bool]
@@ -67,10 +74,74 @@ def run(check: Verifier, cases: list[tuple[str, str, bool]]) -> tuple[int, list[
 def math_verify_check() -> Verifier | None:
     """math-verify's documented use (gold wrapped in $...$), or None if not installed."""
     try:
-        from math_verify import parse, verify as mv_verify
+        return load_reward("math-verify")
     except ImportError:
         return None
-    return lambda completion, gold: mv_verify(parse(f"${gold}$"), parse(completion))
+
+
+_LAST_NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
+
+
+def naive_check(completion: str, gold: str) -> bool:
+    """The baseline many RL scripts use: the last number in the text equals the gold's number."""
+    found = _LAST_NUMBER.findall(completion.replace(",", ""))
+    want = _LAST_NUMBER.findall(gold.replace(",", ""))
+    if not found:
+        return False
+    try:
+        return len(want) == 1 and Fraction(found[-1]) == Fraction(want[0])
+    except ValueError:
+        return False
+
+
+def suite_cases() -> list[tuple[str, str, bool]]:
+    return [(c.completion, c.gold, c.expected) for c in CASES]
+
+
+HOSTILE = [
+    "\\boxed{" * 100_000,
+    "\\boxed{" + "{" * 100_000,
+    "\\boxed{" + "9" * 100_000 + "}",
+    "\\boxed{9^{9^{9}}}",
+    "\\boxed{9^{9^{9^{9^{9}}}}}",
+    "\\boxed{2^{10^{100}}}",
+    "\\boxed{(((((((((((((((((((((((((((((((((((((((((1)))))))))))))))))))))))))))))))))))))))))}",
+    "\\boxed{" + "\\frac{1}{" * 60 + "2" + "}" * 60 + "}",
+    "\\boxed{" + "\\frac12" * 50 + "}",
+    "\\boxed{" + "\\sqrt{" * 60 + "2" + "}" * 60 + "}",
+    "\\boxed{" + "x^" * 150 + "2}",
+    "\\boxed{" + "+".join(["x"] * 150) + "}",
+    "\\boxed{" + "170!" * 20 + "}",
+    "\\boxed{" + "(" * 100 + "1," * 50 + ")" * 100 + "}",
+    "\\boxed{1} " * 20_000,
+    "$" + "1+" * 50_000 + "$",
+    "1" * 100_000,
+    "the answer is " * 20_000,
+    "\\frac12" * 50_000,
+    "\\(" * 50_000,
+    "\\begin{pmatrix}" + "1 & " * 2000 + "\\end{pmatrix}",
+    "\\boxed{\\begin{pmatrix}" + "1 \\\\ " * 60 + "\\end{pmatrix}}",
+    "\\boxed{" + "x<" * 100 + "1}",
+    "\\boxed{\\{" + "1," * 150 + "1\\}}",
+]
+HOSTILE_GOLDS = ("1", "x", "\\frac{1}{2}", "(1, 2)", "\\{1, 2\\}", "9^{9^{9}}")
+
+
+def hostile_worst(check: Verifier) -> tuple[float, str]:
+    """Slowest best-of-3 seconds per call over the hostile inputs, and that input's head."""
+    worst, which = 0.0, ""
+    for text in HOSTILE:
+        for gold in HOSTILE_GOLDS + (text[:300],):
+            best = min(_timed(check, text, gold) for _ in range(3))
+            if best > worst:
+                worst, which = best, text[:40]
+    return worst, which
+
+
+def _timed(check: Verifier, completion: str, gold: str) -> float:
+    start = time.perf_counter()
+    check(completion, gold)
+    return time.perf_counter() - start
 
 
 def report(name: str, check: Verifier, cases: dict) -> float:
@@ -79,10 +150,13 @@ def report(name: str, check: Verifier, cases: dict) -> float:
     print(f"{'check':<24}{'result':>16}{'median µs':>12}{'p99 µs':>10}{'worst µs':>11}")
     every = []
     for label, key, fmt in (
+        ("suite agreement", "suite", lambda a, n: f"{a}/{n} {a / n:.3f}"),
         ("GSM8K label agreement", "gsm8k", lambda a, n: f"{a}/{n} {100 * a / n:.2f}%"),
         ("MATH-500 self-accept", "math_self", lambda a, n: f"{a}/{n}"),
         ("MATH-500 cross-accept", "math_cross", lambda a, n: f"{n - a}/{n}"),
     ):
+        if key not in cases:
+            continue
         agree, seconds = run(check, cases[key])
         every += seconds
         us = sorted(s * 1e6 for s in seconds)
@@ -95,13 +169,18 @@ def report(name: str, check: Verifier, cases: dict) -> float:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--data-dir", type=Path, default=ROOT.parent / "shared" / "data")
+    parser.add_argument("--skip-math-verify", action="store_true", help="leave math-verify out")
     args = parser.parse_args(argv)
-    if not (args.data_dir / "math500_test.jsonl").exists():
-        print(f"data folder {args.data_dir} not found; nothing to benchmark")
-        return 0
-    cases = load_cases(args.data_dir)
+    cases: dict = {"suite": suite_cases()}
+    if (args.data_dir / "math500_test.jsonl").exists():
+        cases.update(load_cases(args.data_dir))
+    else:
+        print(f"data folder {args.data_dir} not found: only the suite is measured")
     ours = report("verifier.verify (this repo)", verify, cases)
-    check = math_verify_check()
+    worst, which = hostile_worst(verify)
+    print(f"{'hostile inputs, worst':<24}{worst * 1e3:>14.2f} ms  ({which!r}...)")
+    report("naive last-number baseline", naive_check, cases)
+    check = None if args.skip_math_verify else math_verify_check()
     if check is None:
         print("\nmath-verify not installed (pip install math-verify) - comparison skipped")
         return 0

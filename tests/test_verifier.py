@@ -1,4 +1,5 @@
-"""Tests for verifier.py: extraction rules, normalisations, robustness, and real data."""
+"""Tests for verifier.py: extraction rules, normalisations, the case suite, pluggable rewards,
+robustness (hostile inputs are refused fast), and real data."""
 from __future__ import annotations
 
 import json
@@ -11,7 +12,9 @@ from hypothesis import given, settings, strategies as st
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from verifier import extract_answer, normalise, verify  # noqa: E402
+import verifier  # noqa: E402
+from tests.verifier_cases import CASES as SUITE, Case  # noqa: E402
+from verifier import extract_answer, load_reward, normalise, verify  # noqa: E402
 
 DATA = Path(__file__).resolve().parent.parent.parent / "shared" / "data"
 
@@ -99,6 +102,158 @@ def test_verify_table(completion: str, gold: str, expected: float) -> None:
     assert verify(completion, gold) == expected
 
 
+@pytest.mark.parametrize("case", SUITE, ids=[f"{i}-{c.topic}" for i, c in enumerate(SUITE)])
+def test_suite(case: Case) -> None:
+    assert verify(case.completion, case.gold) == float(case.expected)
+
+
+def test_suite_is_broad_and_strict() -> None:
+    assert len(SUITE) >= 150
+    assert sum(not c.expected for c in SUITE) >= len(SUITE) / 3
+    assert len({c.topic for c in SUITE}) >= 20
+
+
+STRICT = [  # (completion, gold, expected): one check per rule a plausible bug would break
+    ("\\boxed{(1, 2)}", "(1, 2)", 1.0),
+    ("\\boxed{(2, 1)}", "(1, 2)", 0.0),  # tuples are ordered
+    ("\\boxed{[1, 4)}", "[1, 4)", 1.0),
+    ("\\boxed{(1, 4]}", "[1, 4)", 0.0),  # both ends' brackets count
+    ("\\boxed{[1, 4]}", "[1, 4)", 0.0),
+    ("\\boxed{(1, 4)}", "[1, 4)", 0.0),
+    ("$1 \\le x < 4$", "[1, 4)", 1.0),
+    ("$1 < x \\le 4$", "(1, 4]", 1.0),
+    ("$1 < x < 4$", "[1, 4)", 0.0),  # < is open, \\le is closed
+    ("$1 \\le x \\le 4$", "[1, 4)", 0.0),
+    ("$x \\ge 2$", "[2, \\infty)", 1.0),
+    ("$x > 2$", "[2, \\infty)", 0.0),
+    ("$x < 2$", "(2, \\infty)", 0.0),  # direction matters
+    ("$2 > x$", "(-\\infty, 2)", 1.0),
+    ("\\boxed{\\{5, 3\\}}", "\\{3, 5\\}", 1.0),  # sets are order-free
+    ("\\boxed{\\{5, 4\\}}", "\\{3, 5\\}", 0.0),
+    ("\\boxed{\\{3, 3\\}}", "\\{3, 5\\}", 0.0),  # as multisets
+    ("\\boxed{\\sqrt{12}}", "2\\sqrt{3}", 1.0),
+    ("\\boxed{\\sqrt{3}}", "2\\sqrt{3}", 0.0),
+    ("\\boxed{\\sqrt{2}}", "2", 0.0),
+    ("\\boxed{\\sqrt[3]{27}}", "3", 1.0),
+    ("\\boxed{\\sqrt[3]{-8}}", "-2", 1.0),
+    ("\\boxed{1/2}", "2", 0.0),
+    ("\\boxed{0.3333333}", "\\frac{1}{3}", 1.0),
+    ("\\boxed{0.33333}", "\\frac{1}{3}", 0.0),  # tolerance is 1e-6, not 1e-5
+    ("\\boxed{999999.5}", "1000000", 0.0),  # integers exactly
+    ("\\boxed{1000001}", "1000000", 0.0),
+    ("\\boxed{1\\,000\\,000}", "1000000", 1.0),
+    ("\\boxed{12 345}", "12345", 1.0),
+    ("\\boxed{1 2345}", "12345", 0.0),  # separators only between groups of three
+    ("\\boxed{1,2345}", "12345", 0.0),
+    ("\\boxed{12,34}", "1234", 0.0),
+    ("\\boxed{x^2}", "x^3", 0.0),
+    ("\\boxed{7x^2}", "3x", 0.0),  # equal at x = 3/7, the first test point: all points count
+    ("\\boxed{2 3}", "6", 0.0),  # two numbers side by side are no product
+    ("\\boxed{2 \\cdot 3}", "6", 1.0),
+    ("\\boxed{2^{10}}", "1024", 1.0),
+    ("\\boxed{\\frac{x}{2} + \\frac12}", "\\frac{x+1}{2}", 1.0),
+    ("\\boxed{\\frac{x}{2} + \\frac13}", "\\frac{x+1}{2}", 0.0),
+    ("\\boxed{\\begin{pmatrix} 1 & 2 \\\\ 3 & 4 \\end{pmatrix}}", "\\begin{bmatrix} 1 & 2 \\\\ 3 & 4 \\end{bmatrix}", 1.0),
+    ("\\boxed{\\begin{pmatrix} 1 & 2 \\\\ 4 & 3 \\end{pmatrix}}", "\\begin{bmatrix} 1 & 2 \\\\ 3 & 4 \\end{bmatrix}", 0.0),
+    ("\\boxed{3} and \\boxed{5}", "3, 5", 1.0),
+    ("\\boxed{3} and \\boxed{5}", "5", 1.0),  # one gold answer: the last box
+    ("\\boxed{3} and \\boxed{5}", "3", 0.0),
+    ("\\boxed{3} and \\boxed{4}", "3, 5", 0.0),
+    ("\\boxed{-5}", "5", 0.0),
+    ("\\boxed{5\\%}", "0.05", 1.0),
+    ("\\boxed{5\\%}", "0.5", 0.0),
+    ("\\boxed{x = 3}", "3", 1.0),
+    ("\\boxed{11a + c}", "7 = 11a + c", 0.0),
+]
+
+
+@pytest.mark.parametrize("completion, gold, expected", STRICT)
+def test_strict_rules(completion: str, gold: str, expected: float) -> None:
+    assert verify(completion, gold) == expected
+
+
+@pytest.mark.parametrize("completion, gold", [(c, g) for c, g, e in STRICT if e == 1.0])
+def test_gold_and_completion_are_read_alike(completion: str, gold: str) -> None:
+    """Swapping the roles (the gold boxed, the completion's answer as gold) keeps the verdict."""
+    inner = extract_answer(completion)
+    if "boxed" in completion and completion.count("boxed") == 1 and "=" not in gold:
+        assert verify(f"\\boxed{{{gold}}}", inner) == 1.0
+
+
+def test_hostile_powers_are_refused_fast() -> None:
+    for text in ("\\boxed{9^{9^{9}}}", "\\boxed{2^{10^{100}}}", "\\boxed{(10^{4000})^{4000}}",
+                 "\\boxed{170!!}", "\\boxed{" + "\\sqrt{" * 200 + "2" + "}" * 200 + "}",
+                 "\\boxed{" + "(" * 300 + "1" + ")" * 300 + "}", "\\boxed{" + "2^" * 100 + "2}"):
+        for gold in ("1", "9^{9^{9}}", "x", text[7:-1]):
+            start = time.perf_counter()
+            assert verify(text, gold) in (0.0, 1.0)
+            assert time.perf_counter() - start < 0.05
+    assert verify("\\boxed{9^{9^{9}}}", "9^{9^{9}}") == 1.0  # equal as written, never computed
+    assert verify("\\boxed{2^{100}}", str(2**100)) == 1.0  # exact while small enough
+
+
+def test_formula_parser_and_values() -> None:
+    value = verifier._interpret("\\frac{1}{2} + \\sqrt{4} \\cdot 3")[3]
+    assert value == verifier.Fraction(13, 2)  # exact arithmetic where possible
+    assert verifier._interpret("\\frac12")[3] == verifier.Fraction(1, 2)
+    assert verifier._interpret("\\sqrt{\\frac{9}{4}}")[3] == verifier.Fraction(3, 2)  # exact roots
+    assert verifier._interpret("\\sqrt[3]{27}")[3] == 3 and verifier._interpret("8^{2/3}")[3] == 4
+    assert verifier._interpret("2x")[2] == frozenset({"x"})
+    assert verifier._interpret("x_1 + \\alpha")[2] == frozenset({"x_1", "\\alpha"})
+    assert verifier._interpret("52_8")[0] == "raw"  # a base subscript is not a product
+
+
+# ------------------------------------------------------------------ pluggable rewards
+def test_load_reward_default_is_verify() -> None:
+    assert load_reward() is verify
+    assert load_reward("verifier") is verify
+
+
+def test_load_reward_module_function(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "my_rewards.py").write_text(
+        "def exact(completion, gold):\n    return float(completion.strip() == gold)\nVALUE = 3\n")
+    package = tmp_path / "pkg"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "mod.py").write_text("def fn(completion, gold):\n    return 0.5\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    exact = load_reward("my_rewards:exact")
+    assert exact("5", "5") == 1.0 and exact("5", "6") == 0.0
+    assert load_reward("pkg.mod:fn")("a", "b") == 0.5
+    for spec, words in (("no_such_module_xyz:fn", "no module"), ("my_rewards:nope", "no function"),
+                        ("my_rewards:VALUE", "not callable"), ("my_rewards", "expected"),
+                        (":fn", "expected"), ("my_rewards:", "expected")):
+        with pytest.raises(ValueError, match=words) as err:
+            load_reward(spec)
+        assert spec in str(err.value) and "\n" not in str(err.value)
+
+
+def test_load_reward_math_verify() -> None:
+    try:
+        import math_verify  # noqa: F401
+    except ImportError:
+        pytest.skip("math-verify not installed; the missing-package error is tested below")
+    reward = load_reward("math-verify")
+    assert reward("The answer is $\\boxed{\\frac{1}{2}}$", "\\frac12") == 1.0
+    assert reward("The answer is $\\boxed{3}$", "4") == 0.0
+    assert reward(None, "4") == 0.0  # type: ignore[arg-type]  # never raises
+
+
+def test_load_reward_math_verify_missing(monkeypatch: pytest.MonkeyPatch) -> None:
+    import builtins
+
+    real_import = builtins.__import__
+
+    def no_math_verify(name, *args, **kwargs):
+        if name == "math_verify" or name.startswith("math_verify."):
+            raise ImportError("No module named 'math_verify'")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_math_verify)
+    with pytest.raises(ImportError, match="pip install math-verify"):
+        load_reward("math-verify")
+
+
 @pytest.mark.parametrize("bad", [None, 5, b"\\boxed{5}", ["5"], object()])
 def test_non_string_inputs_score_zero(bad: object) -> None:
     assert verify(bad, "5") == 0.0  # type: ignore[arg-type]
@@ -147,6 +302,11 @@ def test_thousands_separators(n: int) -> None:
     "\\frac12" * 50_000,
     "(" * 100_000 + "," * 100_000,
     "\u00e9\U0001F600" * 50_000,
+    "\\boxed{1} " * 20_000,
+    "$" + "1+" * 50_000 + "$",
+    "\\(" * 50_000,
+    "\\boxed{" + "\\frac{1}{" * 100 + "2" + "}" * 100 + "}",
+    "\\boxed{\\begin{pmatrix}" + "1 & " * 2_000 + "\\end{pmatrix}}",
 ])
 def test_adversarial_inputs_are_fast(text: str) -> None:
     for gold in ("1", "1" * 100_000, text[-300:], text):
