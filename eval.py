@@ -13,6 +13,7 @@ import re
 import sys
 from math import comb
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import torch
@@ -20,7 +21,7 @@ from tqdm import tqdm
 
 from data.tasks import Problem, load_eval_problems
 from model import load_model, pick_device, sample
-from verifier import extract_answer, verify
+from verifier import extract_answer, load_reward, verify
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -34,13 +35,20 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     return 1.0 - comb(n - c, k) / comb(n, k)
 
 
+def score_groups(texts: list[str], answers: list[str], reward_fn: Callable[[str, str], float]) -> list[list[float]]:
+    """Rewards [b][n] of b*n completions, n in a row per answer: the same scoring for training and evaluation."""
+    n = len(texts) // len(answers)
+    return [[reward_fn(text, answer) for text in texts[i * n : (i + 1) * n]] for i, answer in enumerate(answers)]
+
+
 @torch.no_grad()
 def evaluate(model, tokenizer, problems: list[Problem], *, max_new_tokens: int, samples: int = 1,
-             temperature: float = 0.0, batch_size: int = 32, progress: bool = False) -> dict:
-    """Accuracy of `model` on `problems`: greedy when samples == 1 and temperature == 0.
+             temperature: float = 0.0, batch_size: int = 32, progress: bool = False,
+             reward_fn: Callable[[str, str], float] = verify) -> dict:
+    """Accuracy of `model` on `problems` (reward 1 = correct): greedy when samples == 1 and temperature == 0.
 
-    Returns accuracy (mean over all completions: pass@1 greedy, mean@n sampled), pass@k for k = 1, 2, 4, ..
-    up to n, and one record per completion.
+    Returns accuracy (mean over all completions: pass@1 greedy, mean@n sampled), the same per level for
+    problems that have one (arith-mix), pass@k for k = 1, 2, 4, .. up to n, and one record per completion.
     """
     if samples > 1 and temperature == 0:
         raise ValueError("several samples per problem need a temperature > 0")
@@ -49,15 +57,17 @@ def evaluate(model, tokenizer, problems: list[Problem], *, max_new_tokens: int, 
     for start in tqdm(starts, desc="eval", disable=not progress, leave=False):
         batch = problems[start : start + batch_size]
         rollout = sample(model, tokenizer, [p.question for p in batch], samples, max_new_tokens, temperature)
-        for i, problem in enumerate(batch):
+        for i, (problem, scores) in enumerate(zip(batch, score_groups(rollout.texts, [p.answer for p in batch], reward_fn))):
             texts = rollout.texts[i * samples : (i + 1) * samples]
-            scores = [verify(text, problem.answer) for text in texts]
-            correct_per_problem.append(int(sum(scores)))
-            records += [{"question": problem.question, "completion": text, "extracted": extract_answer(text),
-                         "gold": problem.answer, "correct": bool(s)} for text, s in zip(texts, scores)]
+            correct_per_problem.append(sum(score == 1 for score in scores))
+            records += [{"question": problem.question, "level": problem.level, "completion": text,
+                         "extracted": extract_answer(text), "gold": problem.answer, "reward": s, "correct": s == 1}
+                        for text, s in zip(texts, scores)]
     ks = [k for k in (1, 2, 4, 8, 16, 32, 64) if k < samples] + [samples]
+    levels = sorted({r["level"] for r in records if r["level"]}, key=[r["level"] for r in records].index)
     return {
         "accuracy": float(np.mean([r["correct"] for r in records])) if records else 0.0,
+        "accuracy_by_level": {lv: float(np.mean([r["correct"] for r in records if r["level"] == lv])) for lv in levels},
         "pass_at_k": {k: float(np.mean([pass_at_k(samples, c, k) for c in correct_per_problem])) for k in ks},
         "problems": len(problems), "samples": samples, "records": records,
     }
@@ -70,7 +80,8 @@ def slug(name: str) -> str:
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description="Evaluate one or more models with the training verifier.")
     p.add_argument("--model", nargs="+", default=["smollm2-135m"], help="aliases, hub ids, folders or checkpoints")
-    p.add_argument("--dataset", default="arith-mul1", help="arith-<level> (its test split) or a GSM8K/MATH .jsonl")
+    p.add_argument("--dataset", default="arith-mul1", help="arith-<level> or arith-mix (test split), or a GSM8K/MATH .jsonl")
+    p.add_argument("--reward", default="verifier", help="verifier, math-verify, or module:function (as train.py)")
     p.add_argument("--limit", type=int, default=0, help="evaluate only the first N problems (0: all)")
     p.add_argument("--samples", type=int, default=1, help="completions per problem (n); >1 samples at --temperature")
     p.add_argument("--temperature", type=float, default=None, help="default: 0 (greedy) for 1 sample, else 1.0")
@@ -81,6 +92,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = p.parse_args(argv)
     temperature = args.temperature if args.temperature is not None else (0.0 if args.samples == 1 else 1.0)
     try:
+        reward_fn = load_reward(args.reward)
         problems = load_eval_problems(args.dataset)
         problems = problems[: args.limit] if args.limit else problems
         results = {}
@@ -89,8 +101,8 @@ def main(argv: list[str] | None = None) -> dict:
             torch.manual_seed(args.seed)
             results[name] = evaluate(model.eval(), tokenizer, problems, max_new_tokens=args.max_new_tokens,
                                      samples=args.samples, temperature=temperature, batch_size=args.batch_size,
-                                     progress=True)
-    except (FileNotFoundError, ValueError) as e:
+                                     progress=True, reward_fn=reward_fn)
+    except (FileNotFoundError, ValueError, ImportError) as e:
         sys.exit(f"error: {e}")
 
     ks = list(next(iter(results.values()))["pass_at_k"])
@@ -99,10 +111,13 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"\n{args.dataset}: {len(problems)} problems, T={temperature}")
     print(f"{'':{width}}" + "".join(f"  {name[-28:]:>28}" for name in results))
     print(f"{label:{width}}" + "".join(f"  {r['accuracy']:28.3f}" for r in results.values()))
+    for level in next(iter(results.values()))["accuracy_by_level"]:
+        print(f"{'  ' + level:{width}}" + "".join(f"  {r['accuracy_by_level'][level]:28.3f}" for r in results.values()))
     if args.samples > 1:
         for k in ks:
             print(f"{'pass@' + str(k):{width}}" + "".join(f"  {r['pass_at_k'][k]:28.3f}" for r in results.values()))
-    summary = {name: {key: r[key] for key in ("accuracy", "pass_at_k", "problems", "samples")} for name, r in results.items()}
+    keys = ("accuracy", "accuracy_by_level", "pass_at_k", "problems", "samples")
+    summary = {name: {key: r[key] for key in keys} for name, r in results.items()}
     if args.out:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)

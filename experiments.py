@@ -26,8 +26,10 @@ import train
 from advantage import advantage_collapse_rate
 from data.tasks import LEVELS, load_problems
 from model import load_model, sample
-from plots import COLORS, read_jsonl, smooth
-from train import score
+from common import read_jsonl
+from plots import COLORS, smooth
+from eval import score_groups
+from verifier import verify
 
 DOCS = Path(__file__).resolve().parent / "docs"
 ALGOS = ["grpo", "avspo", "aapo"]
@@ -46,7 +48,7 @@ def acr_by_difficulty(model_name: str, prompts: int, group_size: int, max_new_to
         for i in tqdm(range(0, len(problems), batch), desc=level):
             chunk = problems[i : i + batch]
             rollout = sample(model, tokenizer, [p.question for p in chunk], group_size, max_new_tokens)
-            rewards.append(score(rollout, chunk, group_size))
+            rewards.append(torch.tensor(score_groups(rollout.texts, [p.answer for p in chunk], verify)))
         r = torch.cat(rewards)  # [prompts, G]
         result[level] = {"accuracy": r.mean().item(), "acr": advantage_collapse_rate(r),
                          "all_correct_frac": (r.amin(1) == 1).float().mean().item(),

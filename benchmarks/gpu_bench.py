@@ -34,9 +34,10 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import train  # noqa: E402
-from advantage import AdaptiveThreshold  # noqa: E402
 from data.tasks import load_problems  # noqa: E402
 from model import byte_tokenizer, sample  # noqa: E402
+from eval import score_groups  # noqa: E402
+from verifier import verify  # noqa: E402
 
 VOCAB = 151_936  # Qwen2.5's vocabulary
 SIZES = {  # the config.json of Qwen/Qwen2.5-0.5B and -1.5B; both tie the embedding and the LM head
@@ -102,10 +103,10 @@ def run_step(model, tokenizer, optimizer, args: train.Args, problems, step: int,
                          args.temperature, args.top_p)
     sync(device)
     t1 = time.perf_counter()
-    train.score(rollout, batch, args.group_size)  # timed as in train.py; the rewards are replaced below
+    score_groups(rollout.texts, [p.answer for p in batch], verify)  # timed as in train.py; the rewards are replaced below
     t2 = time.perf_counter()
     rewards = mixed_rewards(len(batch), args.group_size)
-    advantages, _ = train.compute_advantages(args, rewards, None, AdaptiveThreshold(args.acr_threshold))
+    advantages, _ = train.compute_advantages(args, rewards, train.algo_state(args), sample_reference=None)
     stats = train.update_policy(model, optimizer, rollout, advantages.flatten().to(device), None, args, autocast)
     sync(device)
     t3 = time.perf_counter()

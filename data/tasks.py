@@ -1,14 +1,18 @@
 """Problems for training and evaluation: the project's own arithmetic task, and GSM8K/MATH JSONL files.
 
-A problem is a question (the user turn, before the chat template) and a gold answer string that
-`verifier.verify` compares completions against. Specs accepted by `load_problems`:
+A problem is a question (the user turn, before the chat template), a gold answer string that
+`verifier.verify` compares completions against, and (for the mixed task) the level it comes from.
+Specs accepted by `load_problems`:
   arith-<level>   generated arithmetic, deterministic; levels from easy to hard are listed in LEVELS
+  arith-mix       every level at once, in equal shares: easy prompts turn all-correct while hard ones stay
+                  all-wrong within one run, so collapse shows at both ends of difficulty together
   path/to.jsonl   GSM8K form {"question", "answer": "... #### 42"} or MATH form {"problem", "answer"}
 """
 
 import json
 import random
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 
@@ -16,6 +20,7 @@ from pathlib import Path
 class Problem:
     question: str
     answer: str
+    level: str = ""  # the arithmetic level of an arith-mix problem, for accuracy per level
 
 
 # level: (operator, range of the first operand, range of the second). Ordered from easy to hard for
@@ -30,6 +35,8 @@ LEVELS = {
 OPERATIONS = {"+": lambda a, b: a + b, "*": lambda a, b: a * b}
 TEST_FRACTION = 0.2
 MAX_PROBLEMS_PER_LEVEL = 20_000
+MIX_TEST_PER_LEVEL = 100  # arith-mix held-out: up to 100 per level (add1 and mul1 have 20 and 16): 336 problems
+MIX_TRAIN_ROUNDS = 2_000  # arith-mix train list: 2,000 rounds of one problem per level
 BOXED_INSTRUCTION = "\nPut the final answer in \\boxed{}."
 
 
@@ -37,7 +44,7 @@ def arithmetic_problems(level: str, split: str, seed: int = 0) -> list[Problem]:
     """All problems of a level, shuffled by `seed`; the last TEST_FRACTION of pairs is the test split,
     so train and test never share a problem. Large levels are subsampled to MAX_PROBLEMS_PER_LEVEL."""
     if level not in LEVELS:
-        raise ValueError(f"unknown arithmetic level {level!r}; choose one of {', '.join(LEVELS)}")
+        raise ValueError(f"unknown arithmetic level {level!r}; choose one of {', '.join(LEVELS)} or mix")
     op, left, right = LEVELS[level]
     rng = random.Random(f"{level}-{seed}")
     if len(left) * len(right) <= MAX_PROBLEMS_PER_LEVEL:
@@ -49,7 +56,17 @@ def arithmetic_problems(level: str, split: str, seed: int = 0) -> list[Problem]:
         rng.shuffle(pairs)
     n_test = max(1, int(len(pairs) * TEST_FRACTION))
     chosen = pairs[-n_test:] if split == "test" else pairs[:-n_test]
-    return [Problem(f"What is {a} {op} {b}?", str(OPERATIONS[op](a, b))) for a, b in chosen]
+    return [Problem(f"What is {a} {op} {b}?", str(OPERATIONS[op](a, b)), level) for a, b in chosen]
+
+
+def mixed_problems(split: str, seed: int = 0) -> list[Problem]:
+    """arith-mix: every level's own split, so train and test stay disjoint. Train interleaves the levels
+    round-robin (small levels repeat), so a random prompt is equally likely to come from each level;
+    test keeps up to MIX_TEST_PER_LEVEL problems of each level, for accuracy overall and per level."""
+    per_level = [arithmetic_problems(level, split, seed) for level in LEVELS]
+    if split == "test":
+        return [p for problems in per_level for p in problems[:MIX_TEST_PER_LEVEL]]
+    return [problems[i % len(problems)] for i in range(MIX_TRAIN_ROUNDS) for problems in per_level]
 
 
 def gold_from_gsm8k(solution: str) -> str:
@@ -103,13 +120,13 @@ def load_problems(spec: str, split: str = "train", seed: int = 0) -> list[Proble
     if split not in ("train", "test", "all"):
         raise ValueError(f"split must be train, test or all; got {split!r}")
     if spec.startswith("arith-"):
-        level = spec.removeprefix("arith-")
+        generate = mixed_problems if spec == "arith-mix" else partial(arithmetic_problems, spec.removeprefix("arith-"))
         if split == "all":
-            return arithmetic_problems(level, "train", seed) + arithmetic_problems(level, "test", seed)
-        return arithmetic_problems(level, split, seed)
+            return generate("train", seed) + generate("test", seed)
+        return generate(split, seed)
     path = Path(spec).expanduser()
     if path.suffix != ".jsonl":
-        raise ValueError(f"unknown dataset {spec!r}: use arith-<level> ({', '.join(LEVELS)}) or a .jsonl file")
+        raise ValueError(f"unknown dataset {spec!r}: use arith-<level> ({', '.join(LEVELS)}), arith-mix or a .jsonl file")
     problems = read_jsonl(path)
     if split == "all" or len(problems) < 10:
         return problems

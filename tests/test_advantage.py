@@ -1,15 +1,21 @@
-"""Properties of the advantage estimators (hypothesis) plus hand-computed examples."""
+"""Properties of the advantage estimators (hypothesis), exhaustive checks of K, hand-computed examples.
 
+Hypothesis profiles ("ci": derandomized, "dev": random) are registered in tests/conftest.py.
+"""
+
+import dataclasses
+import json
 import math
 import statistics
 
 import pytest
 import torch
-from hypothesis import assume, given, settings
+from hypothesis import assume, example, given
 from hypothesis import strategies as st
 
 from advantage import (
     AdaptiveThreshold,
+    AvspoInfo,
     aapo_advantages,
     aapo_margin,
     advantage_collapse_rate,
@@ -21,8 +27,9 @@ from advantage import (
     virtual_rewards,
 )
 
-settings.register_profile("ci", deadline=None, max_examples=60)
-settings.load_profile("ci")
+FLOAT_DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
+FINITE = dict(allow_nan=False, allow_infinity=False)
+WIDTH = {torch.float16: 16, torch.bfloat16: 32, torch.float32: 32, torch.float64: 64}
 
 
 @st.composite
@@ -38,22 +45,33 @@ def reward_groups(draw, binary: bool | None = None, min_b: int = 1, max_b: int =
 
 
 def naive_grpo(rewards: torch.Tensor, eps: float) -> torch.Tensor:
-    """Loop version of GRPO, written from the formula, to check the vectorised one against."""
-    out = torch.zeros_like(rewards)
+    """Loop version of GRPO in float64, written from the formula, to check the vectorised one against."""
+    out = torch.zeros(rewards.shape, dtype=torch.float64)
     for b, row in enumerate(rewards.tolist()):
-        mean = sum(row) / len(row)
-        std = math.sqrt(sum((x - mean) ** 2 for x in row) / (len(row) - 1))
+        mean = math.fsum(row) / len(row)
+        std = math.sqrt(math.fsum((x - mean) ** 2 for x in row) / (len(row) - 1))
         for i, x in enumerate(row):
             out[b, i] = (x - mean) / (std + eps)
     return out
 
 
+def batch(num_collapsed: int, num_groups: int) -> torch.Tensor:
+    """[num_groups, 2] binary rewards: num_collapsed all-correct groups, the rest mixed."""
+    return torch.tensor([[1.0, 1.0]] * num_collapsed + [[0.0, 1.0]] * (num_groups - num_collapsed))
+
+
 # ---------------------------------------------------------------- GRPO
 
 
-@given(reward_groups())
-def test_grpo_matches_naive_loop(rewards):
-    torch.testing.assert_close(grpo_advantages(rewards), naive_grpo(rewards, 1e-4), atol=1e-4, rtol=1e-4)
+@given(reward_groups(), st.sampled_from([1e-4, 0.0, 0.5, 1.0]))
+def test_grpo_matches_naive_loop(rewards, eps):
+    assume(eps > 0 or not collapsed_groups(rewards).any())  # 0 / 0 with eps = 0
+    torch.testing.assert_close(grpo_advantages(rewards, eps=eps).double(), naive_grpo(rewards, eps), atol=1e-4, rtol=1e-4)
+
+
+def test_grpo_is_exact_in_float64():
+    rewards = torch.tensor([[0.1, 0.7, 0.3, 0.9], [1e6 + 0.1, 1e6, 1e6, 1e6 + 0.3]], dtype=torch.float64)
+    torch.testing.assert_close(grpo_advantages(rewards), naive_grpo(rewards, 1e-4), atol=1e-9, rtol=1e-9)
 
 
 @given(reward_groups(), st.booleans())
@@ -74,15 +92,6 @@ def test_grpo_invariant_to_adding_a_constant(rewards, shift):
     torch.testing.assert_close(grpo_advantages(rewards + shift), grpo_advantages(rewards), atol=2e-3, rtol=1e-3)
 
 
-@given(reward_groups(), st.sampled_from([0.0, 1.0, 0.25, -2.0, 3.5]), st.floats(-3.0, 3.0))
-def test_collapsed_groups_get_zero_under_grpo(rewards, exact_value, any_value):
-    rewards[0] = exact_value  # verifier-like values: the group mean is exact, so the advantage is exactly 0
-    assert torch.all(grpo_advantages(rewards)[0] == 0)
-    assert collapsed_groups(rewards)[0]
-    rewards[0] = any_value  # arbitrary floats: the mean may be off by one ulp, the advantage stays ~0
-    assert grpo_advantages(rewards)[0].abs().max() < 1e-2
-
-
 @given(reward_groups(binary=True))
 def test_grpo_sign_follows_reward(rewards):
     adv = grpo_advantages(rewards)
@@ -97,6 +106,51 @@ def test_all_outputs_finite(rewards):
         assert torch.isfinite(adv).all()
 
 
+def test_dr_grpo_unscaled():
+    torch.testing.assert_close(grpo_advantages(torch.tensor([[3.0, 1.0]]), scale=False), torch.tensor([[1.0, -1.0]]))
+
+
+def test_eps_is_added_to_the_std():
+    # [1, 0]: centred +-0.5, unbiased std sqrt(1/2); eps = 1 makes sqrt(var + eps) or adding eps outside visible
+    torch.testing.assert_close(grpo_advantages(torch.tensor([[1.0, 0.0]]), eps=1.0)[0, 0], torch.tensor(0.5 / (0.5**0.5 + 1)))
+
+
+# ---------------------------------------------------------------- all-equal groups: exactly 0
+
+
+@given(reward_groups(), st.data(), st.sampled_from(FLOAT_DTYPES), st.integers(0, 5))
+def test_equal_groups_get_exactly_zero(rewards, data, dtype, row):
+    value = data.draw(st.floats(width=WIDTH[dtype], **FINITE), label="value")
+    rewards, row = rewards.to(dtype), row % rewards.shape[0]
+    rewards[row] = value  # any float, rounded to the dtype: its group mean need not be representable
+    assume(torch.isfinite(rewards[row]).all())
+    for adv in (
+        grpo_advantages(rewards),
+        grpo_advantages(rewards, scale=False),
+        avspo_advantages(rewards, acr_threshold=1.0),  # ACR <= 1 never exceeds 1.0: not triggered
+        aapo_advantages(rewards, rewards),  # margin 0: the GRPO part alone
+        aapo_advantages(rewards, torch.zeros_like(rewards)) - aapo_margin(rewards, torch.zeros_like(rewards)),
+    ):
+        assert torch.equal(adv[row], torch.zeros_like(adv[row]))
+    assert collapsed_groups(rewards)[row]
+
+
+@pytest.mark.parametrize("value", [0.3, 0.8287, 0.1, 1 / 3, 0.7, 1e-3, 12345.678])
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+def test_equal_groups_of_unrepresentable_values_are_exactly_collapsed(value, dtype):
+    for g in range(2, 17):  # the bug this guards against: mean(0.3 x G) != 0.3 in float32 for some G
+        rewards = torch.full((3, g), value, dtype=dtype)
+        assert torch.equal(grpo_advantages(rewards), torch.zeros_like(rewards))
+        assert effective_collapse_rate(grpo_advantages(rewards)) == 1.0 == advantage_collapse_rate(rewards)
+
+
+@given(st.integers(-(2**62), 2**62), st.sampled_from([torch.int64, torch.int32, torch.int16, torch.bool]))
+def test_equal_integer_groups_get_exactly_zero(value, dtype):
+    rewards = torch.tensor([[value, value, value], [0, 1, 1]]).to(dtype)  # wraps / saturates: still equal
+    for adv in (grpo_advantages(rewards), avspo_advantages(rewards, acr_threshold=1.0), aapo_advantages(rewards, rewards)):
+        assert torch.equal(adv[0], torch.zeros(3))
+
+
 # ---------------------------------------------------------------- ACR
 
 
@@ -105,9 +159,8 @@ def test_acr_is_fraction_of_constant_groups(rewards):
     acr = advantage_collapse_rate(rewards)
     spreads = [statistics.pstdev(row) for row in rewards.tolist()]
     assume(all(not 5e-7 < s < 2e-6 for s in spreads))  # float32 vs float64 may disagree right at tau
-    constant = sum(s < 1e-6 for s in spreads)  # ACR's tau: [0, 1e-19] counts as collapsed
-    assert 0.0 <= acr <= 1.0
-    assert acr == pytest.approx(constant / rewards.shape[0])
+    constant = sum(s < 1e-6 for s in spreads)
+    assert acr == constant / rewards.shape[0]  # exactly: a count over B, not a float32 mean
 
 
 @given(reward_groups(binary=True))
@@ -116,13 +169,90 @@ def test_effective_collapse_of_grpo_equals_acr_on_binary_rewards(rewards):
     assert effective_collapse_rate(grpo_advantages(rewards)) == advantage_collapse_rate(rewards)
 
 
+def test_collapse_uses_population_std_strictly_below_tau():
+    rewards = torch.tensor([[0.0, 0.5]])  # population std 0.25 exactly, unbiased std 0.354
+    assert not collapsed_groups(rewards, tau=0.25)  # std < tau is strict
+    assert collapsed_groups(rewards, tau=0.3)  # population, not unbiased, std
+    assert advantage_collapse_rate(torch.tensor([[1.0, 1.0], [0.0, 1.0], [0.0, 1.0]])) == 1 / 3
+    assert effective_collapse_rate(torch.tensor([[0.5, -0.5], [0.0, 0.0]]), tau=0.5) == 0.5  # |A| < tau, strict
+
+
+# ---------------------------------------------------------------- K: exhaustive against integer oracles
+
+
+def ceil_sqrt(m: int) -> int:
+    return 0 if m == 0 else math.isqrt(m - 1) + 1
+
+
+ORACLES = {  # ceil(G * (c/n)^alpha), written with integer arithmetic only
+    0.5: lambda g, c, n: ceil_sqrt(-(-g * g * c // n)),  # smallest k with k^2 >= G^2 c / n
+    0.25: lambda g, c, n: ceil_sqrt(ceil_sqrt(-(-(g**4) * c // n))),  # smallest k with k^4 >= G^4 c / n
+    1.0: lambda g, c, n: -(-g * c // n),
+    2.0: lambda g, c, n: -(-g * c * c // (n * n)),
+}
+
+
+@pytest.mark.parametrize("alpha", ORACLES)
+def test_num_virtual_samples_exact_for_all_small_cases(alpha):
+    oracle = ORACLES[alpha]
+    for g in range(1, 33):
+        for n in range(1, 51):
+            for c in range(n + 1):
+                assert num_virtual_samples(g, c, n, alpha) == max(1, min(g, oracle(g, c, n))), (g, c, n)
+
+
+@given(st.integers(1, 16), st.integers(1, 40), st.data(), st.sampled_from([0.3, 0.7, 1 / 3, 1.5, 0.123]))
+def test_num_virtual_samples_matches_float_formula_away_from_integers(g, n, data, alpha):
+    c = data.draw(st.integers(0, n), label="c")
+    x = g * (c / n) ** alpha
+    assume(abs(x - round(x)) > 1e-6)  # where float rounding cannot decide the ceiling
+    assert num_virtual_samples(g, c, n, alpha) == max(1, min(g, math.ceil(x)))
+
+
+def test_num_virtual_samples_hand_values_and_errors():
+    assert num_virtual_samples(8, 2, 3) == 7  # ceil(8 * sqrt(2/3)) = ceil(6.53)
+    assert num_virtual_samples(3, 1, 9) == 1  # 3 * sqrt(1/9) = 1 exactly (float32 ACR gave 2)
+    assert num_virtual_samples(25, 7, 25, alpha=1.0) == 7  # 25 * 0.28 = 7 exactly (float64 gives 8)
+    assert num_virtual_samples(8, 0, 5) == 1  # max(1, ...): at least one virtual reward
+    for bad in [(8, 3, 2), (8, -1, 2), (8, 0, 0), (0, 1, 2)]:
+        with pytest.raises(ValueError):
+            num_virtual_samples(*bad)
+    for alpha in (-0.5, math.inf, math.nan):
+        with pytest.raises(ValueError):
+            num_virtual_samples(8, 1, 2, alpha)
+
+
 # ---------------------------------------------------------------- AVSPO
 
 
 @given(reward_groups(), st.floats(0.0, 1.0))
 def test_avspo_equals_grpo_at_or_below_threshold(rewards, threshold):
-    if advantage_collapse_rate(rewards) <= threshold:
-        torch.testing.assert_close(avspo_advantages(rewards, acr_threshold=threshold), grpo_advantages(rewards))
+    adv, info = avspo_advantages(rewards, acr_threshold=threshold, return_info=True)
+    assert info.triggered == (advantage_collapse_rate(rewards) > threshold)
+    if not info.triggered:
+        assert torch.equal(adv, grpo_advantages(rewards)) and info.num_virtual == 0
+
+
+@pytest.mark.parametrize(
+    "num_collapsed, num_groups, threshold", [(2, 4, 0.5), (3, 10, 0.3), (57, 100, 0.57), (1, 3, 1 / 3), (7, 25, 0.28)]
+)
+def test_avspo_trigger_boundary(num_collapsed, num_groups, threshold):
+    rewards = batch(num_collapsed, num_groups)
+    adv, info = avspo_advantages(rewards, acr_threshold=threshold, return_info=True)
+    assert info == AvspoInfo(triggered=False, num_collapsed=num_collapsed, num_virtual=0)  # ACR == threshold
+    assert torch.equal(adv, grpo_advantages(rewards))
+    assert not avspo_advantages(rewards, acr_threshold=math.nextafter(threshold, 1.0), return_info=True)[1].triggered
+    _, info = avspo_advantages(rewards, acr_threshold=math.nextafter(threshold, 0.0), return_info=True)
+    assert info == AvspoInfo(True, num_collapsed, num_virtual_samples(2, num_collapsed, num_groups))
+
+
+def test_avspo_info_reports_k_used():
+    rewards = batch(2, 3).repeat(1, 4)  # G = 8, ACR 2/3: K = ceil(8 * sqrt(2/3)) = 7
+    assert avspo_advantages(rewards, return_info=True)[1] == AvspoInfo(True, 2, 7)
+    assert avspo_advantages(rewards, num_virtual=3, return_info=True)[1] == AvspoInfo(True, 2, 3)
+    assert avspo_advantages(rewards, alpha=1.0, return_info=True)[1].num_virtual == 6
+    with pytest.raises(ValueError):
+        avspo_advantages(rewards, num_virtual=0)
 
 
 @given(reward_groups())
@@ -142,14 +272,20 @@ def test_avspo_all_correct_positive_all_wrong_negative(rewards, num_virtual):
     assert effective_collapse_rate(adv) == 0.0
 
 
-@given(st.lists(st.sampled_from([0.0, 1.0]), min_size=1, max_size=6), st.integers(2, 8), st.floats(0.0, 1.0))
-def test_num_virtual_in_range(values, g, acr):
-    k = num_virtual_samples(g, acr)
-    assert 1 <= k <= g
-    v = virtual_rewards(torch.tensor(values), k, (0.0, 1.0))
-    assert v.shape == (len(values), k)
-    assert torch.all((v >= 0.0) & (v <= 1.0))
-    assert torch.all(v != torch.tensor(values)[:, None])  # every virtual reward differs from the real one
+@given(st.lists(st.floats(0.0, 1.0, width=32), min_size=1, max_size=6), st.integers(1, 8))
+def test_virtual_rewards_ladder(values, k):
+    v = torch.tensor(values)
+    ladder = virtual_rewards(v, k, (0.0, 1.0))
+    assert ladder.shape == (len(values), k) and torch.all((ladder >= 0.0) & (ladder <= 1.0))
+    far_end = torch.where(v >= 0.5, 0.0, 1.0)  # towards the end of [0, 1] farther from v; at 0.5, down
+    torch.testing.assert_close(ladder[:, -1], far_end)  # the K-th rung is the far end itself
+    steps = ladder.diff(dim=1, prepend=v[:, None])  # even steps of (far_end - v) / K
+    torch.testing.assert_close(steps, ((far_end - v) / k)[:, None].expand(-1, k))
+
+
+def test_virtual_rewards_at_the_midpoint_go_down():
+    torch.testing.assert_close(virtual_rewards(torch.tensor([0.5, 3.0]), 1, (0.0, 1.0)), torch.tensor([[0.0], [0.0]]))
+    torch.testing.assert_close(virtual_rewards(torch.tensor([2.0]), 2, (1.0, 3.0)), torch.tensor([[1.5, 1.0]]))
 
 
 @given(reward_groups())
@@ -172,7 +308,7 @@ def test_virtual_samples_get_no_advantage(num_virtual):
 
 @given(reward_groups(), st.booleans())
 def test_aapo_equals_grpo_when_policy_matches_reference(rewards, scale):
-    torch.testing.assert_close(aapo_advantages(rewards, rewards, scale=scale), grpo_advantages(rewards, scale=scale))
+    assert torch.equal(aapo_advantages(rewards, rewards, scale=scale), grpo_advantages(rewards, scale=scale))
 
 
 @given(reward_groups(), st.floats(0.0, 0.5), st.floats(0.0, 0.5), st.randoms(use_true_random=False))
@@ -183,34 +319,68 @@ def test_aapo_margin_is_bounded(rewards, delta_low, delta_high, rng):
     torch.testing.assert_close(margin, aapo_margin(rewards, ref, delta_low=delta_low, delta_high=delta_high))
 
 
+def test_aapo_margin_hand_values():
+    rewards, ref = torch.tensor([[1.0, 0.0, 0.5, 0.6]]), torch.tensor([[0.0, 1.0, 0.4, 0.6]])
+    expected = torch.tensor([[0.28, -0.2, 0.1, 0.0]])  # clip(r - r_ref, -0.2, 0.28): above, below, inside, zero
+    torch.testing.assert_close(aapo_margin(rewards, ref), expected)
+    with pytest.raises(ValueError, match="magnitudes"):
+        aapo_margin(rewards, ref, delta_low=-0.2)
+
+
 @given(reward_groups(binary=True))
 def test_aapo_gives_signal_to_collapsed_groups_that_beat_the_reference(rewards):
     rewards[0] = 1.0
     ref = torch.zeros_like(rewards)
-    torch.testing.assert_close(aapo_advantages(rewards, ref)[0], torch.full((rewards.shape[1],), 0.28))
+    assert torch.equal(aapo_advantages(rewards, ref)[0], torch.full((rewards.shape[1],), 0.28))
 
 
 # ---------------------------------------------------------------- adaptive threshold
 
 
-@given(st.lists(st.tuples(st.floats(0.0, 1.0), st.floats(-1.0, 1.0)), max_size=50))
-def test_adaptive_threshold_stays_in_bounds(history):
+@given(st.lists(st.tuples(st.floats(0.0, 1.0), st.floats(0.0, 1.0)), max_size=50))
+def test_adaptive_threshold_stays_in_bounds_and_moves_by_the_rule(history):
     threshold = AdaptiveThreshold()
-    for acr, delta in history:
-        value = threshold.update(acr, delta)
-        assert 0.1 <= value <= 0.9 and value == threshold.value
+    for acr, reward in history:
+        old, prev = threshold.value, threshold.prev_reward
+        value = threshold.update(acr, reward)
+        assert 0.1 <= value <= 0.9 and value == threshold.value and threshold.prev_reward == reward
+        if prev is None or reward == prev:
+            assert value == old  # first call only records; an unchanged reward leaves the threshold
+        elif reward > prev:
+            assert abs(value - acr) <= abs(old - acr)  # towards ACR (or clipped)
+        else:
+            assert abs(value - acr) >= abs(old - acr) or value in (0.1, 0.9)  # away from ACR
 
 
 def test_adaptive_threshold_hand_values():
-    t = AdaptiveThreshold(init=0.5, lr=0.1)
-    assert t.update(0.9, +0.2) == pytest.approx(0.54)  # reward rose: move towards ACR
-    assert t.update(0.9, -0.2) == pytest.approx(0.504)  # reward fell: move away from ACR
-    assert t.update(0.9, 0.0) == pytest.approx(0.504)  # no change in reward: stay
-    t = AdaptiveThreshold(init=0.85, lr=1.0)
+    t = AdaptiveThreshold(value=0.5, lr=0.1)
+    assert t.update(0.9, 0.3) == 0.5 and t.prev_reward == 0.3  # first call: records the reward only
+    assert t.update(0.9, 0.5) == pytest.approx(0.54)  # reward rose: move towards ACR
+    assert t.update(0.9, 0.3) == pytest.approx(0.504)  # reward fell: move away from ACR
+    assert t.update(0.9, 0.3) == pytest.approx(0.504)  # no change in reward: stay
+    t = AdaptiveThreshold(value=0.85, lr=1.0, prev_reward=0.0)
     assert t.update(1.0, 1.0) == 0.9  # clipped at high
+    t = AdaptiveThreshold(value=0.15, lr=1.0, prev_reward=1.0)
+    assert t.update(0.9, 0.0) == 0.1  # 0.15 - (0.9 - 0.15) clipped at low
+    t = AdaptiveThreshold(value=0.3, lr=0.5, low=0.2, high=0.4, prev_reward=0.0)
+    assert t.update(0.34, 1.0) == pytest.approx(0.32)  # inside custom bounds: unclipped
 
 
-# ---------------------------------------------------------------- hand-computed examples and errors
+def test_adaptive_threshold_validates_and_round_trips():
+    with pytest.raises(ValueError):
+        AdaptiveThreshold(value=0.95)
+    with pytest.raises(ValueError):
+        AdaptiveThreshold(value=0.3, low=0.4, high=0.9)
+    t = AdaptiveThreshold()
+    for acr, reward in [(0.7, 0.2), (0.8, 0.4), (0.6, 0.1)]:
+        t.update(acr, reward)
+    saved = json.loads(json.dumps(dataclasses.asdict(t)))  # what a checkpoint stores
+    restored = AdaptiveThreshold(**saved)
+    assert restored == t and restored.prev_reward == 0.1
+    assert restored.update(0.9, 0.5) == t.update(0.9, 0.5) != 0.5
+
+
+# ---------------------------------------------------------------- hand-computed examples, dtypes and errors
 
 
 def test_hand_computed_grpo_and_avspo():
@@ -219,14 +389,13 @@ def test_hand_computed_grpo_and_avspo():
     s = math.sqrt(1 / 3)
     expected_mixed = torch.tensor([0.5, 0.5, -0.5, -0.5]) / (s + 1e-4)
     torch.testing.assert_close(grpo_advantages(rewards)[0], expected_mixed)
-    assert advantage_collapse_rate(rewards) == pytest.approx(2 / 3)
+    assert advantage_collapse_rate(rewards) == 2 / 3
     # ACR 2/3 > 0.5; K = ceil(4 * sqrt(2/3)) = ceil(3.27) = 4 virtual rewards per collapsed group.
-    assert num_virtual_samples(4, 2 / 3) == 4
+    assert num_virtual_samples(4, 2, 3) == 4
     adv = avspo_advantages(rewards)
     # all-correct: R u V = [1,1,1,1, .75,.5,.25,0]: mean 0.6875, unbiased std sqrt(1.09375 / 7) = 0.395285
-    aug = torch.tensor([1, 1, 1, 1, 0.75, 0.5, 0.25, 0.0])
-    torch.testing.assert_close(adv[1], (1 - aug.mean()).expand(4) / (aug.std() + 1e-4))
     assert adv[1, 0].item() == pytest.approx(0.3125 / (0.395285 + 1e-4), rel=1e-4)
+    assert torch.all(adv[1] == adv[1, 0])
     # all-wrong is the mirror image
     torch.testing.assert_close(adv[2], -adv[1])
     torch.testing.assert_close(adv[0], expected_mixed)
@@ -234,27 +403,34 @@ def test_hand_computed_grpo_and_avspo():
 
 def test_released_code_setting_adds_one_opposite_reward():
     rewards = torch.tensor([[0.0, 0.0, 0.0], [1.0, 1.0, 1.0], [1.0, 0.0, 1.0]])
-    adv = avspo_advantages(rewards, num_virtual=1, acr_threshold=0.0)
-    # all-wrong group + virtual 1.0: [0,0,0,1] mean .25, unbiased std .5 -> -.25 / .5
-    torch.testing.assert_close(adv[0], torch.full((3,), -0.25 / (0.5 + 1e-4)))
-    torch.testing.assert_close(adv[1], torch.full((3,), 0.25 / (0.5 + 1e-4)))
+    adv = avspo_advantages(rewards, num_virtual=1, acr_threshold=0.0, eps=0.5)
+    # all-wrong group + virtual 1.0: [0,0,0,1] mean .25, unbiased std .5 -> -.25 / (.5 + eps)
+    torch.testing.assert_close(adv[0], torch.full((3,), -0.25 / (0.5 + 0.5)))
+    torch.testing.assert_close(adv[1], torch.full((3,), 0.25 / (0.5 + 0.5)))
 
 
-def test_dr_grpo_unscaled():
-    torch.testing.assert_close(grpo_advantages(torch.tensor([[3.0, 1.0]]), scale=False), torch.tensor([[1.0, -1.0]]))
-
-
-@pytest.mark.parametrize("dtype", [torch.float64, torch.float16, torch.bfloat16, torch.int64])
-def test_other_dtypes(dtype):
-    rewards = torch.tensor([[1, 0, 0, 1], [1, 1, 1, 1]]).to(dtype)
-    ref = torch.zeros_like(rewards)
-    for adv in (grpo_advantages(rewards), avspo_advantages(rewards, acr_threshold=0.0), aapo_advantages(rewards, ref)):
-        assert adv.dtype == (dtype if dtype.is_floating_point else torch.float32)
-        assert torch.isfinite(adv.float()).all()
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES + [torch.int64, torch.int32, torch.bool])
+def test_dtypes_as_documented(dtype):
+    """Floats come back in their dtype, ints and bools as float32; computed in at least float32."""
+    rewards = torch.tensor([[1, 0, 0, 1], [1, 1, 1, 1], [0, 1, 1, 1]]).to(dtype)
+    ref = torch.tensor([[0, 0, 1, 1]] * 3).to(dtype)
+    out_dtype = dtype if dtype.is_floating_point else torch.float32
+    wide = rewards.to(torch.promote_types(dtype, torch.float32))  # what the computation runs in
+    pairs = [
+        (grpo_advantages(rewards), grpo_advantages(wide)),
+        (grpo_advantages(rewards, scale=False), grpo_advantages(wide, scale=False)),
+        (avspo_advantages(rewards, acr_threshold=0.0), avspo_advantages(wide, acr_threshold=0.0)),
+        (avspo_advantages(rewards, acr_threshold=0.9), avspo_advantages(wide, acr_threshold=0.9)),
+        (aapo_advantages(rewards, ref), aapo_advantages(wide, ref)),
+        (aapo_margin(rewards, ref), aapo_margin(wide, ref)),
+    ]
+    for got, computed in pairs:
+        assert got.dtype == out_dtype and computed.dtype == wide.dtype
+        assert torch.equal(got, computed.to(out_dtype))  # one rounding, at the end
     assert avspo_advantages(rewards, acr_threshold=0.0)[1].float().min() > 0
 
 
-@pytest.mark.parametrize("shape", [(4, 1), (4,), (0, 3, 2)])
+@pytest.mark.parametrize("shape", [(4, 1), (4,), (0, 3, 2), (0, 3)])
 def test_bad_shapes_raise_clear_errors(shape):
     with pytest.raises(ValueError, match="G|shape"):
         grpo_advantages(torch.zeros(shape))

@@ -23,6 +23,17 @@ def test_arithmetic_is_deterministic_with_disjoint_splits(level):
         assert verify(f"The answer is {p.answer}.", p.answer) == 1.0
 
 
+def test_arith_mix_balances_levels_and_holds_out_300_stratified_problems():
+    train, test = load_problems("arith-mix", "train"), load_problems("arith-mix", "test")
+    assert not set(train) & set(test)  # each level keeps its own train/test split
+    assert len(test) >= 300 and {p.level for p in test} == set(LEVELS)
+    for level in LEVELS:
+        assert set(p for p in test if p.level == level) <= set(load_problems(f"arith-{level}", "test"))
+    first = [p.level for p in train[: 10 * len(LEVELS)]]
+    assert all(first.count(level) == 10 for level in LEVELS)  # a random prompt is equally likely from each level
+    assert load_eval_problems("arith-mix") == test
+
+
 def write(tmp_path, lines: list[str]) -> Path:
     path = tmp_path / "data.jsonl"
     path.write_text("\n".join(lines) + "\n")

@@ -34,12 +34,13 @@ def test_evaluate_scores_known_completions(monkeypatch):
         return Rollout(torch.zeros(n, 1), torch.ones(n, 1), torch.ones(n, 1), texts[:n], torch.zeros(n, dtype=torch.bool))
 
     monkeypatch.setattr(evaluation, "sample", fake_sample)
-    problems = [Problem("What is 7 * 8?", "56"), Problem("What is 10 * 100?", "1000")]
+    problems = [Problem("What is 7 * 8?", "56", "mul1"), Problem("What is 10 * 100?", "1000", "mul3")]
     result = evaluate(None, None, problems, max_new_tokens=8, samples=4, temperature=1.0)
     assert result["accuracy"] == pytest.approx(5 / 8)
+    assert result["accuracy_by_level"] == {"mul1": 0.5, "mul3": 0.75}
     assert result["pass_at_k"][1] == pytest.approx((0.5 + 0.75) / 2)
     assert result["pass_at_k"][4] == 1.0
-    assert [r["extracted"] for r in result["records"][:3]] == ["56", "56", "54"]
+    assert [r["extracted"] for r in result["records"][:3]] == ["7 * 8 = 56", "56", "54"]  # an equation states its right side
     assert [r["correct"] for r in result["records"]] == [True, True, False, False, True, True, True, False]
 
 
@@ -50,7 +51,7 @@ def test_cli_on_tiny_model_writes_outputs(tmp_path, capsys):
     written = json.loads((tmp_path / "summary.json").read_text())
     assert written["models"]["tiny-qwen2"]["samples"] == 2
     rows = [json.loads(line) for line in (tmp_path / "samples-tiny-qwen2.jsonl").read_text().splitlines()]
-    assert len(rows) == 6 and set(rows[0]) == {"question", "completion", "extracted", "gold", "correct"}
+    assert len(rows) == 6 and set(rows[0]) == {"question", "level", "completion", "extracted", "gold", "reward", "correct"}
     assert "mean@2" in capsys.readouterr().out
 
 

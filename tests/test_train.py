@@ -1,15 +1,22 @@
-"""The training loop on the tiny random Qwen2 model: loss, masking, gradients, resume, end to end."""
+"""The training loop on the tiny random Qwen2 model: loss, masking, gradients, resume, torchrun, end to end."""
 
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 import train
 from advantage import avspo_advantages
+from data.tasks import Problem
 from model import completion_logprobs, completion_mask_from_eos, load_model, sample
 
 TINY = ["--model", "tiny-qwen2", "--max-new-tokens", "8", "--group-size", "4", "--eval-size", "4"]
+ROOT = Path(__file__).resolve().parent.parent
+LOSS = dict(clip_low=0.2, clip_high=0.2, beta=0.0)
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +44,7 @@ def run_update(tiny, rollout, advantages, **overrides):
 def test_ratio_is_one_and_gradient_is_reinforce():
     logp = torch.randn(3, 5, requires_grad=True)
     advantages, mask = torch.tensor([1.0, -0.5, 0.0]), torch.tensor([[1, 1, 1, 0, 0], [1] * 5, [1, 1, 0, 0, 0]])
-    loss, _ = train.policy_loss(logp, logp.detach(), None, advantages, mask, train.Args(), int(mask.sum()))
+    loss, _ = train.policy_loss(logp, logp.detach(), None, advantages, mask, **LOSS, num_tokens=int(mask.sum()))
     (grad,) = torch.autograd.grad(loss, logp)
     reinforce = -(advantages[:, None] * logp * mask).sum() / mask.sum()
     (expected,) = torch.autograd.grad(reinforce, logp)
@@ -50,8 +57,9 @@ def test_ratio_is_one_and_gradient_is_reinforce():
 def test_kl_is_zero_against_itself_and_positive_otherwise():
     logp = torch.log_softmax(torch.randn(2, 4), dim=1)
     mask = torch.ones(2, 4)
-    _, kl_same = train.policy_loss(logp, logp, logp, torch.zeros(2), mask, train.Args(beta=0.1), 8)
-    _, kl_diff = train.policy_loss(logp, logp, logp + 0.3, torch.zeros(2), mask, train.Args(beta=0.1), 8)
+    kl = dict(clip_low=0.2, clip_high=0.2, beta=0.1, num_tokens=8)
+    _, kl_same = train.policy_loss(logp, logp, logp, torch.zeros(2), mask, **kl)
+    _, kl_diff = train.policy_loss(logp, logp, logp + 0.3, torch.zeros(2), mask, **kl)
     assert kl_same.item() == 0.0 and kl_diff.item() > 0
 
 
@@ -92,7 +100,7 @@ def test_skipping_zero_advantage_rows_keeps_the_gradient(tiny, rollout):
     advantages = torch.tensor([0.0, 0.0, 0.0, 0.0, 1.5, -0.5, -0.5, -0.5])  # first group collapsed
     mask = rollout.completion_mask
     logp = completion_logprobs(model, rollout.input_ids, rollout.attention_mask, rollout.completion_len)
-    loss, _ = train.policy_loss(logp, logp.detach(), None, advantages, mask, train.Args(), int(mask.sum()))
+    loss, _ = train.policy_loss(logp, logp.detach(), None, advantages, mask, **LOSS, num_tokens=int(mask.sum()))
     expected = torch.autograd.grad(loss, list(model.parameters()))  # every row, no skipping, no trimming
     before = [p.detach().clone() for p in model.parameters()]
     sgd = torch.optim.SGD(model.parameters(), lr=1.0)  # weight change = -gradient
@@ -173,7 +181,7 @@ def test_unknown_model_is_one_line_error(tmp_path):
     assert not (tmp_path / "run" / "grpo").exists()
 
 
-def test_ctrl_c_saves_a_checkpoint_that_resumes(tmp_path, monkeypatch):
+def test_ctrl_c_saves_a_checkpoint_that_resumes(tmp_path, monkeypatch, capsys):
     common = TINY + ["--algo", "grpo", "--eval-every", "0", "--steps", "3", "--out", str(tmp_path)]
     real_update, calls = train.update_policy, []
 
@@ -184,8 +192,11 @@ def test_ctrl_c_saves_a_checkpoint_that_resumes(tmp_path, monkeypatch):
         return real_update(*args, **kwargs)
 
     monkeypatch.setattr(train, "update_policy", interrupt_on_second_step)
-    with pytest.raises(KeyboardInterrupt):
+    with pytest.raises(SystemExit) as exit_info:
         train.main(common)
+    assert exit_info.value.code == 130  # the shell's code for Ctrl-C, and no traceback
+    said = capsys.readouterr().out.strip().splitlines()
+    assert said[-1].startswith("[grpo] interrupted: checkpoint of step 1 saved") and "--resume" in said[-1]
     state = torch.load(tmp_path / "grpo" / "checkpoint" / "state.pt", weights_only=False)
     assert state["step"] == 1  # the interrupted step 2 is not counted
     monkeypatch.setattr(train, "update_policy", real_update)
@@ -199,3 +210,118 @@ def test_bad_flags_are_rejected_before_anything_runs(flag, value, tmp_path):
     with pytest.raises(SystemExit):
         train.main(TINY + [flag, value, "--out", str(tmp_path)])
     assert not any(tmp_path.iterdir())
+
+
+def test_clipped_ratio_uses_each_bound():
+    """With old != new log-probs the clip acts: above 1 + clip_high for A > 0, below 1 - clip_low for A < 0."""
+    logp = torch.log(torch.tensor([[2.0], [0.5]]))  # ratios 2 and 0.5 against old log-probs of 0
+    old, mask = torch.zeros(2, 1), torch.ones(2, 1)
+    loss, _ = train.policy_loss(logp, old, None, torch.tensor([1.0, 0.0]), mask, clip_low=0.2, clip_high=0.3,
+                                beta=0.0, num_tokens=1)
+    assert loss.item() == pytest.approx(-1.3)  # min(2 * 1, 1.3 * 1): the upper bound is clip_high
+    loss, _ = train.policy_loss(logp, old, None, torch.tensor([0.0, -1.0]), mask, clip_low=0.2, clip_high=0.3,
+                                beta=0.0, num_tokens=1)
+    assert loss.item() == pytest.approx(0.8)  # -min(0.5 * -1, 0.8 * -1): the lower bound is 1 - clip_low
+
+
+def test_import_train_does_not_load_matplotlib():
+    code = "import sys, train; print('matplotlib' in sys.modules)"
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.stdout.strip() == "False", proc.stderr[-1000:]
+
+
+def torchrun(*args: str, processes: int = 2) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}  # one thread per process on a 2-core machine
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={processes}", *args]
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+
+
+def test_two_processes_give_the_single_process_gradient(tmp_path):
+    """Rows split over 2 gloo processes (both training, or one with no row to train): same weight change."""
+    single, split = tmp_path / "single.pt", tmp_path / "split.pt"
+    proc = subprocess.run([sys.executable, "tests/distributed_update.py", str(single)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = torchrun("tests/distributed_update.py", str(split))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for case, one in torch.load(single).items():
+        two = torch.load(split)[case]
+        assert sum(d.abs().sum() for d in one["delta"]) > 0  # the check compares a real update
+        for a, b in zip(one["delta"], two["delta"]):
+            torch.testing.assert_close(b, a, atol=1e-6, rtol=1e-4, msg=case)
+        for key in ("loss", "grad_norm", "rows_trained"):  # not train_tokens: padding depends on the split
+            assert two["stats"][key] == pytest.approx(one["stats"][key], rel=1e-4, abs=1e-7), (case, key)
+
+
+def test_torchrun_writes_the_same_logs_and_one_checkpoint_and_resumes(tmp_path):
+    common = TINY + ["--algo", "avspo", "--eval-every", "0", "--prompts-per-step", "2"]
+    assert train.main(common + ["--steps", "2", "--out", str(tmp_path / "one")])
+    proc = torchrun("train.py", *common, "--steps", "2", "--out", str(tmp_path / "two"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = {run: [json.loads(line) for line in (tmp_path / run / "avspo" / "metrics.jsonl").read_text().splitlines()]
+            for run in ("one", "two")}
+    assert [r["step"] for r in rows["two"]] == [1, 2]  # written once, by process 0
+    assert [sorted(r) for r in rows["two"]] == [sorted(r) for r in rows["one"]]
+    assert all(r["rows_trained"] <= 8 and r["completion_len"] > 0 for r in rows["two"])
+    assert sorted(p.name for p in (tmp_path / "two" / "avspo").iterdir() if "checkpoint" in p.name) == ["checkpoint"]
+    proc = torchrun("train.py", *common, "--steps", "3", "--out", str(tmp_path / "two"), "--resume")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    steps = [json.loads(line)["step"] for line in (tmp_path / "two" / "avspo" / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3]
+
+
+def test_a_real_ctrl_c_saves_prints_one_line_and_exits_130(tmp_path):
+    import signal
+    import time
+
+    cmd = [sys.executable, "train.py", *TINY, "--steps", "1000", "--eval-every", "0", "--out", str(tmp_path)]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    metrics = tmp_path / "grpo" / "metrics.jsonl"
+    deadline = time.monotonic() + 120
+    while not (metrics.exists() and metrics.read_text().count("\n") >= 2) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err
+    assert "interrupted: checkpoint of step" in out
+    state = torch.load(tmp_path / "grpo" / "checkpoint" / "state.pt", weights_only=False)
+    assert state["step"] >= 2 and state["step"] == len(metrics.read_text().splitlines())
+
+
+def test_replace_groups_keeps_every_row_its_own_log_probs(tiny):
+    """Groups from a rollout with other prompt and completion widths: each row's log-probs are unchanged."""
+    model, tokenizer = tiny
+    torch.manual_seed(1)
+    base = sample(model, tokenizer, ["What is 2 + 3?", "What is 12 * 7? Think step by step."], 4, 8)
+    new = sample(model, tokenizer, ["Name a prime number between 10 and 20, please."], 4, 5)
+    merged = train.replace_groups(base, [0], new, 4, tokenizer.pad_token_id)
+
+    def logprobs(r):
+        return completion_logprobs(model, r.input_ids, r.attention_mask, r.completion_len) * r.completion_mask
+
+    m, b, n = logprobs(merged), logprobs(base), logprobs(new)
+    torch.testing.assert_close(m[:4, : new.completion_len], n, atol=1e-5, rtol=1e-4)  # the new group
+    torch.testing.assert_close(m[4:, : base.completion_len], b[4:], atol=1e-5, rtol=1e-4)  # the kept group
+    assert merged.texts == new.texts + base.texts[4:] and merged.completion_mask.sum() == (
+        new.completion_mask.sum() + base.completion_mask[4:].sum())
+
+
+@pytest.mark.parametrize("algo, rounds, expected_resampled", [("grpo", 2, 0), ("dapo", 2, 2), ("dapo", 1, 1)])
+def test_dynamic_sampling_replaces_collapsed_groups_only(tiny, algo, rounds, expected_resampled):
+    """Prompt 'ok-*' gets mixed rewards, 'dead-*' all zeros: DAPO redraws only dead groups, for `rounds` rounds."""
+    model, tokenizer = tiny
+    draws = {0: ["ok-0", "dead-0"], 1: ["dead-1", "dead-1b"], 2: ["x", "ok-2"]}  # round -> the B prompts
+
+    def rollout_and_score(problems):
+        rollout = sample(model, tokenizer, [p.question for p in problems], 2, 4)
+        rewards = torch.tensor([[1.0, 0.0] if p.question.startswith("ok") else [0.0, 0.0] for p in problems])
+        return rollout, rewards
+
+    args = train.Args(algo=algo, resample_rounds=rounds, group_size=2, prompts_per_step=2)
+    rollout, rewards, resampled = train.sample_batch(
+        args, rollout_and_score, lambda r: [Problem(q, "0") for q in draws[r]], slice(0, 2), tokenizer.pad_token_id)
+    assert resampled == expected_resampled
+    assert rewards[0].tolist() == [1.0, 0.0]  # the mixed group is kept in every case
+    assert rewards[1].tolist() == ([1.0, 0.0] if expected_resampled == 2 else [0.0, 0.0])
+    assert rollout.input_ids.shape[0] == 4

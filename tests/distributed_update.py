@@ -1,0 +1,55 @@
+"""One train.update_policy on a fixed rollout, its rows split over the processes of a torchrun job.
+
+    torchrun --standalone --nproc_per_node 2 tests/distributed_update.py OUT.pt   # N processes
+    python tests/distributed_update.py OUT.pt                                       # the same batch, one process
+
+Every process samples the same global rollout (same seed), keeps its share of the rows and runs one
+SGD step with lr 1 and no clipping, so the weight change is minus the gradient; process 0 saves it,
+for two advantage vectors. tests/test_train.py checks that N processes and one give the same changes.
+"""
+
+import sys
+from contextlib import nullcontext
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import train  # noqa: E402
+from common import close_processes, init_processes  # noqa: E402
+from model import Rollout, load_model, sample  # noqa: E402
+
+QUESTIONS = ["What is 2 + 3?", "What is 12 * 7? Think step by step.", "What is 9 - 4?", "Name a prime."]
+ADVANTAGES = {  # per completion, 4 prompts x G=2
+    "every process trains": torch.tensor([1.0, -1.0, 0.5, -0.5, 0.0, 0.0, 0.7, -0.7]),
+    "the second half trains no row": torch.tensor([1.0, -1.0, 0.5, -0.5, 0.0, 0.0, 0.0, 0.0]),
+}
+
+
+def rows_of(rollout: Rollout, rows: slice) -> Rollout:
+    return Rollout(rollout.input_ids[rows], rollout.attention_mask[rows], rollout.completion_mask[rows],
+                   rollout.texts[rows], rollout.truncated[rows])
+
+
+def main(out: str) -> None:
+    rank, world, device = init_processes()
+    results = {}
+    for case, advantages in ADVANTAGES.items():
+        model, tokenizer = load_model("tiny-qwen2", device)
+        torch.manual_seed(0)
+        rollout = sample(model.eval(), tokenizer, QUESTIONS, 2, 8)
+        share = len(advantages) // world
+        mine = slice(rank * share, (rank + 1) * share)
+        before = [p.detach().clone() for p in model.parameters()]
+        sgd = torch.optim.SGD(model.parameters(), lr=1.0)
+        args = train.Args(micro_batch=3, max_grad_norm=1e9)
+        stats = train.update_policy(model, sgd, rows_of(rollout, mine), advantages[mine], None, args, nullcontext())
+        results[case] = {"delta": [b - p.detach() for b, p in zip(before, model.parameters())], "stats": stats}
+    if rank == 0:
+        torch.save(results, out)
+    close_processes()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

@@ -1,0 +1,165 @@
+"""Each speed-up in model.py changes nothing it should not: same greedy tokens as HF `generate`, the same
+sampling distribution, close log-probs from the bf16 sampling copy, and precision chosen from CPU flags."""
+
+import pytest
+import torch
+
+import model as model_module
+from model import (completion_logprobs, decode, hf_generate, load_model, next_tokens, resolve_precision, sample,
+                   sampling_copy)
+
+QUESTIONS = ["2+3?", "What is 17 * 4?", "hi", "a"]  # different lengths: left padding is exercised
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    model, tokenizer = load_model("tiny-qwen2", torch.device("cpu"))
+    return model.eval(), tokenizer
+
+
+@pytest.fixture
+def eos_bias(tiny):
+    """Add `bias` to the EOS logit, so greedy rows end at different steps (a random model rarely ends)."""
+    model, tokenizer = tiny
+    eos = torch.tensor([tokenizer.eos_token_id])
+    handles = []
+
+    def set_bias(bias: float):
+        handles.append(model.lm_head.register_forward_hook(
+            lambda mod, inp, out: out.index_add(-1, eos, torch.full((*out.shape[:-1], 1), bias))))
+
+    yield set_bias
+    for h in handles:
+        h.remove()
+
+
+@pytest.mark.parametrize("group_size", [1, 3])
+def test_greedy_decode_equals_hf_generate(tiny, eos_bias, group_size):
+    """Prefill once per prompt + repeated cache + dropping finished rows: token for token what generate gives."""
+    model, tokenizer = tiny
+    eos_bias(0.4)
+    fast = sample(model, tokenizer, QUESTIONS, group_size, 30, temperature=0)
+    ref = sample(model, tokenizer, QUESTIONS, group_size, 30, temperature=0, use_generate=True)
+    lengths = fast.completion_mask.sum(1)
+    assert lengths.min() < 30 and lengths.max() == 30  # some rows stopped early, some ran to the limit
+    for field in ("input_ids", "attention_mask", "completion_mask", "truncated"):
+        assert torch.equal(getattr(fast, field), getattr(ref, field)), field
+    assert fast.texts == ref.texts
+
+
+def test_decode_stops_when_every_row_has_ended(tiny, eos_bias):
+    model, tokenizer = tiny
+    eos_bias(1.0)  # every row ends at its first token
+    rollout = sample(model, tokenizer, QUESTIONS, 2, 30, temperature=0)
+    assert rollout.completion_len == 1 and not rollout.truncated.any()
+
+
+def test_decode_pads_after_eos_and_masks_by_position(tiny, eos_bias):
+    """Tokens after a row's EOS are pad; the mask runs up to and including the first EOS."""
+    model, tokenizer = tiny
+    eos_bias(0.4)
+    enc = tokenizer(["hi", "a"], return_tensors="pt", padding=True, add_special_tokens=False)
+    ids = decode(model, enc["input_ids"], enc["attention_mask"], 2, 30, 0.0, 1.0, tokenizer.eos_token_id,
+                 tokenizer.pad_token_id)
+    for row in ids:
+        eos_at = (row == tokenizer.eos_token_id).nonzero()
+        if len(eos_at):
+            assert (row[eos_at[0, 0] + 1:] == tokenizer.pad_token_id).all()
+
+
+def test_next_tokens_draws_from_softmax_over_temperature():
+    """Inverse-CDF draws have the frequencies softmax(logits / T) predicts (within 5 standard errors)."""
+    torch.manual_seed(0)
+    logits = torch.tensor([2.0, 1.0, 0.0, -1.0, -30.0, 0.5])
+    for temperature in (1.0, 0.7):
+        probs = torch.softmax(logits / temperature, 0)
+        draws = next_tokens(logits.expand(200_000, -1), temperature, 1.0)
+        freq = torch.bincount(draws, minlength=len(logits)).double() / len(draws)
+        stderr = (probs * (1 - probs) / len(draws)).sqrt()
+        assert ((freq - probs).abs() <= 5 * stderr + 1e-6).all(), (freq, probs)
+
+
+def test_next_tokens_top_p_keeps_the_nucleus_renormalised():
+    torch.manual_seed(0)
+    logits = torch.log(torch.tensor([0.5, 0.05, 0.3, 0.15]))
+    draws = next_tokens(logits.expand(100_000, -1), 1.0, 0.8)  # nucleus {0, 2}: 0.5 + 0.3 reaches 0.8
+    freq = torch.bincount(draws, minlength=4).double() / len(draws)
+    assert freq[1] == 0 and freq[3] == 0
+    assert abs(freq[0] - 0.5 / 0.8) < 0.01
+    assert torch.equal(next_tokens(logits[None], 1.0, 0.01), torch.tensor([0]))  # at least the top token
+
+
+def test_next_tokens_greedy_and_never_a_zero_probability_token():
+    logits = torch.tensor([[0.0, 5.0, 1.0], [3.0, -1.0, 2.0]])
+    assert torch.equal(next_tokens(logits, 0.0, 1.0), torch.tensor([1, 0]))
+    torch.manual_seed(0)
+    masked = torch.tensor([-float("inf"), 0.0, -float("inf"), 0.0]).expand(10_000, -1)
+    assert set(next_tokens(masked, 1.0, 1.0).tolist()) == {1, 3}
+
+
+def test_decode_samples_first_tokens_from_the_models_distribution(tiny):
+    """End to end: first completion tokens of many sampled rows follow exp(completion_logprobs)."""
+    model, tokenizer = tiny
+    torch.manual_seed(0)
+    temperature, n = 0.05, 4000  # a sharp distribution, so few tokens carry the mass and counts are informative
+    rollout = sample(model, tokenizer, ["hi"], n, 1, temperature=temperature)
+    probs = torch.softmax(model(**tokenizer(model_module.format_prompts(tokenizer, ["hi"]), return_tensors="pt",
+                                            add_special_tokens=False)).logits[0, -1] / temperature, 0)
+    freq = torch.bincount(rollout.input_ids[:, -1], minlength=len(probs)).double() / n
+    assert (freq - probs.double()).abs().sum() < 0.06  # total variation (x2) of a 4000-draw sample
+    logp = completion_logprobs(model, rollout.input_ids[:8], rollout.attention_mask[:8], 1, temperature)
+    assert torch.allclose(logp.exp(), probs[rollout.input_ids[:8, -1]], atol=1e-5)
+
+
+def test_sampled_decode_is_reproducible_for_a_seed(tiny):
+    model, tokenizer = tiny
+    runs = []
+    for _ in range(2):
+        torch.manual_seed(123)
+        runs.append(sample(model, tokenizer, QUESTIONS[:2], 4, 12).input_ids)
+    assert torch.equal(*runs)
+
+
+def test_hf_generate_reference_path_still_runs(tiny):
+    model, tokenizer = tiny
+    enc = tokenizer(["hi"], return_tensors="pt", add_special_tokens=False)
+    ids = hf_generate(model, enc["input_ids"], enc["attention_mask"], 3, 5, 1.0, 1.0, tokenizer.eos_token_id,
+                      tokenizer.pad_token_id)
+    assert ids.shape[0] == 3 and ids.shape[1] <= 5
+
+
+def test_sampling_copy_is_bf16_tracks_updates_and_matches_autocast_logprobs(tiny):
+    model, tokenizer = tiny
+    model = model_module.copy.deepcopy(model)
+    copy = sampling_copy(model)
+    assert all(p.dtype == torch.bfloat16 and not p.requires_grad for p in copy.parameters())
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.01)  # an optimizer step
+    assert not torch.equal(copy.lm_head.weight, model.lm_head.weight.bfloat16())
+    assert sampling_copy(model, into=copy) is copy
+    for p, q in zip(copy.parameters(), model.parameters()):
+        assert torch.equal(p, q.bfloat16())
+    torch.manual_seed(0)
+    rollout = sample(model, tokenizer, QUESTIONS, 2, 8)
+    args = (rollout.input_ids, rollout.attention_mask, rollout.completion_len)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        autocast_logp = completion_logprobs(model, *args)
+    copy_logp = completion_logprobs(copy, *args)
+    assert (copy_logp - autocast_logp).abs().max() < 0.05  # bf16 rounding of activations, not a different model
+
+
+@pytest.mark.parametrize("flags,expected", [({"avx2"}, "fp32"), ({"avx2", "avx512f"}, "fp32"),
+                                            ({"avx2", "avx512f", "avx512_bf16"}, "bf16"), ({"amx_bf16"}, "bf16"),
+                                            (set(), "fp32")])
+def test_resolve_precision_auto_uses_bf16_only_with_native_bf16(monkeypatch, flags, expected):
+    monkeypatch.setattr(model_module, "cpu_features", lambda: flags)
+    assert resolve_precision("auto", torch.device("cpu")) == expected
+    assert resolve_precision("fp32", torch.device("cpu")) == "fp32"
+    assert resolve_precision("bf16", torch.device("cpu")) == "bf16"
+    assert resolve_precision("auto", torch.device("cuda")) == "bf16"
+
+
+def test_cpu_features_reads_this_machines_flags():
+    features = model_module.cpu_features()
+    assert isinstance(features, set) and features <= {"avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile"}
