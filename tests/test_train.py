@@ -325,3 +325,22 @@ def test_dynamic_sampling_replaces_collapsed_groups_only(tiny, algo, rounds, exp
     assert rewards[0].tolist() == [1.0, 0.0]  # the mixed group is kept in every case
     assert rewards[1].tolist() == ([1.0, 0.0] if expected_resampled == 2 else [0.0, 0.0])
     assert rollout.input_ids.shape[0] == 4
+
+
+def test_a_users_reward_function_is_used_for_training_and_eval(tmp_path, monkeypatch):
+    """--reward module:function: every completion is scored by the user's function (here: always 1)."""
+    (tmp_path / "my_rewards.py").write_text("def always_right(completion, gold):\n    return 1.0\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    train.main(TINY + ["--steps", "1", "--eval-every", "0", "--dataset", "arith-mix", "--prompts-per-step", "5",
+                       "--reward", "my_rewards:always_right", "--out", str(tmp_path / "run")])
+    row = json.loads((tmp_path / "run" / "grpo" / "metrics.jsonl").read_text())
+    assert row["reward_mean"] == 1.0 and row["acr"] == 1.0 and row["all_correct_frac"] == 1.0
+    evals = [json.loads(line) for line in (tmp_path / "run" / "grpo" / "evals.jsonl").read_text().splitlines()]
+    assert [e["eval_accuracy"] for e in evals] == [1.0, 1.0]
+    assert set(evals[0]["eval_accuracy_by_level"]) <= {"add1", "mul1", "add2", "mul2", "mul3"}
+
+
+def test_a_bad_reward_spec_is_rejected_before_anything_runs(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        train.main(TINY + ["--reward", "no_such_module:f", "--out", str(tmp_path / "run")])
+    assert "no_such_module" in capsys.readouterr().err and not (tmp_path / "run").exists()
