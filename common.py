@@ -40,11 +40,11 @@ def dataclass_parser(config_class, description: str) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=description)
     for f in dataclasses.fields(config_class):
         flag, options = "--" + f.name.replace("_", "-"), {k: v for k, v in f.metadata.items() if k != "help"}
+        help = f.metadata["help"].replace("%", "%%")  # argparse formats help strings with %
         if f.type is bool:
-            parser.add_argument(flag, action="store_true", help=f.metadata["help"], **options)
+            parser.add_argument(flag, action="store_true", help=help, **options)
         else:
-            parser.add_argument(flag, **{"type": f.type, "default": f.default, **options},
-                                help=f"{f.metadata['help']} (default: {f.default})")
+            parser.add_argument(flag, **{"type": f.type, "default": f.default, **options}, help=f"{help} (default: {f.default})")
     return parser
 
 
@@ -153,6 +153,10 @@ def append_jsonl(path: Path, record: dict) -> None:
         f.write(json.dumps(record) + "\n")
 
 
+def write_jsonl(path: Path, records: list[dict]) -> None:
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+
+
 def start_logs(run_dir: Path, config: dict, last_step: int) -> dict:
     """A fresh run: config.json and empty logs. A resumed one: drop what was logged after its checkpoint.
     Returns the last metrics record kept ({} for a fresh run)."""
@@ -161,7 +165,7 @@ def start_logs(run_dir: Path, config: dict, last_step: int) -> dict:
         (run_dir / "config.json").write_text(json.dumps(config, indent=2))
     for name in ("metrics.jsonl", "evals.jsonl"):
         kept = [r for r in read_jsonl(run_dir / name) if r["step"] <= last_step]
-        (run_dir / name).write_text("".join(json.dumps(r) + "\n" for r in kept))
+        write_jsonl(run_dir / name, kept)
     return (read_jsonl(run_dir / "metrics.jsonl") or [{}])[-1]
 
 

@@ -1,47 +1,60 @@
-"""Reproduce the papers' claims at small scale; writes the figures in docs/ and a results JSON.
+"""Evidence that can tell the methods apart, at small scale: figures in docs/, every number in results.json.
 
-    python experiments.py                     # everything, ~90 min on 2 CPU cores
-    python experiments.py --only difficulty   # one part: difficulty, compare, variants, scatter
-    python experiments.py --quick             # tiny model, a few steps: checks the pipeline in ~1 min
+    python experiments.py                          # every part: ~470 min at 40 s/step (SmolLM2, 2 CPU cores)
+    python experiments.py --only compare           # one or more parts: difficulty, compare, scatter
+    python experiments.py --dry-run --step-seconds 20  # the estimate only, from your measured s/step at B=8, G=8
+    python experiments.py --quick                  # tiny model, 2 steps: the whole pipeline in ~30 s (a CI test)
 
-1. difficulty: ACR of the untrained model at each arithmetic level, split into all-correct/all-wrong.
-2. compare:    GRPO vs AVSPO vs AAPO, same prompts, several seeds: raw/effective ACR, reward, accuracy.
-3. variants:   AVSPO as in the released code (K = 1, always on) against the paper's adaptive K and threshold.
-4. scatter:    early ACR (first steps) against final held-out accuracy over every run of 2 and 3.
+1. difficulty: ACR of the untrained model at each arith-mix level (and all levels pooled), split into
+   all-correct and all-wrong groups.
+2. compare:    GRPO, AVSPO (adaptive), AVSPO as released (K=1, always on: avspo-k1), AAPO and DAPO's dynamic
+   sampling on arith-mix, same prompts per seed, several seeds. The final checkpoint of every run is evaluated
+   greedily on the whole held-out split (336 problems, stratified by level); its per-problem records are cached
+   in <run>/final_eval.jsonl (train.py logs only accuracies). A bootstrap over seeds AND problems gives a 95% CI
+   for each method's accuracy (overall, per level) and for its difference to GRPO paired by seed: the same
+   resampled seeds and problems for both methods (a seed fixes the held-out split too: train.py shuffles each
+   level's problems by seed, so methods of one seed are scored on the same 336 problems). Each accuracy sits next to its cost: generated tokens
+   (policy + AAPO's reference + DAPO's resampled groups), trained tokens and seconds. Curves against steps
+   and against generated tokens.
+3. scatter:    the AVSPO paper's Figure 1: early raw ACR (mean over the first 10% of steps) against final held-out
+   accuracy (train.py's last eval, on that level's test split) over a grid of levels x group sizes x seeds of
+   short GRPO runs; slope and R^2 with bootstrap CIs over runs.
+
+Runs whose summary.json exists are skipped, so a rerun (after Ctrl-C, or with more --seeds) only fills gaps.
+Time: steps x step_seconds x (B*G / 64) + evaluations x eval_seconds, summed over runs (`estimate`, printed first).
 """
 
 import argparse
 import json
+import math
+import sys
 from pathlib import Path
 
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt
 import numpy as np
 import torch
 from tqdm import tqdm
 
 import train
 from advantage import advantage_collapse_rate
-from data.tasks import LEVELS, load_problems
-from model import load_model, sample
 from common import read_jsonl
-from plots import COLORS, smooth
-from eval import score_groups
+from data.tasks import LEVELS, load_problems
+from eval import evaluate, score_groups
+from model import load_model, sample
+from plots import plot_accuracy_vs_compute, plot_compare_curves, plot_difficulty, plot_early_acr_scatter
 from verifier import verify
 
 DOCS = Path(__file__).resolve().parent / "docs"
-ALGOS = ["grpo", "avspo", "aapo"]
-EARLY_STEPS = 10
+METHODS = {"grpo": ("grpo", []), "avspo": ("avspo", []),  # name: (train.py --algo, extra flags)
+           "avspo-k1": ("avspo", ["--num-virtual", "1", "--acr-threshold", "0", "--fixed-threshold"]),
+           "aapo": ("aapo", []), "dapo": ("dapo", [])}
+BASELINE = "grpo"
 
 
-def acr_by_difficulty(model_name: str, prompts: int, group_size: int, max_new_tokens: int, figures: Path,
-                      batch: int = 8) -> dict:
-    """Sample G completions for `prompts` training problems of each level with the untrained model."""
+def acr_by_difficulty(model_name: str, prompts: int, group_size: int, max_new_tokens: int, batch: int = 8) -> dict:
+    """Sample G completions for `prompts` training problems of each level with the untrained model (T=1)."""
     model, tokenizer = load_model(model_name)
     torch.manual_seed(0)
-    result = {}
+    result, pooled = {}, []
     for level in LEVELS:
         problems = load_problems(f"arith-{level}", "train")[:prompts]
         rewards = []
@@ -49,137 +62,294 @@ def acr_by_difficulty(model_name: str, prompts: int, group_size: int, max_new_to
             chunk = problems[i : i + batch]
             rollout = sample(model, tokenizer, [p.question for p in chunk], group_size, max_new_tokens)
             rewards.append(torch.tensor(score_groups(rollout.texts, [p.answer for p in chunk], verify)))
-        r = torch.cat(rewards)  # [prompts, G]
+        pooled.append(torch.cat(rewards))  # [prompts, G]
+    for level, r in zip([*LEVELS, "mix"], [*pooled, torch.cat(pooled)]):  # mix: the batch ACR of arith-mix
         result[level] = {"accuracy": r.mean().item(), "acr": advantage_collapse_rate(r),
                          "all_correct_frac": (r.amin(1) == 1).float().mean().item(),
-                         "all_wrong_frac": (r.amax(1) == 0).float().mean().item(), "prompts": len(problems)}
-        print(level, result[level])
-    levels = list(result)
-    fig, ax = plt.subplots(figsize=(6, 3.6))
-    ax.bar(levels, [result[lv]["all_wrong_frac"] for lv in levels], color="tab:red", label="all wrong")
-    ax.bar(levels, [result[lv]["all_correct_frac"] for lv in levels], color="tab:green", label="all correct",
-           bottom=[result[lv]["all_wrong_frac"] for lv in levels])
-    ax.plot(levels, [result[lv]["accuracy"] for lv in levels], "ko-", label="accuracy")
-    ax.set(title=f"ACR before training ({model_name}, G={group_size}, T=1)", xlabel="level (easy to hard)",
-           ylabel="fraction of groups", ylim=(0, 1.05))
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(figures / "acr_vs_difficulty.png", dpi=90)
-    plt.close(fig)
+                         "all_wrong_frac": (r.amax(1) == 0).float().mean().item(), "prompts": len(r)}
     return result
 
 
-def run_training(out: Path, seed: int, common: list[str], algos: str, extra: list[str] = ()) -> None:
-    """One train.py invocation; skipped when its summaries already exist, so a rerun only fills gaps."""
-    if all((out / a / "summary.json").exists() for a in algos.split(",")):
-        return
-    train.main(common + ["--algo", algos, "--seed", str(seed), "--out", str(out), *extra])
+def run_training(out: Path, seed: int, algos: list[str], flags: list[str]) -> None:
+    """One train.py invocation for the algorithms of `algos` that have no summary.json yet (same prompts)."""
+    missing = [a for a in algos if not (out / a / "summary.json").exists()]
+    if missing:
+        train.main(flags + ["--algo", ",".join(missing), "--seed", str(seed), "--out", str(out)])
 
 
-def summarise(run_dirs: list[Path]) -> dict:
-    """Mean and spread over seeds of a set of runs of one algorithm."""
-    summaries = [json.loads((d / "summary.json").read_text()) for d in run_dirs]
-    out = {}
-    for key in ("acc_before", "acc_after", "acr_mean", "acr_effective_mean", "reward_mean", "seconds_per_step"):
-        values = [s[key] for s in summaries]
-        out[key] = {"mean": float(np.mean(values)), "std": float(np.std(values)), "values": values}
+def run_dir(out: Path, method: str, seed: int) -> Path:
+    """compare/seed0/<algo> holds the four algorithms trained together; avspo-k1 has its own seed folder."""
+    algo = METHODS[method][0]
+    return out / "compare" / (f"seed{seed}-k1" if method == "avspo-k1" else f"seed{seed}") / algo
+
+
+def held_out(seed: int, per_level: int | None) -> list:
+    """The arith-mix test split train.py uses for this seed, or its first `per_level` problems of each level."""
+    problems = load_problems("arith-mix", "test", seed)
+    if per_level is None:
+        return problems
+    return [p for level in LEVELS for p in [q for q in problems if q.level == level][:per_level]]
+
+
+def final_records(run: Path, problems: list, max_new_tokens: int) -> list[dict]:
+    """Per-problem correctness of the run's final model (greedy, deterministic): train.py's last evaluation when it
+    covered these problems (--eval-size 336), else the final checkpoint evaluated once and cached next to the run."""
+    if [r["question"] for r in read_jsonl(run / "eval_records.jsonl")] == [p.question for p in problems]:
+        return read_jsonl(run / "eval_records.jsonl")
+    cache = run / "final_eval.jsonl"
+    if [r["question"] for r in read_jsonl(cache)] != [p.question for p in problems]:  # absent, or other problems
+        model, tokenizer = load_model(str(run / "checkpoint"))
+        result = evaluate(model.eval(), tokenizer, problems, max_new_tokens=max_new_tokens)
+        keep = ("question", "level", "gold", "extracted", "correct")
+        cache.write_text("".join(json.dumps({k: r[k] for k in keep}) + "\n" for r in result["records"]))
+    return read_jsonl(cache)
+
+
+def bootstrap_accuracy(correct: np.ndarray, levels: np.ndarray, resamples: int = 2000, seed: int = 0) -> dict:
+    """Bootstrap accuracies [R, M] of M methods from correct [M, S, N] (seeds x held-out problems, 0/1).
+
+    Each resample draws S seeds with replacement, and within each drawn seed N problems with replacement,
+    stratified by level (the test split is). Every method sees the same draws, so a difference between two
+    methods is paired by seed and by problem. Returns {"all": [R, M], level: [R, M] for each level}.
+    """
+    rng = np.random.default_rng(seed)
+    m, s, n = correct.shape
+    seeds = rng.integers(0, s, size=(resamples, s))  # [R, S]
+    problems = np.empty((resamples, s, n), dtype=int)  # [R, S, N]: stays within each level's positions
+    for level in dict.fromkeys(levels):
+        where = np.flatnonzero(levels == level)
+        problems[:, :, where] = rng.choice(where, size=(resamples, s, len(where)))
+    picked = correct[:, seeds[:, :, None], problems]  # [M, R, S, N]
+    out = {"all": picked.mean(axis=(2, 3)).T}
+    for level in dict.fromkeys(levels):
+        out[level] = picked[..., levels == level].mean(axis=(2, 3)).T
     return out
 
 
-def plot_comparison(runs: dict[str, list[Path]], path: Path, title: str) -> None:
-    """Curves averaged over seeds (shaded: min to max) for each algorithm."""
-    fig, axes = plt.subplots(1, 4, figsize=(16, 3.6))
-    panels = [("acr", "raw ACR"), ("acr_effective", "effective ACR"), ("reward_mean", "batch reward")]
-    for name, dirs in runs.items():
-        color = COLORS.get(name.split("-")[0])
-        ls = "--" if "-" in name else "-"
-        rows = [read_jsonl(d / "metrics.jsonl") for d in dirs]
-        steps = [r["step"] for r in rows[0]]
-        for ax, (key, label) in zip(axes, panels):
-            curves = np.array([smooth([r[key] for r in run]) for run in rows])
-            ax.plot(steps, curves.mean(0), color=color, ls=ls, label=name)
-            ax.fill_between(steps, curves.min(0), curves.max(0), color=color, alpha=0.15)
-            ax.set(title=f"{label} (5-step mean)", xlabel="step", ylim=(-0.05, 1.05))
-        evals = np.array([[e["eval_accuracy"] for e in read_jsonl(d / "evals.jsonl")] for d in dirs])
-        eval_steps = [e["step"] for e in read_jsonl(dirs[0] / "evals.jsonl")]
-        axes[3].errorbar(eval_steps, evals.mean(0), yerr=evals.std(0), color=color, ls=ls, marker="o", label=name)
-        axes[3].set(title="held-out accuracy (greedy)", xlabel="step", ylim=(-0.05, 1.05))
-    for ax in axes:
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-    fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=80)
-    plt.close(fig)
+def interval(point: float, samples: np.ndarray) -> dict:
+    """Point estimate (on the data as observed) with the percentile 95% CI of its bootstrap samples."""
+    low, high = np.percentile(samples, [2.5, 97.5])
+    return {"mean": float(point), "ci": [float(low), float(high)], "half_width": float(high - low) / 2}
 
 
-def early_acr_scatter(run_dirs: list[Path], figures: Path) -> dict:
-    """Early raw ACR (mean over the first EARLY_STEPS steps) against final held-out accuracy, with R^2."""
-    x = [np.mean([r["acr"] for r in read_jsonl(d / "metrics.jsonl")[:EARLY_STEPS]]) for d in run_dirs]
-    y = [read_jsonl(d / "evals.jsonl")[-1]["eval_accuracy"] for d in run_dirs]
-    slope, intercept = np.polyfit(x, y, 1) if len(set(x)) > 1 else (0.0, float(np.mean(y)))
-    residual = np.sum((np.array(y) - (slope * np.array(x) + intercept)) ** 2)
-    total = np.sum((np.array(y) - np.mean(y)) ** 2)
-    r2 = float(1 - residual / total) if total > 0 else 0.0
-    fig, ax = plt.subplots(figsize=(5, 3.6))
-    for d, xi, yi in zip(run_dirs, x, y):
-        variant = "-k1" if d.parent.name.endswith("-k1") else ""
-        ax.scatter(xi, yi, color=COLORS.get(d.name), marker="s" if variant else "o", label=d.name + variant)
-    ax.plot(sorted(x), [slope * xi + intercept for xi in sorted(x)], "k--", lw=1)
-    handles, labels = ax.get_legend_handles_labels()
-    unique = dict(zip(labels, handles))
-    ax.legend(unique.values(), unique.keys(), fontsize=8)
-    ax.set(title=f"early ACR vs final accuracy ({len(x)} runs, R² = {r2:.2f})",
-           xlabel=f"mean raw ACR, steps 1-{EARLY_STEPS}", ylabel="final held-out accuracy")
-    fig.tight_layout()
-    fig.savefig(figures / "early_acr_vs_accuracy.png", dpi=90)
-    plt.close(fig)
-    return {"r2": r2, "slope": float(slope), "points": [[float(a), float(b)] for a, b in zip(x, y)]}
+def accuracy_table(correct: np.ndarray, levels: np.ndarray, names: list[str], resamples: int) -> dict:
+    """For each method: accuracy and Δ to BASELINE (paired), overall and per level, each with its 95% CI."""
+    boot, base = bootstrap_accuracy(correct, levels, resamples), names.index(BASELINE)
+    table = {}
+    for i, name in enumerate(names):
+        row = {"accuracy": None, "delta": None, "by_level": {}, "delta_by_level": {}}
+        for key, mask in [("all", np.ones(len(levels), bool))] + [(lv, levels == lv) for lv in dict.fromkeys(levels)]:
+            point = correct[:, :, mask].mean(axis=(1, 2))  # [M]
+            acc, delta = interval(point[i], boot[key][:, i]), interval(point[i] - point[base],
+                                                                         boot[key][:, i] - boot[key][:, base])
+            if key == "all":
+                row["accuracy"], row["delta"] = acc, delta
+            else:
+                row["by_level"][key], row["delta_by_level"][key] = acc, delta
+        row["per_seed"] = correct[i].mean(axis=1).tolist()
+        table[name] = row
+    return table
+
+
+def compute_cost(runs: list[Path]) -> dict:
+    """What a method spent, mean (and std) over seeds: generated and trained tokens, seconds."""
+    rows = [read_jsonl(d / "metrics.jsonl") for d in runs]
+    values = {"gen_tokens": [r[-1]["gen_tokens_total"] for r in rows],
+              "train_tokens": [r[-1]["train_tokens_total"] for r in rows],
+              "seconds": [sum(x["time_generate"] + x["time_score"] + x["time_train"] for x in r) for r in rows]}
+    return {k: {"mean": float(np.mean(v)), "std": float(np.std(v))} for k, v in values.items()}
+
+
+def compare(out: Path, methods: list[str], seeds: list[int], flags: list[str], per_level: int | None,
+            max_new_tokens: int, resamples: int) -> dict:
+    """Train every method on every seed, evaluate each final checkpoint per problem, bootstrap, account costs."""
+    for seed in seeds:
+        together = [METHODS[m][0] for m in methods if m != "avspo-k1"]
+        run_training(out / "compare" / f"seed{seed}", seed, together, flags)
+        if "avspo-k1" in methods:
+            run_training(out / "compare" / f"seed{seed}-k1", seed, ["avspo"], flags + METHODS["avspo-k1"][1])
+    correct, levels = [], {}  # [M][S][N], and each seed's level of each problem
+    for name in methods:
+        correct.append([])
+        for seed in seeds:
+            records = final_records(run_dir(out, name, seed), held_out(seed, per_level), max_new_tokens)
+            correct[-1].append([r["correct"] for r in records])
+            levels[seed] = [r["level"] for r in records]
+    assert all(lv == levels[seeds[0]] for lv in levels.values()), "the bootstrap needs one level pattern"
+    levels = np.array(levels[seeds[0]])
+    table = accuracy_table(np.array(correct, dtype=float), levels, methods, resamples)
+    for name in methods:
+        runs = [run_dir(out, name, s) for s in seeds]
+        table[name]["cost"] = compute_cost(runs)
+        logged = [read_jsonl(d / "evals.jsonl")[-1]["eval_accuracy"] for d in runs]  # train.py's last eval
+        table[name]["train_py_final_accuracy"] = logged
+        same_problems = per_level is None and json.loads((runs[0] / "config.json").read_text())["eval_size"] >= 336
+        if same_problems and not np.allclose(logged, table[name]["per_seed"]):  # greedy: should be identical
+            print(f"warning: {name}: re-evaluated checkpoints {table[name]['per_seed']} != train.py's {logged}")
+    return table
+
+
+def markdown_table(table: dict) -> str:
+    """method | accuracy [95% CI] | Δ vs GRPO [95% CI] | per-level accuracy | generated tokens | seconds."""
+    levels = list(next(iter(table.values()))["by_level"])
+    ci = lambda x, sign="": f"{x['mean']:{sign}.3f} [{x['ci'][0]:{sign}.3f}, {x['ci'][1]:{sign}.3f}]"  # noqa: E731
+    lines = [f"| method | accuracy [95% CI] | Δ vs {BASELINE.upper()} [95% CI] | {' / '.join(levels)} | "
+             "generated tokens | trained tokens | seconds |", "|---|---|---|---|---|---|---|"]
+    for name, row in table.items():
+        cost, by_level = row["cost"], " / ".join(f"{row['by_level'][lv]['mean']:.2f}" for lv in levels)
+        lines.append(f"| {name} | {ci(row['accuracy'])} | {'-' if name == BASELINE else ci(row['delta'], '+')} | "
+                     f"{by_level} | "
+                     f"{cost['gen_tokens']['mean']:,.0f} | {cost['train_tokens']['mean']:,.0f} | "
+                     f"{cost['seconds']['mean']:,.1f} |")
+    return "\n".join(lines)
+
+
+def early_acr_scatter(runs: list[dict], resamples: int) -> dict:
+    """Fit final accuracy = slope * early ACR + intercept over the runs; bootstrap CIs over runs."""
+    x, y = np.array([r["early_acr"] for r in runs]), np.array([r["accuracy"] for r in runs])
+
+    def fit(x: np.ndarray, y: np.ndarray) -> tuple[float, float, float]:
+        if np.ptp(x) == 0 or np.ptp(y) == 0:  # no spread: no line (a flat y has R^2 undefined)
+            return math.nan, math.nan, math.nan
+        slope, intercept = np.polyfit(x, y, 1)
+        return slope, intercept, 1 - np.sum((y - slope * x - intercept) ** 2) / np.sum((y - y.mean()) ** 2)
+
+    slope, intercept, r2 = fit(x, y)
+    rng = np.random.default_rng(0)
+    boot = np.array([fit(x[i], y[i]) for i in rng.integers(0, len(x), size=(resamples, len(x)))])  # [R, 3]
+
+    def ci(col: int) -> list[float]:  # resamples that drew a single x (or y) value have no line: left out
+        finite = boot[np.isfinite(boot[:, col]), col]
+        return [float(v) for v in np.percentile(finite, [2.5, 97.5])] if len(finite) else [math.nan, math.nan]
+
+    return {"slope": float(slope), "slope_ci": ci(0), "intercept": float(intercept), "r2": float(r2), "r2_ci": ci(2),
+            "runs": runs}
+
+
+def scatter(out: Path, levels: list[str], group_sizes: list[int], seeds: list[int], flags: list[str],
+            resamples: int) -> dict:
+    """Short GRPO runs over levels x G x seeds; each run's early raw ACR and final held-out accuracy."""
+    runs = []
+    for level in levels:
+        for g in group_sizes:
+            for seed in seeds:
+                folder = out / "scatter" / f"{level}-g{g}-seed{seed}"
+                run_training(folder, seed, ["grpo"], flags + ["--dataset", f"arith-{level}", "--group-size", str(g)])
+                rows = read_jsonl(folder / "grpo" / "metrics.jsonl")
+                early = max(1, math.ceil(0.1 * len(rows)))
+                runs.append({"level": level, "group_size": g, "seed": seed, "early_steps": early,
+                             "early_acr": float(np.mean([r["acr"] for r in rows[:early]])),
+                             "accuracy": read_jsonl(folder / "grpo" / "evals.jsonl")[-1]["eval_accuracy"]})
+    return early_acr_scatter(runs, resamples)
+
+
+def estimate(args, parts: list[str]) -> tuple[int, int, float, float]:
+    """(runs, training steps, step units, eval units), before skipping finished runs. Time in seconds is about
+    step_units x step_seconds + eval_units x eval_seconds: a step of B prompts x G completions is B*G/64 step
+    units (sampling 8 x 8 for the difficulty part: half a unit), an evaluation of n problems n/336 eval units;
+    a compare run evaluates 3 times (train.py before and after, the per-problem one), a scatter run twice."""
+    runs = steps = step_units = eval_units = 0
+    if "compare" in parts:
+        n = len(args.methods.split(",")) * len(args.seeds.split(","))
+        runs, steps = n, n * args.steps
+        step_units += n * args.steps * args.prompts_per_step * args.group_size / 64
+        eval_units += n * (2 * min(args.eval_size, 336) + (args.per_level * len(LEVELS) or 336)) / 336
+    if "scatter" in parts:
+        gs = [int(g) for g in args.scatter_g.split(",")]
+        n = len(args.scatter_levels.split(",")) * len(args.scatter_seeds.split(","))
+        runs, steps = runs + n * len(gs), steps + n * len(gs) * args.scatter_steps
+        step_units += n * args.scatter_steps * args.scatter_prompts * sum(gs) / 64
+        eval_units += n * len(gs) * 2 * args.scatter_eval_size / 336
+    if "difficulty" in parts:
+        step_units += len(LEVELS) * args.difficulty_prompts * 8 / 64 / 2
+    return runs, steps, step_units, eval_units
 
 
 def main(argv: list[str] | None = None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--out", default="runs/experiments")
-    p.add_argument("--only", default="difficulty,compare,variants,scatter")
-    p.add_argument("--seeds", default="0,1")
-    p.add_argument("--steps", type=int, default=40)
-    p.add_argument("--difficulty-prompts", type=int, default=48)
+    p.add_argument("--only", default="difficulty,compare,scatter", help="parts to run, comma list")
     p.add_argument("--figures", default="", help="where the PNGs go (default: docs/, or <out>/figures with --quick)")
-    p.add_argument("--quick", action="store_true", help="tiny model, 2 steps, 4 prompts: checks the pipeline")
+    p.add_argument("--quick", action="store_true", help="tiny model, tiny sizes: checks the whole pipeline")
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--methods", default=",".join(METHODS), help=f"comma list of {', '.join(METHODS)}")
+    p.add_argument("--seeds", default="0,1,2,3,4")
+    p.add_argument("--steps", type=int, default=20, help="compare: steps per run")
+    p.add_argument("--prompts-per-step", type=int, default=8, help="compare: B")
+    p.add_argument("--group-size", type=int, default=8, help="compare: G")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--eval-size", type=int, default=64, help="compare: train.py's own evals, before and after (336: "
+                                                             "all, which also checks the per-problem re-evaluation)")
+    p.add_argument("--per-level", type=int, default=0, help="compare: final per-problem eval on the first N "
+                                                             "problems of each level (0: the whole split)")
+    p.add_argument("--resamples", type=int, default=2000, help="bootstrap resamples")
+    p.add_argument("--scatter-levels", default="add1,mul1,add2,mul2")
+    p.add_argument("--scatter-g", default="2,4,8,16", help="group sizes of the scatter grid")
+    p.add_argument("--scatter-seeds", default="0,1")
+    p.add_argument("--scatter-steps", type=int, default=20)
+    p.add_argument("--scatter-prompts", type=int, default=2, help="scatter: B")
+    p.add_argument("--scatter-eval-size", type=int, default=32, help="scatter: held-out problems per run")
+    p.add_argument("--difficulty-prompts", type=int, default=32)
+    p.add_argument("--step-seconds", type=float, default=40.0, help="estimate: seconds per step at B=8, G=8")
+    p.add_argument("--eval-seconds", type=float, default=40.0, help="estimate: seconds per 336-problem eval")
+    p.add_argument("--dry-run", action="store_true", help="print the run count and time estimate, run nothing")
+    p.add_argument("--budget-minutes", type=float, default=150.0, help="warn when the estimate exceeds it")
+    argv = sys.argv[1:] if argv is None else argv
     args = p.parse_args(argv)
-    out, parts, seeds = Path(args.out), args.only.split(","), [int(s) for s in args.seeds.split(",")]
-    model = "tiny-qwen2" if args.quick else "smollm2-135m"
-    steps, prompts = (2, 4) if args.quick else (args.steps, args.difficulty_prompts)
-    common = ["--model", model, "--dataset", "arith-mul1", "--steps", str(steps), "--eval-every", "10",
-              "--save-every", str(steps)] + (["--max-new-tokens", "8", "--eval-size", "4"] if args.quick else [])
+    if args.quick:  # every part, every figure, in about a minute: tiny random model, 2 steps, a few problems
+        args = p.parse_args(["--model", "tiny-qwen2", "--seeds", "0,1", "--steps", "2",
+                             "--prompts-per-step", "2", "--group-size", "4", "--max-new-tokens", "8",
+                             "--eval-size", "4", "--per-level", "2", "--resamples", "500", "--scatter-levels",
+                             "add1,mul1", "--scatter-g", "2,4", "--scatter-seeds", "0", "--scatter-steps", "2",
+                             "--scatter-eval-size", "4", "--difficulty-prompts", "4", *argv])  # flags given still win
+    out, parts = Path(args.out), args.only.split(",")
+    methods, seeds = args.methods.split(","), [int(s) for s in args.seeds.split(",")]
     figures = Path(args.figures) if args.figures else (out / "figures" if args.quick else DOCS)
+    runs, steps, step_units, eval_units = estimate(args, parts)
+    minutes = (step_units * args.step_seconds + eval_units * args.eval_seconds) / 60
+    print(f"{runs} training runs, {steps} steps ({step_units:.0f} B=8 x G=8 step equivalents, {eval_units:.0f} "
+          f"336-problem evals): about {minutes:.0f} min at {args.step_seconds:g} s/step, {args.eval_seconds:g} s/eval")
+    if minutes > args.budget_minutes:  # say what would fit rather than start a run that overruns
+        fits = (args.budget_minutes * 60 - eval_units * args.eval_seconds) / step_units
+        print(f"warning: over the {args.budget_minutes:g}-min budget; it fits at <= {fits:.1f} s/step, or with fewer "
+              "--steps, --seeds, --scatter-steps or a smaller --scatter-g grid")
+    if args.dry_run:
+        return {}
     figures.mkdir(parents=True, exist_ok=True)
     out.mkdir(parents=True, exist_ok=True)
     results_path = out / "results.json"
     results = json.loads(results_path.read_text()) if results_path.exists() else {}
-    results["scale"] = {"model": model, "dataset": "arith-mul1", "steps": steps, "prompts_per_step": 2,
-                        "group_size": 8, "seeds": seeds}
+    results["scale"] = {k: v for k, v in vars(args).items() if k not in ("out", "figures", "only")}
+    base = ["--model", args.model, "--max-new-tokens", str(args.max_new_tokens)]
     if "difficulty" in parts:
-        results["difficulty"] = acr_by_difficulty(model, prompts, 8, 8 if args.quick else 64, figures)
+        results["difficulty"] = acr_by_difficulty(args.model, args.difficulty_prompts, 8, args.max_new_tokens)
+        plot_difficulty(results["difficulty"], figures / "acr_vs_difficulty.png", f"{args.model}, G=8, T=1")
     if "compare" in parts:
-        for seed in seeds:
-            run_training(out / f"seed{seed}", seed, common, ",".join(ALGOS))
-        runs = {a: [out / f"seed{s}" / a for s in seeds] for a in ALGOS}
-        results["compare"] = {a: summarise(dirs) for a, dirs in runs.items()}
-        plot_comparison(runs, figures / "compare.png", f"GRPO vs AVSPO vs AAPO, {model} on arith-mul1, seeds {seeds}")
-    if "variants" in parts:
-        released = ["--num-virtual", "1", "--acr-threshold", "0", "--fixed-threshold"]
-        for seed in seeds:
-            run_training(out / f"seed{seed}-k1", seed, common, "avspo", released)
-        runs = {"avspo": [out / f"seed{s}" / "avspo" for s in seeds],
-                "avspo-k1": [out / f"seed{s}-k1" / "avspo" for s in seeds]}
-        results["variants"] = {name: summarise(dirs) for name, dirs in runs.items()}
-        plot_comparison(runs, figures / "avspo_variants.png", "AVSPO: adaptive K and threshold vs K=1 always on")
+        flags = base + ["--dataset", "arith-mix", "--steps", str(args.steps), "--prompts-per-step",
+                        str(args.prompts_per_step), "--group-size", str(args.group_size), "--eval-every",
+                        str(args.steps), "--eval-size", str(args.eval_size), "--save-every", str(args.steps)]
+        table = compare(out, methods, seeds, flags, args.per_level or None, args.max_new_tokens, args.resamples)
+        results["compare"], results["compare_table"] = table, markdown_table(table)
+        runs_by_method = {m: [run_dir(out, m, s) for s in seeds] for m in methods}
+        title = f"{args.model} on arith-mix, B={args.prompts_per_step}, G={args.group_size}, seeds {seeds}"
+        plot_compare_curves(runs_by_method, figures / "compare.png", title)
+        plot_accuracy_vs_compute(table, figures / "compare_accuracy.png", title)
     if "scatter" in parts:
-        dirs = [d for d in sorted(out.glob("seed*/*")) if (d / "summary.json").exists()]
-        results["scatter"] = early_acr_scatter(dirs, figures)
+        flags = base + ["--steps", str(args.scatter_steps), "--prompts-per-step", str(args.scatter_prompts),
+                        "--eval-every", str(args.scatter_steps), "--eval-size", str(args.scatter_eval_size),
+                        "--save-every", "0"]
+        group_sizes, scatter_seeds = [int(g) for g in args.scatter_g.split(",")], args.scatter_seeds.split(",")
+        results["scatter"] = scatter(out, args.scatter_levels.split(","), group_sizes, [int(s) for s in scatter_seeds],
+                                     flags, args.resamples)
+        plot_early_acr_scatter(results["scatter"], figures / "early_acr_vs_accuracy.png")
     results_path.write_text(json.dumps(results, indent=2))
-    print(json.dumps({k: v for k, v in results.items() if k != "scatter"}, indent=1)[:3000])
+    if "compare" in results:
+        print("\n" + results["compare_table"])
+    if "scatter" in results:
+        s = results["scatter"]
+        print(f"\nearly ACR vs accuracy over {len(s['runs'])} runs: slope {s['slope']:.2f} {s['slope_ci']}, "
+              f"R² {s['r2']:.2f} {s['r2_ci']}")
     print(f"results: {results_path}\nfigures: {figures}")
     return results
 

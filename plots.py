@@ -54,3 +54,112 @@ def report_runs(out_dir: Path, summaries: list[dict]) -> None:
               f"{s['acr_effective_mean']:9.2f} {s['seconds_per_step']:7.1f}")
     plot = plot_training_curves(out_dir, [s["algo"] for s in summaries])
     print(f"run folder: {out_dir.resolve()}\nplot: {plot.resolve()}")
+
+
+# ------------------------------------------------------------------------------ experiments.py figures
+
+
+def style(name: str) -> dict:
+    """A method's colour from its algorithm (avspo-k1: avspo's), dashed for a variant."""
+    return {"color": COLORS.get(name.split("-")[0]), "ls": "--" if "-" in name else "-"}
+
+
+def plot_difficulty(result: dict, path: Path, subtitle: str) -> None:
+    """Stacked all-wrong / all-correct group fractions per level, with the sampled accuracy on top."""
+    levels = list(result)
+    wrong = [result[lv]["all_wrong_frac"] for lv in levels]
+    fig, ax = plt.subplots(figsize=(6, 3.6))
+    ax.bar(levels, wrong, color="tab:red", label="all wrong")
+    ax.bar(levels, [result[lv]["all_correct_frac"] for lv in levels], bottom=wrong, color="tab:green",
+           label="all correct")
+    ax.plot(levels, [result[lv]["accuracy"] for lv in levels], "ko-", label="accuracy")
+    ax.set(title=f"ACR before training ({subtitle})", xlabel="level (easy to hard; mix: all pooled)",
+           ylabel="fraction of groups", ylim=(0, 1.05))
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+
+
+def plot_compare_curves(runs: dict[str, list[Path]], path: Path, title: str) -> None:
+    """Raw ACR, effective ACR and reward, mean over seeds: against steps (top) and generated tokens (bottom)."""
+    panels = [("acr", "raw ACR"), ("acr_effective", "effective ACR"), ("reward_mean", "batch reward")]
+    fig, axes = plt.subplots(2, 3, figsize=(14, 7))
+    for name, dirs in runs.items():
+        rows = [read_jsonl(d / "metrics.jsonl") for d in dirs]
+        steps = [r["step"] for r in rows[0]]
+        tokens = np.mean([[r["gen_tokens_total"] for r in run] for run in rows], axis=0)  # x: mean over seeds
+        for col, (key, label) in enumerate(panels):
+            curve = np.mean([smooth([r[key] for r in run]) for run in rows], axis=0)
+            for ax, x, xlabel in ((axes[0, col], steps, "step"), (axes[1, col], tokens, "generated tokens")):
+                ax.plot(x, curve, label=name, **style(name))
+                ax.set(title=f"{label} (5-step mean, mean over seeds)", xlabel=xlabel, ylim=(-0.05, 1.05))
+    for ax in axes.flat:
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+
+
+def plot_accuracy_vs_compute(table: dict, path: Path, title: str) -> None:
+    """Final accuracy against total generated tokens; Δ vs GRPO; accuracy per level: all with 95% CIs."""
+    fig, (ax_cost, ax_delta, ax_level) = plt.subplots(1, 3, figsize=(16, 4.2))
+    names = list(table)
+    err = lambda x: [[x["mean"] - x["ci"][0]], [x["ci"][1] - x["mean"]]]  # noqa: E731
+    for i, name in enumerate(names):
+        row, color = table[name], style(name)["color"]
+        cost = row["cost"]["gen_tokens"]
+        ax_cost.errorbar(cost["mean"], row["accuracy"]["mean"], yerr=err(row["accuracy"]), xerr=cost["std"],
+                         fmt="s" if "-" in name else "o", color=color, capsize=3, label=name)
+        ax_delta.errorbar(i, row["delta"]["mean"], yerr=err(row["delta"]), fmt="o", color=color, capsize=4)
+        levels = list(row["by_level"])
+        width = 0.8 / len(names)
+        for j, level in enumerate(levels):
+            acc = row["by_level"][level]
+            ax_level.bar(j + (i - len(names) / 2 + 0.5) * width, acc["mean"], width, color=color,
+                         hatch="//" if "-" in name else None, yerr=err(acc), capsize=2, label=name if j == 0 else None)
+    ax_cost.set(title="final accuracy vs generated tokens (x: ± std over seeds)", xlabel="generated tokens per run",
+                ylabel="held-out accuracy [95% CI]")
+    ax_delta.axhline(0, color="k", lw=0.8)
+    ax_delta.set(title="Δ accuracy vs GRPO, paired by seed [95% CI]", xticks=range(len(names)), xticklabels=names,
+                 ylabel="accuracy difference")
+    ax_level.set(title="accuracy per level [95% CI]", xticks=range(len(levels)), xticklabels=levels,
+                 ylabel="held-out accuracy", ylim=(0, 1.05))
+    for ax in (ax_cost, ax_delta, ax_level):
+        ax.grid(alpha=0.3)
+    ax_cost.legend(fontsize=8)
+    ax_level.legend(fontsize=7)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+
+
+def plot_early_acr_scatter(result: dict, path: Path) -> None:
+    """The AVSPO paper's Figure 1 at small scale: colour = level, marker = group size, the fitted line."""
+    markers = dict(zip(sorted({r["group_size"] for r in result["runs"]}), "ov^sDP*X"))
+    levels = list(dict.fromkeys(r["level"] for r in result["runs"]))
+    level_colors = {lv: plt.cm.viridis(i / max(1, len(levels) - 1)) for i, lv in enumerate(levels)}
+    fig, ax = plt.subplots(figsize=(6.4, 4.4))
+    for r in result["runs"]:
+        ax.scatter(r["early_acr"], r["accuracy"], color=level_colors[r["level"]], marker=markers[r["group_size"]],
+                   alpha=0.8)
+    for level, color in level_colors.items():
+        ax.scatter([], [], color=color, label=level)
+    for g, marker in markers.items():
+        ax.scatter([], [], color="grey", marker=marker, label=f"G={g}")
+    if np.isfinite(result["slope"]):
+        x = np.array([min(r["early_acr"] for r in result["runs"]), max(r["early_acr"] for r in result["runs"])])
+        ax.plot(x, result["slope"] * x + result["intercept"], "k--", lw=1)
+    ci = lambda v: f"[{v[0]:.2f}, {v[1]:.2f}]"  # noqa: E731
+    ax.set(title=f"{len(result['runs'])} GRPO runs: R² = {result['r2']:.2f} {ci(result['r2_ci'])}, "
+                 f"slope = {result['slope']:.2f} {ci(result['slope_ci'])}",
+           xlabel="early raw ACR (mean over the first 10% of steps)", ylabel="final held-out accuracy")
+    ax.title.set_fontsize(9)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)

@@ -36,7 +36,7 @@ from advantage import (AdaptiveThreshold, aapo_advantages, aapo_margin, avspo_ad
                        grpo_advantages)
 from common import (all_sum, append_jsonl, arg, at_least, close_processes, dataclass_parser, find_checkpoint,
                     gather_groups, init_processes, interrupts_held, restore_checkpoint, save_checkpoint, start_logs,
-                    step_metrics, sum_gradients, summarise_run)
+                    step_metrics, sum_gradients, summarise_run, write_jsonl)
 from data.tasks import Problem, load_eval_problems, load_problems
 from eval import evaluate, score_groups
 from model import Rollout, completion_logprobs, load_model, replace_groups, sample, trim_padding
@@ -278,6 +278,7 @@ def train(args: Args, run_dir: Path) -> dict | None:
             result = evaluate(model, tokenizer, eval_problems, max_new_tokens=args.max_new_tokens, reward_fn=reward_fn)
         append_jsonl(run_dir / "evals.jsonl", {"step": step, "eval_accuracy": result["accuracy"],
                                                "eval_accuracy_by_level": result["accuracy_by_level"]})
+        write_jsonl(run_dir / "eval_records.jsonl", result["records"])  # the latest evaluation, problem by problem
         return result["accuracy"]
 
     if is_main:

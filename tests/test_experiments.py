@@ -1,14 +1,98 @@
-"""experiments.py end to end on the tiny model: every part runs and writes its figure and numbers."""
+"""experiments.py: the bootstrap and the scatter fit on synthetic data (no model), then the whole --quick
+pipeline on the tiny model: every part runs and writes its numbers and figures."""
+
+import math
+
+import numpy as np
 
 import experiments
 
+LEVELS = np.array(["easy"] * 20 + ["hard"] * 30)
 
-def test_quick_pipeline_writes_every_figure(tmp_path):
+
+def synthetic_correct(rng: np.random.Generator, methods: int, seeds: int, p_easy: float = 0.8,
+                      p_hard: float = 0.3) -> np.ndarray:
+    """correct [M, S, N]: independent 0/1 answers, easy problems right with p_easy, hard ones with p_hard."""
+    p = np.where(LEVELS == "easy", p_easy, p_hard)
+    return (rng.random((methods, seeds, len(LEVELS))) < p).astype(float)
+
+
+def test_paired_difference_of_identical_methods_is_exactly_zero():
+    one = synthetic_correct(np.random.default_rng(0), 1, 5)
+    table = experiments.accuracy_table(np.concatenate([one, one]), LEVELS, ["grpo", "same"], resamples=2000)
+    delta = table["same"]["delta"]
+    assert delta["mean"] == 0 and delta["ci"] == [0.0, 0.0] and delta["half_width"] == 0
+    assert all(d["ci"] == [0.0, 0.0] for d in table["same"]["delta_by_level"].values())
+    assert table["same"]["accuracy"] == table["grpo"]["accuracy"]
+    assert table["grpo"]["accuracy"]["half_width"] > 0  # the accuracy itself is uncertain
+
+
+def test_paired_difference_recovers_a_known_shift():
+    """The second method answers 5 more hard problems per seed right: +0.1 overall, +1/6 on hard, 0 on easy."""
+    base = synthetic_correct(np.random.default_rng(1), 1, 5)[0]  # [S, N]
+    better = base.copy()
+    for s in range(5):
+        wrong_hard = np.flatnonzero((base[s] == 0) & (LEVELS == "hard"))
+        better[s, wrong_hard[:5]] = 1
+    table = experiments.accuracy_table(np.stack([base, better]), LEVELS, ["grpo", "better"], resamples=2000)
+    delta = table["better"]["delta"]
+    assert math.isclose(delta["mean"], 5 / 50)
+    assert 0 < delta["ci"][0] <= 0.1 <= delta["ci"][1]  # paired: the CI excludes 0 though accuracies overlap
+    assert math.isclose(table["better"]["delta_by_level"]["hard"]["mean"], 5 / 30)
+    assert table["better"]["delta_by_level"]["easy"]["ci"] == [0.0, 0.0]
+
+
+def test_bootstrap_ci_covers_the_true_accuracy():
+    """Over 100 synthetic experiments (5 seeds x 50 problems) the 95% CI covers the true accuracy >= 90% of the
+    time (the two-stage bootstrap counts the problem noise twice, so it errs on the wide side)."""
+    rng, truth, covered = np.random.default_rng(2), (20 * 0.8 + 30 * 0.3) / 50, 0
+    for trial in range(100):
+        boot = experiments.bootstrap_accuracy(synthetic_correct(rng, 1, 5), LEVELS, resamples=300, seed=trial)
+        low, high = np.percentile(boot["all"][:, 0], [2.5, 97.5])
+        covered += low <= truth <= high
+    assert covered >= 90
+
+
+def test_bootstrap_is_deterministic_and_stratified():
+    correct = synthetic_correct(np.random.default_rng(3), 2, 3)
+    a, b = (experiments.bootstrap_accuracy(correct, LEVELS, resamples=200) for _ in range(2))
+    assert all(np.array_equal(a[k], b[k]) for k in a)
+    assert set(a) == {"all", "easy", "hard"} and a["all"].shape == (200, 2)
+    # stratified: the overall accuracy is the level accuracies weighted by the fixed level counts
+    np.testing.assert_allclose(a["all"], (20 * a["easy"] + 30 * a["hard"]) / 50)
+
+
+def test_early_acr_fit_recovers_a_line_with_finite_cis():
+    rng = np.random.default_rng(4)
+    x = rng.random(32)
+    runs = [{"early_acr": float(xi), "accuracy": float(0.9 - 0.5 * xi + rng.normal(0, 0.05))} for xi in x]
+    fit = experiments.early_acr_scatter(runs, resamples=2000)
+    assert fit["slope_ci"][0] < -0.5 < fit["slope_ci"][1] and fit["slope_ci"][1] < 0
+    assert 0.7 < fit["r2"] < 1 and fit["r2_ci"][0] < fit["r2"] <= fit["r2_ci"][1] <= 1
+
+
+def test_quick_pipeline_writes_every_number_and_figure(tmp_path):
     results = experiments.main(["--quick", "--out", str(tmp_path)])
-    assert set(results) >= {"difficulty", "compare", "variants", "scatter", "scale"}
-    assert set(results["difficulty"]) == set(experiments.LEVELS)
-    assert set(results["compare"]) == {"grpo", "avspo", "aapo"}
-    assert len(results["compare"]["grpo"]["acc_after"]["values"]) == 2  # two seeds
-    assert len(results["scatter"]["points"]) == 8  # 2 seeds x (grpo, avspo, aapo, avspo-k1)
-    for name in ("acr_vs_difficulty", "compare", "avspo_variants", "early_acr_vs_accuracy"):
+    assert set(results) >= {"scale", "difficulty", "compare", "compare_table", "scatter"}
+    assert set(results["difficulty"]) == {*experiments.LEVELS, "mix"}
+    table = results["compare"]
+    assert list(table) == ["grpo", "avspo", "avspo-k1", "aapo", "dapo"]
+    for name, row in table.items():
+        assert len(row["per_seed"]) == 2  # two seeds
+        assert set(row["by_level"]) == set(experiments.LEVELS)
+        for stat in [row["accuracy"], row["delta"], *row["by_level"].values(), *row["delta_by_level"].values()]:
+            assert all(math.isfinite(v) for v in [stat["mean"], *stat["ci"], stat["half_width"]])
+            assert stat["ci"][0] <= stat["mean"] <= stat["ci"][1]
+        assert row["cost"]["gen_tokens"]["mean"] > 0 and row["cost"]["seconds"]["mean"] > 0
+        assert (tmp_path / "compare" / "seed0").exists()
+    # the costs differ where they should: AAPO also samples the reference, DAPO resamples collapsed groups
+    assert table["aapo"]["cost"]["gen_tokens"]["mean"] > table["grpo"]["cost"]["gen_tokens"]["mean"]
+    assert all(f"| {name} |" in results["compare_table"] for name in table)
+    scatter = results["scatter"]
+    assert len(scatter["runs"]) == 4  # 2 levels x G in {2, 4} x 1 seed
+    assert {"slope", "slope_ci", "r2", "r2_ci"} <= set(scatter)  # NaN here: the tiny model's accuracy is flat
+    for name in ("acr_vs_difficulty", "compare", "compare_accuracy", "early_acr_vs_accuracy"):
         assert (tmp_path / "figures" / f"{name}.png").stat().st_size > 5_000
+    # a rerun skips every finished run and reads the cached per-problem evaluations: the same numbers
+    again = experiments.main(["--quick", "--out", str(tmp_path), "--only", "compare"])
+    assert again["compare"] == results["compare"]
