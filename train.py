@@ -12,10 +12,9 @@ Choices, each made once here:
      count, so every token weighs the same (a per-sequence mean favours short wrong answers).
   2. One update per batch by default: the PPO ratio is exactly 1, the loss value is -mean(A) per token (~0)
      and its gradient is REINFORCE's, -A grad log pi; so we log advantage stats and the grad norm.
-  3. Under torchrun each process samples its share of the B prompts; rewards are gathered, so ACR, AVSPO's
-     threshold and every logged number are the whole batch's; the loss is divided by the whole batch's token
-     count and gradients are summed once per update (not DDP's averaging per backward: processes skip
-     different numbers of zero-advantage rows).
+  3. Under torchrun each process samples its share of the B prompts; rewards are gathered (ACR and every
+     logged number are the whole batch's), the loss is divided by the whole batch's token count, and
+     gradients are summed once per update (processes skip different numbers of zero-advantage rows).
 """
 
 import dataclasses
@@ -39,7 +38,8 @@ from common import (all_sum, append_jsonl, arg, at_least, close_processes, datac
                     step_metrics, sum_gradients, summarise_run, write_jsonl)
 from data.tasks import Problem, load_eval_problems, load_problems
 from eval import evaluate, score_groups
-from model import Rollout, completion_logprobs, load_model, replace_groups, sample, trim_padding
+from model import (Rollout, completion_logprobs, load_model, replace_groups, resolve_precision, sample, sampling_copy,
+                   trim_padding)
 from verifier import load_reward
 
 ALGOS = ("grpo", "avspo", "aapo", "dapo")
@@ -72,7 +72,7 @@ class Args:
     micro_batch: int = arg(8, "completions per forward/backward pass (gradient accumulation)", type=at_least(1))
     max_grad_norm: float = arg(1.0, "gradient clipping")
     grad_checkpointing: bool = arg(False, "recompute activations in backward: less memory, ~30% slower")
-    precision: str = arg("auto", "auto (bf16 autocast on CUDA, fp32 on CPU), fp32, or bf16 (autocast on CPU too)",
+    precision: str = arg("auto", "auto (bf16 on CUDA and on CPUs with native bf16: avx512_bf16/amx_bf16), fp32, bf16",
                          choices=("auto", "fp32", "bf16"))
     # AVSPO (He et al., 2026) and AAPO (Xiong et al., 2025)
     acr_threshold: float = arg(0.5, "AVSPO: initial ACR threshold")
@@ -92,9 +92,8 @@ def parse_args(argv: list[str] | None = None) -> Args:
     """One flag per Args field; bad values stop here, before any model loads."""
     parser = dataclass_parser(Args, __doc__.split("\n")[0])
     args = Args(**vars(parser.parse_args(argv)))
-    for algo in args.algo.split(","):
-        if algo not in ALGOS:
-            parser.error(f"--algo: unknown algorithm {algo!r}; choose from {', '.join(ALGOS)} or a comma list")
+    if unknown := set(args.algo.split(",")) - set(ALGOS):
+        parser.error(f"--algo: unknown algorithm(s) {', '.join(sorted(unknown))}; choose from {', '.join(ALGOS)}")
     if args.prompts_per_step % int(os.environ.get("WORLD_SIZE", 1)):
         parser.error(f"--prompts-per-step {args.prompts_per_step} must be a multiple of the number of processes")
     try:  # read the data and the reward before any model: a bad line fails in a second, naming file and line
@@ -131,14 +130,13 @@ def generate_and_score(net, problems: list[Problem], tokenizer, args: Args, rewa
 
 
 # ------------------------------------------------------------------------------ ALGO LOGIC: methods differ only here
-# A method = the state it carries across steps (checkpointed) + how it turns rewards into advantages, with
-# any extra sampling it needs. To add one: an estimator in advantage.py, its name in ALGOS, a branch below.
+# A method = what it samples, the state it carries across steps (checkpointed), how it turns rewards into
+# advantages. To add one: an estimator in advantage.py, its name in ALGOS, a branch in the functions below.
 
 
 def sample_batch(args: Args, rollout_and_score, draw_problems, mine: slice, pad_token_id: int):
-    """This process's rollout, the batch's rewards [B, G], and how many groups were sampled again: dynamic
-    sampling (DAPO, Yu et al. 2025, arXiv 2503.14476, Sec. 3.2) gives each collapsed group a new prompt, up to
-    --resample-rounds times; groups still collapsed then stay, with zero advantage. Others sample once."""
+    """This process's rollout, the batch's rewards [B, G], how many groups were sampled again. DAPO's dynamic sampling
+    (Yu et al. 2025, arXiv 2503.14476) gives each collapsed group a new prompt, up to --resample-rounds times."""
     rollout, local = rollout_and_score(draw_problems(0)[mine])  # [b, G]
     rewards, resampled = gather_groups(local, rollout.input_ids.device), 0  # [B, G]
     for round in range(1, (args.resample_rounds if args.algo == "dapo" else 0) + 1):
@@ -204,10 +202,8 @@ def policy_loss(logp, old_logp, ref_logp, advantages, mask, *, clip_low: float, 
 
 def update_policy(model, optimizer, rollout: Rollout, b_advantages, ref_model, args: Args, autocast) -> dict:
     """`updates_per_batch` optimizer steps on this process's rows, in micro-batches; returns what to log.
-
     Rows with advantage 0 (a collapsed GRPO group) add nothing to the gradient when beta = 0: their forward
-    and backward are skipped. A non-finite gradient skips the step, leaving weights and optimizer unchanged.
-    """
+    and backward are skipped. A non-finite gradient skips the step, leaving weights and optimizer unchanged."""
     device = b_advantages.device
     num_tokens, = all_sum([rollout.completion_mask.sum().item()], device)  # every row of every process counts
     rows = torch.arange(len(b_advantages)) if args.beta > 0 else b_advantages.nonzero().flatten().cpu()
@@ -254,17 +250,19 @@ def train(args: Args, run_dir: Path) -> dict | None:
     """Train one algorithm; process 0 writes config.json, metrics.jsonl, evals.jsonl, checkpoint/, summary.json."""
     rank, world, device = init_processes()
     is_main = rank == 0
-    bf16 = args.precision == "bf16" or (args.precision == "auto" and device.type == "cuda")
+    bf16 = resolve_precision(args.precision, device) == "bf16"  # auto: bf16 on CUDA and on CPUs with native bf16
     autocast = torch.autocast(device.type, dtype=torch.bfloat16) if bf16 else nullcontext()
     checkpoint = find_checkpoint(run_dir) if args.resume else None
     if args.resume and not checkpoint and is_main:
         print(f"[{args.algo}] --resume: no checkpoint in {run_dir}, starting from scratch")
     model, tokenizer = load_model(str(checkpoint / "model") if checkpoint else args.model, device)
-    needs_reference = args.algo == "aapo" or args.beta > 0  # the frozen initial policy: AAPO's r_ref, the KL
-    ref_model = load_model(args.model, device)[0].eval().requires_grad_(False) if needs_reference else None
+    ref_model = None  # the frozen initial policy, for AAPO's r_ref and the KL; in bf16, so autocast need not re-cast it
+    if args.algo == "aapo" or args.beta > 0:
+        ref_model = load_model(args.model, device)[0].requires_grad_(False)
+        ref_model.to(torch.bfloat16 if bf16 else torch.float32)
+    sampler = sampling_copy(model) if bf16 else model  # bf16 weights to sample from, refreshed after each update
     if args.grad_checkpointing:
         model.activation_checkpointing_enable()
-    model.eval()  # dropout off; update_policy switches to train mode only around the backward passes
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
     reward_fn = load_reward(args.reward)
     state = algo_state(args)
@@ -275,7 +273,7 @@ def train(args: Args, run_dir: Path) -> dict | None:
 
     def run_eval(step: int) -> float:
         with autocast:
-            result = evaluate(model, tokenizer, eval_problems, max_new_tokens=args.max_new_tokens, reward_fn=reward_fn)
+            result = evaluate(sampler, tokenizer, eval_problems, max_new_tokens=args.max_new_tokens, reward_fn=reward_fn)
         append_jsonl(run_dir / "evals.jsonl", {"step": step, "eval_accuracy": result["accuracy"],
                                                "eval_accuracy_by_level": result["accuracy_by_level"]})
         write_jsonl(run_dir / "eval_records.jsonl", result["records"])  # the latest evaluation, problem by problem
@@ -296,7 +294,7 @@ def train(args: Args, run_dir: Path) -> dict | None:
             rollout_and_score = partial(generate_and_score, tokenizer=tokenizer, args=args, reward_fn=reward_fn,
                                         autocast=autocast, timer=timer)
             # ---- sample G completions for each prompt and score them: rewards [B, G] of the whole batch
-            rollout, rewards, resampled = sample_batch(args, partial(rollout_and_score, model), draw_problems, mine,
+            rollout, rewards, resampled = sample_batch(args, partial(rollout_and_score, sampler), draw_problems, mine,
                                                        tokenizer.pad_token_id)
             with interrupts_held():  # Ctrl-C from here to the end of the step waits: checkpoints hold whole steps
                 # ---- advantages [B, G]: ALGO LOGIC (AAPO samples the reference model here)
@@ -306,6 +304,7 @@ def train(args: Args, run_dir: Path) -> dict | None:
                 start = time.perf_counter()
                 stats = update_policy(model, optimizer, rollout, advantages[mine].flatten().to(device), ref_model, args,
                                       autocast)
+                sampling_copy(model, into=sampler)  # the bf16 sampler follows the update (nothing to do in fp32)
                 timer["train"] = time.perf_counter() - start
                 # ---- log
                 record = {"step": step, **step_metrics(rewards, advantages, rollout, timer, device), **extra, **stats,
@@ -333,9 +332,8 @@ def train(args: Args, run_dir: Path) -> dict | None:
 
 def main(argv: list[str] | None = None) -> list[dict]:
     args = parse_args(argv)
-    out = Path(args.out)
     try:
-        summaries = [train(dataclasses.replace(args, algo=algo), out / algo) for algo in args.algo.split(",")]
+        summaries = [train(dataclasses.replace(args, algo=algo), Path(args.out) / algo) for algo in args.algo.split(",")]
     except FileNotFoundError as e:  # an unknown model or a missing file: one line, not a traceback
         sys.exit(f"error: {e}")
     except KeyboardInterrupt:  # the checkpoint is saved and said so; no traceback
@@ -344,7 +342,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         close_processes()
     if summaries[0] is not None:  # process 0 reports; the others wrote nothing
         from plots import report_runs  # matplotlib only here: `import train` stays light
-        report_runs(out, summaries)
+        report_runs(Path(args.out), summaries)
     return summaries
 
 

@@ -24,6 +24,7 @@ How each number is measured:
 
 import argparse
 import dataclasses
+import functools
 import importlib.util
 import json
 import multiprocessing
@@ -238,18 +239,19 @@ def machine_rates(dtypes: list[torch.dtype]) -> dict:
     rates = {}
     for dtype in dtypes:
         a, b = torch.randn(2048, 2048).to(dtype), torch.randn(2048, 2048).to(dtype)
-        rates[dtype] = 2 * 2048**3 / best_seconds(lambda: a @ b)
+        rates[dtype] = 2 * 2048**3 / best_seconds(lambda: a @ b, reps=5)
     big = torch.ones(2**27)  # 512 MiB, far beyond any cache
-    rates["read_bytes_s"] = big.numel() * 4 / best_seconds(lambda: big.sum())
+    rates["read_bytes_s"] = big.numel() * 4 / best_seconds(lambda: big.sum(), reps=5)
     return rates
 
 
-def kernel_seconds(shapes: list[tuple[int, int]], rows: int, dtype: torch.dtype) -> float:
+@functools.cache
+def kernel_seconds(shapes: tuple[tuple[int, int], ...], rows: int, dtype: torch.dtype) -> float:
     """Seconds for x[rows, in] @ W.T over every weight of the model, each a distinct tensor (read from memory,
     as in a decoding step): the model's own products at this CPU's best kernel speed, nothing else."""
     weights = [torch.randn(o, i).to(dtype) for o, i in shapes]
     inputs = {i: torch.randn(rows, i).to(dtype) for _, i in shapes}
-    return best_seconds(lambda: [torch.nn.functional.linear(inputs[w.shape[1]], w) for w in weights])
+    return best_seconds(lambda: [torch.nn.functional.linear(inputs[w.shape[1]], w) for w in weights], reps=5)
 
 
 def floor_rows(results: dict, model: str, args: train.Args) -> list[list[str]]:
@@ -261,7 +263,7 @@ def floor_rows(results: dict, model: str, args: train.Args) -> list[list[str]]:
               rows the phase has (generation: live rows per decoding step; update: tokens per micro-batch).
     Decoding steps = completion length (mean over rows: a lower bound of the longest row, so the floors are low).
     """
-    shapes = linear_shapes(model)
+    shapes = tuple(linear_shapes(model))
     params = sum(o * i for o, i in shapes)
     configs = {k: r for k, r in results.items() if k[1] == "grpo"}
     dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16}

@@ -67,8 +67,8 @@ def test_cli_errors_are_one_line(argv, message, capsys):
 
 
 def test_cli_takes_the_reward_flag(tmp_path, monkeypatch):
-    (tmp_path / "my_rewards.py").write_text("def always_right(completion, gold):\n    return 1.0\n")
+    (tmp_path / "eval_test_rewards.py").write_text("def always_right(completion, gold):\n    return 1.0\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     summary = evaluation.main(["--model", "tiny-qwen2", "--dataset", "arith-mix", "--limit", "3", "--max-new-tokens", "2",
-                               "--reward", "my_rewards:always_right"])
+                               "--reward", "eval_test_rewards:always_right"])
     assert summary["tiny-qwen2"]["accuracy"] == 1.0 and summary["tiny-qwen2"]["accuracy_by_level"] == {"add1": 1.0}

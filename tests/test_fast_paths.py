@@ -163,3 +163,59 @@ def test_resolve_precision_auto_uses_bf16_only_with_native_bf16(monkeypatch, fla
 def test_cpu_features_reads_this_machines_flags():
     features = model_module.cpu_features()
     assert isinstance(features, set) and features <= {"avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile"}
+
+
+@pytest.mark.parametrize("micro_rows", [slice(0, 8), slice(2, 7)])  # whole groups, and groups cut by a micro-batch
+def test_shared_prompt_logprobs_and_gradients_equal_the_plain_pass(tiny, micro_rows):
+    """Each distinct prompt run once (its KV gathered to its rows): same log-probs, same gradients."""
+    model, tokenizer = tiny
+    model = model_module.copy.deepcopy(model).train()
+    torch.manual_seed(0)
+    rollout = sample(model, tokenizer, QUESTIONS[:2], 4, 10)  # 2 prompts of different lengths x 4
+    ids, attn = rollout.input_ids[micro_rows], rollout.attention_mask[micro_rows]
+    results = []
+    for share in (False, True):
+        model.zero_grad()
+        logp = completion_logprobs(model, ids, attn, rollout.completion_len, temperature=0.7, share_prompt=share)
+        (logp * rollout.completion_mask[micro_rows]).sum().backward()
+        results.append((logp.detach(), [p.grad.clone() for p in model.parameters()]))
+    (plain, plain_grads), (shared, shared_grads) = results
+    mask = rollout.completion_mask[micro_rows].bool()
+    assert torch.allclose(plain[mask], shared[mask], atol=1e-5)
+    for g_plain, g_shared in zip(plain_grads, shared_grads):
+        assert torch.allclose(g_plain, g_shared, atol=1e-5, rtol=1e-4)
+
+
+def test_shared_prompt_tells_prompts_apart_by_mask_too(tiny):
+    """Same ids but a different mask (pad == EOS can make this happen) are different prompts."""
+    model, tokenizer = tiny
+    ids = torch.tensor([[5, 6, 7, 8, 9], [5, 6, 7, 8, 9]])
+    attn = torch.tensor([[1, 1, 1, 1, 1], [0, 1, 1, 1, 1]])
+    with torch.no_grad():
+        plain = completion_logprobs(model, ids, attn, 2, share_prompt=False)
+        shared = completion_logprobs(model, ids, attn, 2)
+    assert torch.allclose(plain, shared, atol=1e-5) and not torch.allclose(shared[0], shared[1])
+
+
+@pytest.mark.parametrize("share_prompt", [False, True])
+def test_logprobs_with_shape_padding_equal_a_direct_forward(tiny, share_prompt):
+    """The masked columns that round lengths to multiples of 16 change no log-prob of a real token."""
+    model, tokenizer = tiny
+    torch.manual_seed(1)
+    rollout = sample(model, tokenizer, QUESTIONS[:2], 3, 7)
+    ids, attn = model_module.trim_padding(rollout.input_ids, rollout.attention_mask, rollout.completion_mask)[:2]
+    c = rollout.completion_len
+    assert ids.shape[1] % 16 != 0  # trimmed: the padding inside completion_logprobs has work to do
+    with torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=attn, position_ids=(attn.cumsum(1) - 1).clamp(min=0)).logits
+        direct = torch.log_softmax(logits[:, -c - 1:-1].float() / 0.8, -1).gather(2, ids[:, -c:, None]).squeeze(2)
+        logp = completion_logprobs(model, ids, attn, c, temperature=0.8, share_prompt=share_prompt)
+    assert logp.shape == direct.shape
+    mask = rollout.completion_mask.bool()
+    assert torch.allclose(logp[mask], direct[mask], atol=1e-5)
+
+
+def test_sample_pads_prompts_to_a_multiple_of_16(tiny):
+    model, tokenizer = tiny
+    rollout = sample(model, tokenizer, QUESTIONS, 2, 5)
+    assert (rollout.input_ids.shape[1] - rollout.completion_len) % 16 == 0

@@ -331,10 +331,10 @@ def test_dynamic_sampling_replaces_collapsed_groups_only(tiny, algo, rounds, exp
 
 def test_a_users_reward_function_is_used_for_training_and_eval(tmp_path, monkeypatch):
     """--reward module:function: every completion is scored by the user's function (here: always 1)."""
-    (tmp_path / "my_rewards.py").write_text("def always_right(completion, gold):\n    return 1.0\n")
+    (tmp_path / "train_test_rewards.py").write_text("def always_right(completion, gold):\n    return 1.0\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     train.main(TINY + ["--steps", "1", "--eval-every", "0", "--dataset", "arith-mix", "--prompts-per-step", "5",
-                       "--reward", "my_rewards:always_right", "--out", str(tmp_path / "run")])
+                       "--reward", "train_test_rewards:always_right", "--out", str(tmp_path / "run")])
     row = json.loads((tmp_path / "run" / "grpo" / "metrics.jsonl").read_text())
     assert row["reward_mean"] == 1.0 and row["acr"] == 1.0 and row["all_correct_frac"] == 1.0
     evals = [json.loads(line) for line in (tmp_path / "run" / "grpo" / "evals.jsonl").read_text().splitlines()]
