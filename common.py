@@ -77,12 +77,14 @@ def all_sum(values: list[float], device: torch.device) -> list[float]:
     return total.tolist()
 
 
-def gather_groups(local: torch.Tensor, device: torch.device) -> torch.Tensor:
+def gather_groups(local: torch.Tensor) -> torch.Tensor:
     """[B/N, G] rows of each of N processes -> [B, G] in rank order (the order of the step's prompts)."""
     if not dist.is_initialized():
         return local
+    nccl = dist.get_backend() == "nccl"  # nccl gathers CUDA tensors only
+    device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
     parts = [torch.empty_like(local, device=device) for _ in range(dist.get_world_size())]
-    dist.all_gather(parts, local.to(device))  # nccl gathers CUDA tensors only
+    dist.all_gather(parts, local.to(device))
     return torch.cat(parts).cpu()
 
 def sum_gradients(model) -> None:

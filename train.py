@@ -138,7 +138,7 @@ def sample_batch(args: Args, rollout_and_score, draw_problems, mine: slice, pad_
     """This process's rollout, the batch's rewards [B, G], how many groups were sampled again. DAPO's dynamic sampling
     (Yu et al. 2025, arXiv 2503.14476) gives each collapsed group a new prompt, up to --resample-rounds times."""
     rollout, local = rollout_and_score(draw_problems(0)[mine])  # [b, G]
-    rewards, resampled = gather_groups(local, rollout.input_ids.device), 0  # [B, G]
+    rewards, resampled = gather_groups(local), 0  # [B, G]
     for round in range(1, (args.resample_rounds if args.algo == "dapo" else 0) + 1):
         collapsed = collapsed_groups(rewards)  # [B], the same on every process
         if not collapsed.any():
@@ -148,7 +148,7 @@ def sample_batch(args: Args, rollout_and_score, draw_problems, mine: slice, pad_
             fresh = draw_problems(round)[mine]
             new, local[redo] = rollout_and_score([fresh[g] for g in redo])
             rollout = replace_groups(rollout, redo, new, args.group_size, pad_token_id)
-        rewards, resampled = gather_groups(local, rollout.input_ids.device), resampled + int(collapsed.sum())
+        rewards, resampled = gather_groups(local), resampled + int(collapsed.sum())
     return rollout, rewards, resampled
 
 
@@ -175,7 +175,7 @@ def compute_advantages(args: Args, rewards: torch.Tensor, state: dict, sample_re
             threshold.update(info.num_collapsed / len(rewards), rewards.mean().item())  # takes effect next step
         return advantages, log
     if args.algo == "aapo":
-        ref_rewards = gather_groups(sample_reference()[1], rewards.device)  # [B, G]
+        ref_rewards = gather_groups(sample_reference()[1])  # [B, G]
         deltas = dict(delta_low=args.delta_low, delta_high=args.delta_high)
         margin = aapo_margin(rewards, ref_rewards, **deltas)  # [B, G]
         return aapo_advantages(rewards, ref_rewards, **deltas), {"ref_reward_mean": ref_rewards.mean().item(),

@@ -260,6 +260,11 @@ def test_torchrun_writes_the_same_logs_and_one_checkpoint_and_resumes(tmp_path):
     assert train.main(common + ["--steps", "2", "--out", str(tmp_path / "one")])
     proc = torchrun("train.py", *common, "--steps", "2", "--out", str(tmp_path / "two"))
     assert proc.returncode == 0, proc.stderr[-3000:]
+    others = torchrun("train.py", *TINY, "--algo", "aapo,dapo", "--eval-every", "0", "--prompts-per-step", "2",
+                      "--steps", "1", "--out", str(tmp_path / "others"))  # AAPO's and DAPO's gathers across processes
+    assert others.returncode == 0, others.stderr[-3000:]
+    for algo, key in (("aapo", "ref_reward_mean"), ("dapo", "resampled_groups")):
+        assert key in json.loads((tmp_path / "others" / algo / "metrics.jsonl").read_text().splitlines()[0])
     rows = {run: [json.loads(line) for line in (tmp_path / run / "avspo" / "metrics.jsonl").read_text().splitlines()]
             for run in ("one", "two")}
     assert [r["step"] for r in rows["two"]] == [1, 2]  # written once, by process 0
