@@ -13,6 +13,15 @@ from common import read_jsonl
 COLORS = {"grpo": "tab:blue", "avspo": "tab:orange", "aapo": "tab:green", "dapo": "tab:red"}
 
 
+def save_figure(fig, path: Path, dpi: int = 90, title: str | None = None) -> None:
+    """Lay out, write and close a figure (closing frees it: experiments draw many)."""
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=dpi)
+    plt.close(fig)
+
+
 def smooth(values: list[float], window: int = 5) -> np.ndarray:
     """Trailing moving average: with 2 prompts a step, per-step ACR only takes the values 0, .5 and 1."""
     values = np.asarray(values, dtype=float)
@@ -39,10 +48,8 @@ def plot_training_curves(out_dir: Path, algos: list[str], path: Path | None = No
     for ax in axes.flat:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-    fig.tight_layout()
     path = path or out_dir / "curves.png"
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
+    save_figure(fig, path)
     return path
 
 
@@ -76,9 +83,7 @@ def plot_difficulty(result: dict, path: Path, subtitle: str) -> None:
     ax.set(title=f"ACR before training ({subtitle})", xlabel="level (easy to hard; mix: all pooled)",
            ylabel="fraction of groups", ylim=(0, 1.05))
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def plot_compare_curves(runs: dict[str, list[Path]], path: Path, title: str) -> None:
@@ -97,10 +102,7 @@ def plot_compare_curves(runs: dict[str, list[Path]], path: Path, title: str) -> 
     for ax in axes.flat:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
-    fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=80)
-    plt.close(fig)
+    save_figure(fig, path, dpi=80, title=title)
 
 
 def plot_accuracy_vs_compute(table: dict, path: Path, title: str) -> None:
@@ -131,10 +133,7 @@ def plot_accuracy_vs_compute(table: dict, path: Path, title: str) -> None:
         ax.grid(alpha=0.3)
     ax_cost.legend(fontsize=8)
     ax_level.legend(fontsize=7)
-    fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=80)
-    plt.close(fig)
+    save_figure(fig, path, dpi=80, title=title)
 
 
 def plot_early_acr_scatter(result: dict, path: Path) -> None:
@@ -160,6 +159,4 @@ def plot_early_acr_scatter(result: dict, path: Path) -> None:
     ax.title.set_fontsize(9)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7, ncol=2)
-    fig.tight_layout()
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
+    save_figure(fig, path)
