@@ -62,10 +62,11 @@ def arithmetic_problems(level: str, split: str, seed: int = 0) -> list[Problem]:
 def mixed_problems(split: str, seed: int = 0) -> list[Problem]:
     """arith-mix: every level's own split, so train and test stay disjoint. Train interleaves the levels
     round-robin (small levels repeat), so a random prompt is equally likely to come from each level;
-    test keeps up to MIX_TEST_PER_LEVEL problems of each level, for accuracy overall and per level."""
+    test keeps up to MIX_TEST_PER_LEVEL problems of each level, interleaved, for accuracy per level."""
     per_level = [arithmetic_problems(level, split, seed) for level in LEVELS]
-    if split == "test":
-        return [p for problems in per_level for p in problems[:MIX_TEST_PER_LEVEL]]
+    if split == "test":  # interleaved too, so that a prefix (train.py's --eval-size) keeps every level
+        kept = [problems[:MIX_TEST_PER_LEVEL] for problems in per_level]
+        return [problems[i] for i in range(MIX_TEST_PER_LEVEL) for problems in kept if i < len(problems)]
     return [problems[i % len(problems)] for i in range(MIX_TRAIN_ROUNDS) for problems in per_level]
 
 

@@ -32,6 +32,7 @@ def test_arith_mix_balances_levels_and_holds_out_300_stratified_problems():
     first = [p.level for p in train[: 10 * len(LEVELS)]]
     assert all(first.count(level) == 10 for level in LEVELS)  # a random prompt is equally likely from each level
     assert load_eval_problems("arith-mix") == test
+    assert {p.level for p in test[:64]} == set(LEVELS)  # train.py's --eval-size prefix is stratified too
 
 
 def write(tmp_path, lines: list[str]) -> Path:
