@@ -57,7 +57,8 @@ def evaluate(model, tokenizer, problems: list[Problem], *, max_new_tokens: int, 
     for start in tqdm(starts, desc="eval", disable=not progress, leave=False):
         batch = problems[start : start + batch_size]
         rollout = sample(model, tokenizer, [p.question for p in batch], samples, max_new_tokens, temperature)
-        for i, (problem, scores) in enumerate(zip(batch, score_groups(rollout.texts, [p.answer for p in batch], reward_fn))):
+        batch_scores = score_groups(rollout.texts, [p.answer for p in batch], reward_fn)  # [b][n], as in training
+        for i, (problem, scores) in enumerate(zip(batch, batch_scores)):
             texts = rollout.texts[i * samples : (i + 1) * samples]
             correct_per_problem.append(sum(score == 1 for score in scores))
             records += [{"question": problem.question, "level": problem.level, "completion": text,
