@@ -5,8 +5,10 @@ import pytest
 import torch
 
 import model as model_module
-from model import (completion_logprobs, decode, hf_generate, load_model, next_tokens, resolve_precision, sample,
-                   sampling_copy)
+from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+
+from model import (DecodeCache, byte_tokenizer, completion_logprobs, decode, decode_step, fused_weights, hf_generate,
+                   load_model, next_tokens, resolve_precision, sample, sampling_copy, tiny_qwen2)
 
 QUESTIONS = ["2+3?", "What is 17 * 4?", "hi", "a"]  # different lengths: left padding is exercised
 
@@ -65,6 +67,82 @@ def test_decode_pads_after_eos_and_masks_by_position(tiny, eos_bias):
         eos_at = (row == tokenizer.eos_token_id).nonzero()
         if len(eos_at):
             assert (row[eos_at[0, 0] + 1:] == tokenizer.pad_token_id).all()
+
+
+@pytest.fixture(scope="module", params=["qwen2-with-biases", "llama"])
+def block_model(request):
+    """The two block types decode_step writes out: Qwen2 (q/k/v biases, random here) and Llama (SmolLM2's)."""
+    if request.param == "llama":
+        tokenizer = byte_tokenizer()
+        config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                             num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
+                             eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+        torch.manual_seed(1)
+        model = LlamaForCausalLM(config)
+    else:
+        model, tokenizer = tiny_qwen2()
+        with torch.no_grad():
+            for layer in model.model.layers:
+                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                    proj.bias.normal_(0, 0.5)
+    return model.eval(), tokenizer
+
+
+@torch.no_grad()
+def test_decode_step_logits_equal_the_transformers_forward(block_model):
+    """Step by step, left padding and a row leaving included: decode_step's logits = HF's forward with its cache."""
+    model, tokenizer = block_model
+    enc = tokenizer(QUESTIONS[:2], return_tensors="pt", padding=True, add_special_tokens=False)
+    positions = (enc["attention_mask"].cumsum(1) - 1).clamp(min=0)
+    reference, ours = DynamicCache(config=model.config), DynamicCache(config=model.config)
+    for cache in (reference, ours):
+        model(**enc, position_ids=positions, cache=cache, use_cache=True)
+    reference.batch_repeat_interleave(2)
+    ours, fused = DecodeCache.from_prefill(ours, 2, 6), fused_weights(model)
+    assert fused is not None
+    mask, position = enc["attention_mask"].repeat_interleave(2, 0), positions[:, -1].repeat_interleave(2) + 1
+    tokens = torch.tensor([5, 6, 7, 8])
+    for step in range(6):
+        if step == 3:  # row 1 leaves the batch
+            keep = torch.tensor([0, 2, 3])
+            reference.batch_select_indices(keep)
+            ours.batch_select_indices(keep)
+            tokens, mask, position = tokens[keep], mask[keep], position[keep]
+        mask = torch.cat([mask, mask.new_ones(len(mask), 1)], dim=1)
+        expected = model(input_ids=tokens[:, None], attention_mask=mask, position_ids=position[:, None],
+                         cache=reference, use_cache=True).logits[:, -1]
+        got = decode_step(model, fused, tokens, position, ours, mask.shape[1] - 1, mask.bool())
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+        tokens, position = expected.argmax(-1), position + 1
+
+
+def test_decode_step_samples_what_the_transformers_forward_samples(block_model, monkeypatch):
+    """Same seed, same tokens (float32), with and without decode_step; rows ending early included."""
+    model, tokenizer = block_model
+    eos = tokenizer.eos_token_id
+    hook = model.lm_head.register_forward_hook(lambda mod, inp, out: out.index_add(
+        -1, torch.tensor([eos]), torch.full((*out.shape[:-1], 1), 2.0)))  # rows end at different steps
+    runs = []
+    for fused in (fused_weights, lambda model: None):
+        monkeypatch.setattr(model_module, "fused_weights", fused)
+        torch.manual_seed(7)
+        runs.append(sample(model, tokenizer, QUESTIONS, 3, 20).input_ids)
+    hook.remove()
+    assert torch.equal(*runs)
+    lengths = (runs[0][:, -20:] != tokenizer.pad_token_id).sum(1)
+    assert lengths.min() < lengths.max()
+
+
+def test_other_architectures_decode_with_the_transformers_forward(monkeypatch):
+    """fused_weights says None for a block decode_step does not implement; decode still matches generate."""
+    model, tokenizer = tiny_qwen2()
+    model.config.use_sliding_window = True
+    assert fused_weights(model) is None
+    model.config.use_sliding_window = False
+    monkeypatch.setattr(model_module, "fused_weights", lambda model: None)
+    fast = sample(model.eval(), tokenizer, QUESTIONS, 2, 10, temperature=0)
+    assert torch.equal(fast.input_ids, sample(model, tokenizer, QUESTIONS, 2, 10, temperature=0,
+                                              use_generate=True).input_ids)
 
 
 def test_next_tokens_draws_from_softmax_over_temperature():
