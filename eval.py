@@ -20,7 +20,7 @@ import torch
 from tqdm import tqdm
 
 from data.tasks import Problem, load_eval_problems
-from model import load_model, pick_device, sample
+from model import inference_model, load_model, pick_device, sample
 from verifier import extract_answer, load_reward, verify
 
 
@@ -90,6 +90,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--batch-size", type=int, default=32, help="prompts per generate call")
     p.add_argument("--out", default="", help="folder for summary.json and per-model samples JSONL")
     p.add_argument("--seed", type=int, default=0, help="sampling seed")
+    p.add_argument("--precision", default="auto", choices=["auto", "fp32", "bf16"],
+                   help="auto: bf16 on CUDA and on CPUs with native bf16 (as train.py), else fp32")
     args = p.parse_args(argv)
     temperature = args.temperature if args.temperature is not None else (0.0 if args.samples == 1 else 1.0)
     try:
@@ -99,10 +101,12 @@ def main(argv: list[str] | None = None) -> dict:
         results = {}
         for name in args.model:
             model, tokenizer = load_model(name, pick_device())
+            net, context = inference_model(model, args.precision)
             torch.manual_seed(args.seed)
-            results[name] = evaluate(model.eval(), tokenizer, problems, max_new_tokens=args.max_new_tokens,
-                                     samples=args.samples, temperature=temperature, batch_size=args.batch_size,
-                                     progress=True, reward_fn=reward_fn)
+            with context:
+                results[name] = evaluate(net, tokenizer, problems, max_new_tokens=args.max_new_tokens,
+                                         samples=args.samples, temperature=temperature, batch_size=args.batch_size,
+                                         progress=True, reward_fn=reward_fn)
     except (FileNotFoundError, ValueError, ImportError) as e:
         sys.exit(f"error: {e}")
 

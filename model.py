@@ -14,6 +14,7 @@ import subprocess
 import sys
 import tempfile
 import zipfile
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -180,6 +181,14 @@ def load_model(name: str, device: torch.device | None = None) -> tuple[PreTraine
         tokenizer.pad_token = tokenizer.eos_token
     tokenizer.padding_side = "left"  # generation appends to the right end of every row
     return model.to(device).eval(), tokenizer  # eval mode (no dropout); training switches it on around backward
+
+
+def inference_model(model: PreTrainedModel, precision: str = "auto") -> tuple[PreTrainedModel, AbstractContextManager]:
+    """(network to sample from, context to sample in) for evaluation: a bf16 copy under bf16 autocast where
+    `precision` resolves to bf16 (`resolve_precision`), else the float32 model itself."""
+    if resolve_precision(precision, model.device) == "bf16":
+        return sampling_copy(model), torch.autocast(model.device.type, dtype=torch.bfloat16)
+    return model, nullcontext()
 
 
 # ----------------------------------------------------------------------------- sampling

@@ -136,7 +136,7 @@ def bench_config(size: str, checkpointing: bool, device: torch.device, opts, pro
     model = build_model(size, device, tokenizer)
     if checkpointing:
         model.activation_checkpointing_enable()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, weight_decay=0.0)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, weight_decay=0.0, fused=True)
     args = train.Args(algo="grpo", prompts_per_step=opts.prompts, group_size=opts.group_size,
                       max_new_tokens=opts.max_new_tokens, micro_batch=opts.micro_batch, lr=1e-5, beta=0.0,
                       grad_checkpointing=checkpointing, precision="bf16")

@@ -2,8 +2,11 @@
 pipeline on the tiny model: every part runs and writes its numbers and figures."""
 
 import math
+import operator
+import os
 
 import numpy as np
+import torch
 
 import experiments
 
@@ -84,7 +87,7 @@ def test_quick_pipeline_writes_every_number_and_figure(tmp_path):
             assert all(math.isfinite(v) for v in [stat["mean"], *stat["ci"], stat["half_width"]])
             assert stat["ci"][0] <= stat["mean"] <= stat["ci"][1]
         assert row["cost"]["gen_tokens"]["mean"] > 0 and row["cost"]["seconds"]["mean"] > 0
-        assert (tmp_path / "compare" / "seed0").exists()
+        assert (experiments.run_dir(tmp_path, name, 0) / "summary.json").exists()
     # the costs differ where they should: AAPO also samples the reference, DAPO resamples collapsed groups
     assert table["aapo"]["cost"]["gen_tokens"]["mean"] > table["grpo"]["cost"]["gen_tokens"]["mean"]
     assert all(f"| {name} |" in results["compare_table"] for name in table)
@@ -96,3 +99,9 @@ def test_quick_pipeline_writes_every_number_and_figure(tmp_path):
     # a rerun skips every finished run and reads the cached per-problem evaluations: the same numbers
     again = experiments.main(["--quick", "--out", str(tmp_path), "--only", "compare"])
     assert again["compare"] == results["compare"]
+
+
+def test_run_all_in_parallel_processes_keeps_the_task_order():
+    tasks = [(operator.add, 1, 2), (operator.mul, 3, 4), (torch.get_num_threads,)]
+    assert experiments.run_all(tasks, jobs=1)[:2] == experiments.run_all(tasks, jobs=2)[:2] == [3, 12]
+    assert experiments.run_all(tasks, jobs=2)[2] == max(1, (os.cpu_count() or 1) // 2)  # the cores are split

@@ -31,11 +31,11 @@ def rollout(tiny):
     return sample(*tiny, ["What is 2 + 3?", "What is 12 * 7? Think step by step."], 4, 8)
 
 
-def run_update(tiny, rollout, advantages, **overrides):
+def run_update(tiny, rollout, advantages, fused=True, **overrides):
     """One update_policy call on a fresh copy of the tiny model; returns (stats, weights before, weights after)."""
     model, _ = load_model("tiny-qwen2", torch.device("cpu"))
     args = train.Args(micro_batch=3, **overrides)  # 3 does not divide 8 rows: exercises uneven micro-batches
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.0)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.0, fused=fused)  # fused: as train.py
     before = [p.detach().clone() for p in model.parameters()]
     stats = train.update_policy(model, optimizer, rollout, advantages, None, args, torch.autocast("cpu", enabled=False))
     return stats, before, [p.detach() for p in model.parameters()]
@@ -360,3 +360,13 @@ def test_help_lists_every_flag(capsys):
     assert exit_info.value.code == 0 and "~30% slower" in " ".join(out.split())  # a % in help text is kept
     for f in train.dataclasses.fields(train.Args):
         assert "--" + f.name.replace("_", "-") in out
+
+
+def test_fused_adamw_updates_the_weights_as_the_default_adamw(tiny, rollout):
+    """train.py's fused AdamW (the speed-up) moves every weight as torch's default implementation does."""
+    advantages = torch.tensor([1.0, -1.0, 0.5, -0.5, 0.0, 2.0, -2.0, 0.0])
+    _, before, fused = run_update(tiny, rollout, advantages)
+    _, _, default = run_update(tiny, rollout, advantages, fused=None)
+    assert any(not torch.equal(a, b) for a, b in zip(before, fused))
+    for a, b in zip(fused, default):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
