@@ -13,9 +13,9 @@
    in <run>/final_eval.jsonl (train.py logs only accuracies). A bootstrap over seeds AND problems gives a 95% CI
    for each method's accuracy (overall, per level) and for its difference to GRPO paired by seed: the same
    resampled seeds and problems for both methods (a seed fixes the held-out split too: train.py shuffles each
-   level's problems by seed, so methods of one seed are scored on the same 336 problems). Each accuracy sits next to its cost: generated tokens
-   (policy + AAPO's reference + DAPO's resampled groups), trained tokens and seconds. Curves against steps
-   and against generated tokens.
+   level's problems by seed, so methods of one seed are scored on the same 336 problems). Each accuracy sits
+   next to the collapse the method left (raw and effective ACR) and its cost: generated tokens (policy + AAPO's
+   reference + DAPO's resampled groups), trained tokens and seconds. Curves against steps and generated tokens.
 3. scatter:    the AVSPO paper's Figure 1: early raw ACR (mean over the first 10% of steps) against final held-out
    accuracy (train.py's last eval, on that level's test split) over a grid of levels x group sizes x seeds of
    short GRPO runs; slope and R^2 with bootstrap CIs over runs.
@@ -191,6 +191,14 @@ def compute_cost(runs: list[Path]) -> dict:
     return {k: {"mean": float(np.mean(v)), "std": float(np.std(v))} for k, v in values.items()}
 
 
+def collapse(runs: list[Path]) -> dict:
+    """Mean over steps, then mean (and std) over seeds, of the raw ACR (groups sampled all-equal) and the
+    effective ACR (groups whose advantages are all zero after the method: what it left unused)."""
+    rows = [read_jsonl(d / "metrics.jsonl") for d in runs]
+    return {k: {"mean": float(np.mean([np.mean([x[k] for x in r]) for r in rows])),
+                "std": float(np.std([np.mean([x[k] for x in r]) for r in rows]))} for k in ("acr", "acr_effective")}
+
+
 def compare(out: Path, methods: list[str], seeds: list[int], flags: list[str], per_level: int | None,
             max_new_tokens: int, resamples: int, jobs: int) -> dict:
     """Train every method on every seed, evaluate each final checkpoint per problem, bootstrap, account costs."""
@@ -205,7 +213,7 @@ def compare(out: Path, methods: list[str], seeds: list[int], flags: list[str], p
     table = accuracy_table(np.array(correct, dtype=float), levels, methods, resamples)
     for name in methods:
         runs = [run_dir(out, name, s) for s in seeds]
-        table[name]["cost"] = compute_cost(runs)
+        table[name]["cost"], table[name]["collapse"] = compute_cost(runs), collapse(runs)
         logged = [read_jsonl(d / "evals.jsonl")[-1]["eval_accuracy"] for d in runs]  # train.py's last eval
         table[name]["train_py_final_accuracy"] = logged
         same_problems = per_level is None and json.loads((runs[0] / "config.json").read_text())["eval_size"] >= 336
@@ -215,15 +223,16 @@ def compare(out: Path, methods: list[str], seeds: list[int], flags: list[str], p
 
 
 def markdown_table(table: dict) -> str:
-    """method | accuracy [95% CI] | Δ vs GRPO [95% CI] | per-level accuracy | generated tokens | seconds."""
+    """method | accuracy [95% CI] | Δ vs GRPO [95% CI] | per-level accuracy | raw / effective ACR | costs."""
     levels = list(next(iter(table.values()))["by_level"])
     ci = lambda x, sign="": f"{x['mean']:{sign}.3f} [{x['ci'][0]:{sign}.3f}, {x['ci'][1]:{sign}.3f}]"  # noqa: E731
     lines = [f"| method | accuracy [95% CI] | Δ vs {BASELINE.upper()} [95% CI] | {' / '.join(levels)} | "
-             "generated tokens | trained tokens | seconds |", "|---|---|---|---|---|---|---|"]
+             "raw / effective ACR | generated tokens | trained tokens | seconds |", "|---|---|---|---|---|---|---|---|"]
     for name, row in table.items():
-        cost, by_level = row["cost"], " / ".join(f"{row['by_level'][lv]['mean']:.2f}" for lv in levels)
+        cost, acr = row["cost"], row["collapse"]
+        by_level = " / ".join(f"{row['by_level'][lv]['mean']:.2f}" for lv in levels)
         lines.append(f"| {name} | {ci(row['accuracy'])} | {'-' if name == BASELINE else ci(row['delta'], '+')} | "
-                     f"{by_level} | "
+                     f"{by_level} | {acr['acr']['mean']:.2f} / {acr['acr_effective']['mean']:.2f} | "
                      f"{cost['gen_tokens']['mean']:,.0f} | {cost['train_tokens']['mean']:,.0f} | "
                      f"{cost['seconds']['mean']:,.1f} |")
     return "\n".join(lines)
