@@ -248,14 +248,15 @@ def next_tokens(logits: torch.Tensor, temperature: float, top_p: float) -> torch
 @dataclass
 class DecodeCache:
     """Keys and values of every layer in tensors [n, kv_heads, P + C, head_dim] allocated once: a decoding step
-    writes one column, where transformers' DynamicCache concatenates (copies the whole cache, every layer, every token)."""
+    writes one column, where transformers' DynamicCache concatenates (copies the whole cache, every layer, every
+    token)."""
 
     keys: list[torch.Tensor]
     values: list[torch.Tensor]
 
     @classmethod
     def from_prefill(cls, cache: DynamicCache, group_size: int, max_new_tokens: int) -> "DecodeCache":
-        def grow(t: torch.Tensor) -> torch.Tensor:  # [B, H, P, D] -> [B*G, H, P + max_new_tokens, D], prompt copied G times
+        def grow(t: torch.Tensor) -> torch.Tensor:  # [B, H, P, D] -> [B*G, H, P + max_new_tokens, D], prompts G times
             out = t.new_zeros(t.shape[0] * group_size, t.shape[1], t.shape[2] + max_new_tokens, t.shape[3])
             out[:, :, : t.shape[2]] = t.repeat_interleave(group_size, dim=0)
             return out
@@ -276,7 +277,8 @@ def fused_weights(model: PreTrainedModel) -> list[tuple[torch.Tensor, ...]] | No
     fused = []
     for layer in model.model.layers:
         attn, mlp = layer.self_attn, layer.mlp
-        qkv_bias = None if attn.q_proj.bias is None else torch.cat([attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias])
+        biases = [attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias]
+        qkv_bias = None if biases[0] is None else torch.cat(biases)
         fused.append((torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]), qkv_bias,
                       torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])))
     return fused
