@@ -1,6 +1,6 @@
 """Evidence that can tell the methods apart, at small scale: figures in docs/, every number in results.json.
 
-    python experiments.py                          # every part: ~470 min at 40 s/step (SmolLM2, 2 CPU cores)
+    python experiments.py                          # every part: 133 min measured on 2 CPU cores (SmolLM2, --jobs 2)
     python experiments.py --only compare           # one or more parts: difficulty, compare, scatter
     python experiments.py --dry-run --step-seconds 20  # the estimate only, from your measured s/step at B=8, G=8
     python experiments.py --quick                  # tiny model, 2 steps: the whole pipeline in ~30 s (a CI test)
@@ -325,8 +325,9 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--scatter-prompts", type=int, default=2, help="scatter: B")
     p.add_argument("--scatter-eval-size", type=int, default=32, help="scatter: held-out problems per run")
     p.add_argument("--difficulty-prompts", type=int, default=32)
-    p.add_argument("--step-seconds", type=float, default=40.0, help="estimate: seconds per step at B=8, G=8")
-    p.add_argument("--eval-seconds", type=float, default=40.0, help="estimate: seconds per 336-problem eval")
+    p.add_argument("--step-seconds", type=float, default=21.0,
+                   help="estimate: wall seconds per B=8 x G=8 step (21: measured here with 2 jobs on 2 cores)")
+    p.add_argument("--eval-seconds", type=float, default=72.0, help="estimate: wall seconds per 336-problem eval")
     p.add_argument("--jobs", type=int, default=2, help="training runs at once, each on cores/jobs threads")
     p.add_argument("--dry-run", action="store_true", help="print the run count and time estimate, run nothing")
     p.add_argument("--budget-minutes", type=float, default=150.0, help="warn when the estimate exceeds it")
