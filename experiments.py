@@ -32,6 +32,7 @@ import os
 import sys
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import torch
@@ -95,7 +96,8 @@ def run_all(tasks: list[tuple], jobs: int) -> list:
         return [f.result() for f in futures]
 
 
-def with_threads(threads: int, fn, *args):
+def with_threads(threads: int, fn: Callable, *args):
+    """fn(*args) in a worker process limited to `threads` intra-op threads."""
     torch.set_num_threads(threads)
     return fn(*args)
 

@@ -184,8 +184,8 @@ def load_model(name: str, device: torch.device | None = None) -> tuple[PreTraine
 
 
 def inference_model(model: PreTrainedModel, precision: str = "auto") -> tuple[PreTrainedModel, AbstractContextManager]:
-    """(network to sample from, context to sample in) for evaluation: a bf16 copy under bf16 autocast where
-    `precision` resolves to bf16 (`resolve_precision`), else the float32 model itself."""
+    """(network to sample from, context to sample and train in): a bf16 copy under bf16 autocast where `precision`
+    resolves to bf16 (`resolve_precision`), else the float32 model itself and no autocast."""
     if resolve_precision(precision, model.device) == "bf16":
         return sampling_copy(model), torch.autocast(model.device.type, dtype=torch.bfloat16)
     return model, nullcontext()
@@ -344,8 +344,9 @@ def decode(model: PreTrainedModel, prompt_ids: torch.Tensor, prompt_mask: torch.
     logits = model(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=positions, cache=cache,
                    use_cache=True, logits_to_keep=1).logits[:, -1]  # [B, V]
     logits = logits.repeat_interleave(group_size, dim=0)  # [N, V]: rows b*G .. b*G+G-1 share prompt b
-    cache = DecodeCache.from_prefill(cache, group_size, max_new_tokens) if fused else cache
-    if not fused:
+    if fused:
+        cache = DecodeCache.from_prefill(cache, group_size, max_new_tokens)
+    else:
         cache.batch_repeat_interleave(group_size)
     mask = prompt_mask.repeat_interleave(group_size, dim=0)  # [n, P + t] for the n live rows
     next_position = positions[:, -1].repeat_interleave(group_size) + 1  # [n]

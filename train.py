@@ -23,7 +23,6 @@ import os
 import random
 import sys
 import time
-from contextlib import nullcontext
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -38,7 +37,7 @@ from common import (all_sum, append_jsonl, arg, at_least, close_processes, datac
                     step_metrics, sum_gradients, summarise_run, write_jsonl)
 from data.tasks import Problem, load_eval_problems, load_problems
 from eval import evaluate, score_groups
-from model import (Rollout, completion_logprobs, load_model, replace_groups, resolve_precision, sample, sampling_copy,
+from model import (Rollout, completion_logprobs, inference_model, load_model, replace_groups, sample, sampling_copy,
                    trim_padding)
 from verifier import load_reward
 
@@ -250,17 +249,15 @@ def train(args: Args, run_dir: Path) -> dict | None:
     """Train one algorithm; process 0 writes config.json, metrics.jsonl, evals.jsonl, checkpoint/, summary.json."""
     rank, world, device = init_processes()
     is_main = rank == 0
-    bf16 = resolve_precision(args.precision, device) == "bf16"  # auto: bf16 on CUDA and on CPUs with native bf16
-    autocast = torch.autocast(device.type, dtype=torch.bfloat16) if bf16 else nullcontext()
     checkpoint = find_checkpoint(run_dir) if args.resume else None
     if args.resume and not checkpoint and is_main:
         print(f"[{args.algo}] --resume: no checkpoint in {run_dir}, starting from scratch")
     model, tokenizer = load_model(str(checkpoint / "model") if checkpoint else args.model, device)
+    # auto: bf16 on CUDA and on CPUs with native bf16; then a bf16 copy to sample from, refreshed after each update
+    sampler, autocast = inference_model(model, args.precision)
     ref_model = None  # the frozen initial policy, for AAPO's r_ref and the KL; in bf16, so autocast need not re-cast it
     if args.algo == "aapo" or args.beta > 0:
-        ref_model = load_model(args.model, device)[0].requires_grad_(False)
-        ref_model.to(torch.bfloat16 if bf16 else torch.float32)
-    sampler = sampling_copy(model) if bf16 else model  # bf16 weights to sample from, refreshed after each update
+        ref_model = load_model(args.model, device)[0].requires_grad_(False).to(sampler.dtype)
     if args.grad_checkpointing:
         model.activation_checkpointing_enable()
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0, fused=True)  # 3x faster on CPU
