@@ -101,19 +101,26 @@ def sum_gradients(model) -> None:
 
 
 @contextmanager
-def interrupts_held():
-    """Ctrl-C inside the block takes effect at its end, so that a checkpoint never holds half a step."""
+def ctrl_c_stops_after_the_step():
+    """Inside the block, a first Ctrl-C only asks to stop (the yielded list becomes non-empty): the loop ends
+    its step, so that a checkpoint holds whole steps. The loop checks the request itself, so an interrupt can
+    never be lost inside a library that swallows exceptions. A second Ctrl-C stops at once, unsaved."""
+    requested: list[bool] = []
     if threading.current_thread() is not threading.main_thread():  # only the main thread receives signals
-        yield
+        yield requested
         return
-    received = []
-    previous = signal.signal(signal.SIGINT, lambda *_: received.append(True))
+
+    def on_ctrl_c(signum, frame):
+        if requested:
+            raise KeyboardInterrupt
+        requested.append(True)
+        os.write(2, b"\nCtrl-C: stopping after this step (press again to stop at once, without saving)\n")
+
+    previous = signal.signal(signal.SIGINT, on_ctrl_c)
     try:
-        yield
+        yield requested
     finally:
         signal.signal(signal.SIGINT, previous)
-    if received:
-        raise KeyboardInterrupt
 
 
 def save_checkpoint(run_dir: Path, model, tokenizer, optimizer, step: int, algo_state: dict) -> None:

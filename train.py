@@ -33,7 +33,7 @@ from tqdm import tqdm
 from advantage import (AdaptiveThreshold, aapo_advantages, aapo_margin, avspo_advantages, collapsed_groups,
                        grpo_advantages)
 from common import (all_sum, append_jsonl, arg, at_least, close_processes, dataclass_parser, find_checkpoint,
-                    gather_groups, init_processes, interrupts_held, restore_checkpoint, save_checkpoint, start_logs,
+                    gather_groups, init_processes, ctrl_c_stops_after_the_step, restore_checkpoint, save_checkpoint, start_logs,
                     step_metrics, sum_gradients, summarise_run, write_jsonl)
 from data.tasks import Problem, load_eval_problems, load_problems
 from eval import evaluate, score_groups
@@ -282,8 +282,9 @@ def train(args: Args, run_dir: Path) -> dict | None:
         if not checkpoint:
             print(f"[{args.algo}] held-out accuracy before training: {run_eval(0):.3f} ({len(eval_problems)} problems)")
     mine = slice(rank * args.prompts_per_step // world, (rank + 1) * args.prompts_per_step // world)  # my prompts
+    stop = False
     bar = tqdm(range(done + 1, args.steps + 1), desc=args.algo, initial=done, total=args.steps, disable=not is_main)
-    try:
+    with ctrl_c_stops_after_the_step() as stop_requested:
         for step in bar:
             torch.manual_seed(args.seed * 1_000_003 + step * 1_000 + rank)  # samples depend on (seed, step, rank) only
             draw_problems = partial(step_problems, train_problems, args, step)  # round -> the B prompts to sample
@@ -293,37 +294,37 @@ def train(args: Args, run_dir: Path) -> dict | None:
             # ---- sample G completions for each prompt and score them: rewards [B, G] of the whole batch
             rollout, rewards, resampled = sample_batch(args, partial(rollout_and_score, sampler), draw_problems, mine,
                                                        tokenizer.pad_token_id)
-            with interrupts_held():  # Ctrl-C from here to the end of the step waits: checkpoints hold whole steps
-                # ---- advantages [B, G]: ALGO LOGIC (AAPO samples the reference model here)
-                sample_reference = partial(rollout_and_score, ref_model, draw_problems(0)[mine])
-                advantages, extra = compute_advantages(args, rewards, state, sample_reference)
-                # ---- this process's rows: loss, backward, optimizer step
-                start = time.perf_counter()
-                stats = update_policy(model, optimizer, rollout, advantages[mine].flatten().to(device), ref_model, args,
-                                      autocast)
-                sampling_copy(model, into=sampler)  # the bf16 sampler follows the update (nothing to do in fp32)
-                timer["train"] = time.perf_counter() - start
-                # ---- log
-                record = {"step": step, **step_metrics(rewards, advantages, rollout, timer, device), **extra, **stats,
-                          "train_tokens_per_s": stats["train_tokens"] / timer["train"], "resampled_groups": resampled}
-                if is_main:  # with compute spent so far: the x-axis of a comparison per unit of compute
-                    totals = {key: total + record[key] for key, total in totals.items()}
-                    append_jsonl(run_dir / "metrics.jsonl", record | {f"{k}_total": v for k, v in totals.items()})
-                done = step
-            if not is_main:
-                continue
-            bar.set_postfix_str(f"reward {record['reward_mean']:.2f} acr {record['acr']:.2f} "
-                                f"eff {record['acr_effective']:.2f} |g| {stats['grad_norm']:.2f}")
-            if (args.eval_every and step % args.eval_every == 0) or step == args.steps:
-                run_eval(step)
-            if args.save_every and (step % args.save_every == 0 or step == args.steps):
-                save_checkpoint(run_dir, model, tokenizer, optimizer, done, state)
-    except KeyboardInterrupt:
-        bar.close()
-        if is_main and args.save_every:
-            save_checkpoint(run_dir, model, tokenizer, optimizer, done, state)
-            print(f"[{args.algo}] interrupted: checkpoint of step {done} saved in {run_dir}; continue with --resume")
-        raise
+            # ---- advantages [B, G]: ALGO LOGIC (AAPO samples the reference model here)
+            sample_reference = partial(rollout_and_score, ref_model, draw_problems(0)[mine])
+            advantages, extra = compute_advantages(args, rewards, state, sample_reference)
+            # ---- this process's rows: loss, backward, optimizer step
+            start = time.perf_counter()
+            stats = update_policy(model, optimizer, rollout, advantages[mine].flatten().to(device), ref_model, args,
+                                  autocast)
+            sampling_copy(model, into=sampler)  # the bf16 sampler follows the update (nothing to do in fp32)
+            timer["train"] = time.perf_counter() - start
+            # ---- log, save, evaluate
+            record = {"step": step, **step_metrics(rewards, advantages, rollout, timer, device), **extra, **stats,
+                      "train_tokens_per_s": stats["train_tokens"] / timer["train"], "resampled_groups": resampled}
+            stop = all_sum([len(stop_requested)], device)[0] > 0  # every process stops after the same step
+            if is_main:
+                totals = {key: total + record[key] for key, total in totals.items()}  # x-axis: compute spent so far
+                append_jsonl(run_dir / "metrics.jsonl", record | {f"{k}_total": v for k, v in totals.items()})
+                bar.set_postfix_str(f"reward {record['reward_mean']:.2f} acr {record['acr']:.2f} "
+                                    f"eff {record['acr_effective']:.2f} |g| {stats['grad_norm']:.2f}")
+                if args.save_every and (step % args.save_every == 0 or step == args.steps or stop):
+                    save_checkpoint(run_dir, model, tokenizer, optimizer, step, state)
+                if (args.eval_every and step % args.eval_every == 0 and not stop) or step == args.steps:
+                    run_eval(step)
+            if stop:
+                break
+    bar.close()
+    if stop or stop_requested:
+        if is_main:
+            saved = f"checkpoint of step {step} saved in {run_dir}; continue with --resume" if args.save_every else \
+                f"after step {step} (no checkpoint: --save-every 0)"
+            print(f"[{args.algo}] interrupted: {saved}")
+        raise KeyboardInterrupt
     return summarise_run(run_dir, args.algo) if is_main else None
 
 

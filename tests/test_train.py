@@ -2,8 +2,10 @@
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -183,28 +185,44 @@ def test_unknown_model_is_one_line_error(tmp_path):
     assert not (tmp_path / "run" / "grpo").exists()
 
 
-def test_ctrl_c_saves_a_checkpoint_that_resumes(tmp_path, monkeypatch, capsys):
-    common = TINY + ["--algo", "grpo", "--eval-every", "0", "--steps", "3", "--out", str(tmp_path)]
+def ctrl_c_during_update(presses: int):
+    """An update_policy that, on the second step, is hit by `presses` real SIGINTs before it runs."""
     real_update, calls = train.update_policy, []
 
-    def interrupt_on_second_step(*args, **kwargs):
+    def update(*args, **kwargs):
         calls.append(1)
-        if len(calls) == 2:
-            raise KeyboardInterrupt
+        for _ in range(presses if len(calls) == 2 else 0):
+            os.kill(os.getpid(), signal.SIGINT)
         return real_update(*args, **kwargs)
+    return update
 
-    monkeypatch.setattr(train, "update_policy", interrupt_on_second_step)
+
+def test_ctrl_c_ends_the_step_saves_it_and_resumes(tmp_path, monkeypatch, capfd):
+    common = TINY + ["--algo", "grpo", "--eval-every", "0", "--steps", "3", "--out", str(tmp_path)]
+    monkeypatch.setattr(train, "update_policy", ctrl_c_during_update(presses=1))
     with pytest.raises(SystemExit) as exit_info:
         train.main(common)
     assert exit_info.value.code == 130  # the shell's code for Ctrl-C, and no traceback
-    said = capsys.readouterr().out.strip().splitlines()
-    assert said[-1].startswith("[grpo] interrupted: checkpoint of step 1 saved") and "--resume" in said[-1]
+    said = capfd.readouterr()
+    assert said.out.strip().splitlines()[-1].startswith("[grpo] interrupted: checkpoint of step 2 saved")
+    assert "--resume" in said.out and "stopping after this step" in said.err
     state = torch.load(tmp_path / "grpo" / "checkpoint" / "state.pt", weights_only=False)
-    assert state["step"] == 1  # the interrupted step 2 is not counted
-    monkeypatch.setattr(train, "update_policy", real_update)
+    assert state["step"] == 2  # the step under way when Ctrl-C came was finished and counted
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the handler is put back
+    monkeypatch.undo()
     train.main(common + ["--resume"])
     steps = [json.loads(line)["step"] for line in (tmp_path / "grpo" / "metrics.jsonl").read_text().splitlines()]
     assert steps == [1, 2, 3]
+
+
+def test_a_second_ctrl_c_stops_at_once_without_saving_half_a_step(tmp_path, monkeypatch):
+    monkeypatch.setattr(train, "update_policy", ctrl_c_during_update(presses=2))
+    with pytest.raises(SystemExit) as exit_info:
+        train.main(TINY + ["--eval-every", "0", "--steps", "3", "--save-every", "1", "--out", str(tmp_path)])
+    assert exit_info.value.code == 130
+    state = torch.load(tmp_path / "grpo" / "checkpoint" / "state.pt", weights_only=False)
+    assert state["step"] == 1  # step 2 was cut short: neither logged nor saved
+    assert len((tmp_path / "grpo" / "metrics.jsonl").read_text().splitlines()) == 1
 
 
 @pytest.mark.parametrize("flag, value", [("--group-size", "1"), ("--micro-batch", "0"), ("--algo", "ppo")])
@@ -278,9 +296,6 @@ def test_torchrun_writes_the_same_logs_and_one_checkpoint_and_resumes(tmp_path):
 
 
 def test_a_real_ctrl_c_saves_prints_one_line_and_exits_130(tmp_path):
-    import signal
-    import time
-
     cmd = [sys.executable, "train.py", *TINY, "--steps", "1000", "--eval-every", "0", "--out", str(tmp_path)]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     metrics = tmp_path / "grpo" / "metrics.jsonl"
