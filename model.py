@@ -17,6 +17,7 @@ import zipfile
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -266,22 +267,37 @@ class DecodeCache:
         self.keys, self.values = [k[rows] for k in self.keys], [v[rows] for v in self.values]
 
 
-def fused_weights(model: PreTrainedModel) -> list[tuple[torch.Tensor, ...]] | None:
-    """Per layer (qkv weight, qkv bias, gate_up weight): q/k/v and gate/up each as one matrix, so a decoding step
-    makes 4 products per layer instead of 7. None for blocks `decode_step` does not implement (other than the
-    Llama/Qwen2 block: SmolLM2, Qwen2.5); those decode with transformers' forward."""
+def packed_linear(weight: torch.Tensor, bias: torch.Tensor | None, rows: int) -> Callable[[torch.Tensor], torch.Tensor]:
+    """x -> F.linear(x, weight, bias); a float32 weight on CPU is reordered once into oneDNN's blocked layout for x
+    of about `rows` rows (what inference compilers do when they "freeze" a model), which decoding's few-row
+    products read faster: 1.1-1.3x per fp32 decoding step on this project's 2-core CPU. In bf16 it measured
+    0.94-1.10x there, so bf16 keeps `F.linear` (benchmarks/profile_decode.py). Only the order of additions differs."""
+    if (weight.device.type != "cpu" or weight.dtype != torch.float32 or not torch.backends.mkldnn.is_available()
+            or torch.is_autocast_enabled("cpu")):  # under autocast, F.linear casts x and the weight; oneDNN would not
+        return lambda x: F.linear(x, weight, bias)
+    packed = torch.ops.mkldnn._reorder_linear_weight(weight, rows)  # (a private op: the one torch.compile uses)
+    return lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+def decode_weights(model: PreTrainedModel, rows: int) -> list[tuple[Callable, ...]] | None:
+    """The products of `decode_step` for batches of about `rows` rows, per layer (qkv, o, gate_up, down): q/k/v
+    and gate/up are each one matrix (4 products per layer instead of 7), each packed by `packed_linear`. None for
+    blocks `decode_step` does not implement (other than the Llama/Qwen2 block: SmolLM2, Qwen2.5); those decode
+    with transformers' forward."""
     config = model.config
     if (config.model_type not in ("llama", "qwen2") or config.hidden_act != "silu"
             or getattr(config, "use_sliding_window", False) or getattr(config, "mlp_bias", False)):
         return None
-    fused = []
+    layers = []
     for layer in model.model.layers:
         attn, mlp = layer.self_attn, layer.mlp
         biases = [attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias]
         qkv_bias = None if biases[0] is None else torch.cat(biases)
-        fused.append((torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]), qkv_bias,
-                      torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])))
-    return fused
+        qkv_weight = torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight])
+        layers.append((packed_linear(qkv_weight, qkv_bias, rows), packed_linear(attn.o_proj.weight, None, rows),
+                       packed_linear(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]), None, rows),
+                       packed_linear(mlp.down_proj.weight, None, rows)))
+    return layers
 
 
 def rms_norm(x: torch.Tensor, norm: torch.nn.Module) -> torch.Tensor:
@@ -296,7 +312,7 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     return x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin
 
 
-def decode_step(model: PreTrainedModel, fused: list, tokens: torch.Tensor, positions: torch.Tensor,
+def decode_step(model: PreTrainedModel, weights: list, tokens: torch.Tensor, positions: torch.Tensor,
                 cache: DecodeCache, column: int, mask: torch.Tensor) -> torch.Tensor:
     """Logits [n, V] of one new token per row: the Llama/Qwen2 block written out for a single position.
 
@@ -310,19 +326,18 @@ def decode_step(model: PreTrainedModel, fused: list, tokens: torch.Tensor, posit
     h = model.model.embed_tokens(tokens)  # [n, d]
     cos, sin = model.model.rotary_emb(h, positions[:, None])  # [n, 1, head_dim]
     attend = mask[:, None, None, :]  # [n, 1, 1, T]
-    for layer, (qkv_weight, qkv_bias, gate_up_weight) in zip(model.model.layers, fused):
+    for layer, (qkv_proj, o_proj, gate_up_proj, down_proj) in zip(model.model.layers, weights):
         x = rms_norm(h, layer.input_layernorm)
-        q, k, v = F.linear(x, qkv_weight, qkv_bias).split([heads * head_dim, kv_heads * head_dim,
-                                                           kv_heads * head_dim], dim=-1)
+        q, k, v = qkv_proj(x).split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
         q = rotate(q.view(n, heads, head_dim), cos, sin)
         keys, values = cache.keys[layer.self_attn.layer_idx], cache.values[layer.self_attn.layer_idx]
         keys[:, :, column] = rotate(k.view(n, kv_heads, head_dim), cos, sin)
         values[:, :, column] = v.view(n, kv_heads, head_dim)
         out = F.scaled_dot_product_attention(q[:, :, None], keys[:, :, : column + 1], values[:, :, : column + 1],
                                              attn_mask=attend, scale=layer.self_attn.scaling, enable_gqa=True)
-        h = h + layer.self_attn.o_proj(out.reshape(n, heads * head_dim))
-        gate, up = F.linear(rms_norm(h, layer.post_attention_layernorm), gate_up_weight).chunk(2, dim=-1)
-        h = h + layer.mlp.down_proj(F.silu(gate) * up)
+        h = h + o_proj(out.reshape(n, heads * head_dim))
+        gate, up = gate_up_proj(rms_norm(h, layer.post_attention_layernorm)).chunk(2, dim=-1)
+        h = h + down_proj(F.silu(gate) * up)
     return model.lm_head(rms_norm(h, model.model.norm))
 
 
@@ -338,13 +353,14 @@ def decode(model: PreTrainedModel, prompt_ids: torch.Tensor, prompt_mask: torch.
       4. For Llama/Qwen2 blocks, each new token goes through `decode_step` with a preallocated `DecodeCache`;
          other architectures through transformers' forward.
     """
-    n, fused = len(prompt_ids) * group_size, fused_weights(model)
+    n = len(prompt_ids) * group_size
+    weights = decode_weights(model, rows=n)
     cache = DynamicCache(config=model.config)
     positions = (prompt_mask.cumsum(dim=1) - 1).clamp(min=0)  # [B, P]: left padding must not shift positions
     logits = model(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=positions, cache=cache,
                    use_cache=True, logits_to_keep=1).logits[:, -1]  # [B, V]
     logits = logits.repeat_interleave(group_size, dim=0)  # [N, V]: rows b*G .. b*G+G-1 share prompt b
-    if fused:
+    if weights:
         cache = DecodeCache.from_prefill(cache, group_size, max_new_tokens)
     else:
         cache.batch_repeat_interleave(group_size)
@@ -365,8 +381,8 @@ def decode(model: PreTrainedModel, prompt_ids: torch.Tensor, prompt_mask: torch.
             live, tokens, mask, next_position = live[keep], tokens[keep], mask[keep], next_position[keep]
             cache.batch_select_indices(keep)
         mask = torch.cat([mask, mask.new_ones(len(live), 1)], dim=1)
-        if fused:
-            logits = decode_step(model, fused, tokens, next_position, cache, mask.shape[1] - 1, mask.bool())  # [n, V]
+        if weights:
+            logits = decode_step(model, weights, tokens, next_position, cache, mask.shape[1] - 1, mask.bool())  # [n, V]
         else:
             logits = model(input_ids=tokens[:, None], attention_mask=mask, position_ids=next_position[:, None],
                            cache=cache, use_cache=True).logits[:, -1]  # [n, V]

@@ -51,7 +51,8 @@ DATA_DIR = ROOT.parent / "shared" / "data"
 AVSPO_GOAL, AAPO_GOAL = 0.1, 1.6  # AVSPO advantage step < 0.1% of a GRPO step; AAPO step <= 1.6x GRPO's
 
 
-def reference_args(model: str, steps: int, precision: str, algo: str = "grpo", micro_batch: int = 8) -> train.Args:
+def reference_args(model: str, steps: int, precision: str, algo: str = "grpo",
+                   micro_batch: int = train.Args.micro_batch) -> train.Args:
     """The reference config: G=8, 2 prompts, 64 new tokens, lr 1e-5, beta 0, one update, no eval, no saving."""
     return train.Args(algo=algo, model=model, dataset="arith-mul1", steps=steps, prompts_per_step=2, group_size=8,
                       max_new_tokens=64, temperature=1.0, lr=1e-5, beta=0.0, updates_per_batch=1,
@@ -323,7 +324,7 @@ def step_row(impl: str, algo: str, precision: str, r: dict) -> list[str]:
 
 
 def bench_training(model: str, steps: int, warmup: int, precisions: list[str], with_trl: bool,
-                   micro_batch: int = 8, adv_reps: int = 10_000) -> tuple[list[list[str]], list[str], dict]:
+                   micro_batch: int = train.Args.micro_batch, adv_reps: int = 10_000) -> tuple[list[list[str]], list[str], dict]:
     """Sections 1-3: the step table rows, the summary lines (ours/TRL, AVSPO and AAPO vs GRPO) and the results."""
     rows, notes, results = [], [], {}
     jobs = [("ours", "grpo", p) for p in precisions] + [("TRL", "grpo", p) for p in precisions if with_trl]
@@ -359,7 +360,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps before them")
     parser.add_argument("--precision", choices=("fp32", "bf16", "both"), default="fp32",
                         help="bf16 is autocast (train.py --precision bf16); AVSPO/AAPO use the first")
-    parser.add_argument("--micro-batch", type=int, default=8, help="completions per forward/backward, ours and TRL's")
+    parser.add_argument("--micro-batch", type=int, default=train.Args.micro_batch, help="completions per forward/backward, ours and TRL's")
     parser.add_argument("--skip-trl", action="store_true", help="leave out TRL's GRPOTrainer")
     parser.add_argument("--skip-verifier", action="store_true", help="leave out the verifier section")
     parser.add_argument("--data-dir", type=Path, default=DATA_DIR, help="shared data with GSM8K / MATH-500")

@@ -1,4 +1,5 @@
-"""Time one rollout (B=2 prompts x G=8, 64 new tokens) with HF `generate` vs model.decode, fp32 and bf16.
+"""Time one rollout (B=2 prompts x G=8, 64 new tokens): HF `generate`, model.decode with plain `F.linear`
+products, and model.decode with oneDNN-packed ones (its default), in fp32 and in bf16.
 
     python benchmarks/profile_decode.py [--model smollm2-135m] [--reps 3] [--profile]
 
@@ -14,8 +15,10 @@ from contextlib import nullcontext
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import model as model_module  # noqa: E402
 from model import cpu_features, load_model, sample, sampling_copy  # noqa: E402
 
 QUESTIONS = ["What is 37 * 8?", "Compute 12 * 9."]
@@ -31,13 +34,19 @@ def main() -> None:
     model.eval()
     bf16 = {"avx512_bf16", "amx_bf16"} & cpu_features()
     autocast = torch.autocast("cpu", dtype=torch.bfloat16)
-    paths = {"generate fp32": (model, True, nullcontext()), "decode fp32": (model, False, nullcontext())}
+    packed, plain = model_module.packed_linear, lambda weight, bias, rows: lambda x: F.linear(x, weight, bias)
+    paths = {"generate fp32": (model, True, nullcontext(), packed),
+             "decode fp32 F.linear": (model, False, nullcontext(), plain),
+             "decode fp32 packed": (model, False, nullcontext(), packed)}
     if bf16:
         copy = sampling_copy(model)
-        paths |= {"generate bf16 autocast": (model, True, autocast), "decode bf16 copy": (copy, False, nullcontext())}
+        paths |= {"generate bf16 autocast": (model, True, autocast, packed),
+                  "decode bf16 copy F.linear": (copy, False, nullcontext(), plain),
+                  "decode bf16 copy packed": (copy, False, nullcontext(), packed)}
     times = {name: [] for name in paths}
     for rep in range(args.reps + 1):  # the first round warms up
-        for name, (net, use_generate, ctx) in paths.items():
+        for name, (net, use_generate, ctx, linear) in paths.items():
+            model_module.packed_linear = linear
             torch.manual_seed(rep)
             start = time.perf_counter()
             with ctx:
@@ -46,6 +55,7 @@ def main() -> None:
             print(f"  {name}: {seconds:.2f} s, {rollout.completion_len} steps", flush=True)
             if rep:
                 times[name].append((seconds, rollout.completion_len, rollout.completion_mask.sum().item()))
+    model_module.packed_linear = packed
     print(f"CPU features: {sorted(cpu_features())}, torch threads {torch.get_num_threads()}")
     for name, runs in times.items():
         per_step = statistics.median(s / c for s, c, _ in runs) * 1e3

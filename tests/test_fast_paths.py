@@ -7,8 +7,8 @@ import torch
 import model as model_module
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
-from model import (DecodeCache, byte_tokenizer, completion_logprobs, decode, decode_step, fused_weights, hf_generate,
-                   load_model, next_tokens, resolve_precision, sample, sampling_copy, tiny_qwen2)
+from model import (DecodeCache, byte_tokenizer, completion_logprobs, decode, decode_step, decode_weights, hf_generate,
+                   load_model, next_tokens, packed_linear, resolve_precision, sample, sampling_copy, tiny_qwen2)
 
 QUESTIONS = ["2+3?", "What is 17 * 4?", "hi", "a"]  # different lengths: left padding is exercised
 
@@ -98,8 +98,8 @@ def test_decode_step_logits_equal_the_transformers_forward(block_model):
     for cache in (reference, ours):
         model(**enc, position_ids=positions, cache=cache, use_cache=True)
     reference.batch_repeat_interleave(2)
-    ours, fused = DecodeCache.from_prefill(ours, 2, 6), fused_weights(model)
-    assert fused is not None
+    ours, weights = DecodeCache.from_prefill(ours, 2, 6), decode_weights(model, rows=4)
+    assert weights is not None
     mask, position = enc["attention_mask"].repeat_interleave(2, 0), positions[:, -1].repeat_interleave(2) + 1
     tokens = torch.tensor([5, 6, 7, 8])
     for step in range(6):
@@ -111,9 +111,26 @@ def test_decode_step_logits_equal_the_transformers_forward(block_model):
         mask = torch.cat([mask, mask.new_ones(len(mask), 1)], dim=1)
         expected = model(input_ids=tokens[:, None], attention_mask=mask, position_ids=position[:, None],
                          cache=reference, use_cache=True).logits[:, -1]
-        got = decode_step(model, fused, tokens, position, ours, mask.shape[1] - 1, mask.bool())
+        got = decode_step(model, weights, tokens, position, ours, mask.shape[1] - 1, mask.bool())
         torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
         tokens, position = expected.argmax(-1), position + 1
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])  # bf16: the F.linear fallback
+@pytest.mark.parametrize("rows", [1, 3, 16, 40])
+def test_packed_linear_computes_what_f_linear_computes(dtype, rows):
+    """Packed for 16 rows, right for any number of rows, with and without a bias."""
+    torch.manual_seed(0)
+    weight, bias, x = torch.randn(96, 64).to(dtype), torch.randn(96).to(dtype), torch.randn(rows, 64).to(dtype)
+    for b in (None, bias):
+        torch.testing.assert_close(packed_linear(weight, b, 16)(x), torch.nn.functional.linear(x, weight, b))
+
+
+def test_packed_linear_under_autocast_casts_as_f_linear_does():
+    """A float32 model sampled under bf16 autocast (gpu_bench's CPU smoke test does) gets bf16 inputs."""
+    weight, x = torch.randn(96, 64), torch.randn(3, 64).bfloat16()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        torch.testing.assert_close(packed_linear(weight, None, 16)(x), torch.nn.functional.linear(x, weight))
 
 
 def test_decode_step_samples_what_the_transformers_forward_samples(block_model, monkeypatch):
@@ -123,8 +140,8 @@ def test_decode_step_samples_what_the_transformers_forward_samples(block_model, 
     hook = model.lm_head.register_forward_hook(lambda mod, inp, out: out.index_add(
         -1, torch.tensor([eos]), torch.full((*out.shape[:-1], 1), 2.0)))  # rows end at different steps
     runs = []
-    for fused in (fused_weights, lambda model: None):
-        monkeypatch.setattr(model_module, "fused_weights", fused)
+    for weights in (decode_weights, lambda model, rows: None):
+        monkeypatch.setattr(model_module, "decode_weights", weights)
         torch.manual_seed(7)
         runs.append(sample(model, tokenizer, QUESTIONS, 3, 20).input_ids)
     hook.remove()
@@ -134,12 +151,12 @@ def test_decode_step_samples_what_the_transformers_forward_samples(block_model, 
 
 
 def test_other_architectures_decode_with_the_transformers_forward(monkeypatch):
-    """fused_weights says None for a block decode_step does not implement; decode still matches generate."""
+    """decode_weights says None for a block decode_step does not implement; decode still matches generate."""
     model, tokenizer = tiny_qwen2()
     model.config.use_sliding_window = True
-    assert fused_weights(model) is None
+    assert decode_weights(model, rows=4) is None
     model.config.use_sliding_window = False
-    monkeypatch.setattr(model_module, "fused_weights", lambda model: None)
+    monkeypatch.setattr(model_module, "decode_weights", lambda model, rows: None)
     fast = sample(model.eval(), tokenizer, QUESTIONS, 2, 10, temperature=0)
     assert torch.equal(fast.input_ids, sample(model, tokenizer, QUESTIONS, 2, 10, temperature=0,
                                               use_generate=True).input_ids)
