@@ -68,7 +68,7 @@ class Args:
     epsilon: float = arg(0.2, "PPO clip: ratio lower bound 1 - epsilon")
     epsilon_high: float = arg(0.2, "PPO clip: ratio upper bound 1 + epsilon_high (DAPO uses 0.28)")
     updates_per_batch: int = arg(1, "optimizer steps per batch (PPO epochs); >1 makes the clip act", type=at_least(1))
-    micro_batch: int = arg(16, "completions per forward/backward pass (gradient accumulation)", type=at_least(1))
+    micro_batch: int = arg(8, "completions per forward/backward pass (gradient accumulation)", type=at_least(1))
     max_grad_norm: float = arg(1.0, "gradient clipping")
     grad_checkpointing: bool = arg(False, "recompute activations in backward: less memory, ~30% slower")
     precision: str = arg("auto", "auto (bf16 on CUDA and on CPUs with native bf16: avx512_bf16/amx_bf16), fp32, bf16",
