@@ -164,6 +164,14 @@ def bench_trl(args: train.Args, warmup: int) -> dict:
             "rows_trained": completions}  # TRL runs forward/backward on every row, zero advantage or not
 
 
+def measure_config(impl: str, args: train.Args, warmup: int) -> dict:
+    """One config's step times (ours or TRL's) and, for GRPO, its floors measured right after them."""
+    result = (bench_ours if impl == "ours" else bench_trl)(args, warmup)
+    if args.algo == "grpo":
+        result["floors"] = phase_floors(result, args)
+    return result
+
+
 # ------------------------------------------------------------------------------ AVSPO's extra work
 
 
@@ -255,8 +263,10 @@ def kernel_seconds(shapes: tuple[tuple[int, int], ...], rows: int, dtype: torch.
     return best_seconds(lambda: [torch.nn.functional.linear(inputs[w.shape[1]], w) for w in weights], reps=5)
 
 
-def floor_rows(results: dict, model: str, args: train.Args) -> list[list[str]]:
-    """Each (impl, precision) GRPO config's generate and update times against two floors, measured here.
+def phase_floors(r: dict, args: train.Args) -> dict:
+    """One GRPO config's two floors per phase, measured on this machine right after its steps (in the same
+    process: this machine's memory bandwidth drifts by up to 2x over minutes, so a phase and its floor are
+    timed together).
 
     physical: generation max(weight bytes x decoding steps / read bandwidth, 2 x params x tokens / peak FLOP/s),
               update 6 x params x trained tokens / peak FLOP/s (peak: a large square GEMM in that dtype).
@@ -264,30 +274,39 @@ def floor_rows(results: dict, model: str, args: train.Args) -> list[list[str]]:
               rows the phase has (generation: live rows per decoding step; update: tokens per micro-batch).
     Decoding steps = completion length (mean over rows: a lower bound of the longest row, so the floors are low).
     """
-    shapes = tuple(linear_shapes(model))
+    shapes = tuple(linear_shapes(args.model))
     params = sum(o * i for o, i in shapes)
-    configs = {k: r for k, r in results.items() if k[1] == "grpo"}
-    dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16}
-    rates = machine_rates(sorted({dtypes[p] for _, _, p in configs}, key=str))
-    rows = []
-    for (impl, _, precision), r in configs.items():
-        dtype, nbytes = dtypes[precision], 4 if precision == "fp32" else 2
-        steps = max(1.0, r["completion_len"])
-        gen_tokens = r["gen_tok_s"] * r["generate_s"]
-        live = max(1, round(gen_tokens / steps))  # rows per decoding step, on average
-        gen_physical = max(params * nbytes * steps / rates["read_bytes_s"], 2 * params * gen_tokens / rates[dtype])
-        gen_kernel = steps * kernel_seconds(shapes, live, dtype)
-        rows_trained = r["rows_trained"] or args.prompts_per_step * args.group_size
-        train_tokens = r["train_tok_s"] * r["train_s"] if r["train_tok_s"] else rows_trained * (steps + 40)
-        micro_batches = max(1, -(-int(rows_trained) // args.micro_batch))
-        per_micro = max(1, round(train_tokens / micro_batches))
-        upd_physical = 6 * params * train_tokens / rates[dtype]
-        upd_kernel = 3 * micro_batches * kernel_seconds(shapes, per_micro, dtype)  # forward + 2x backward
-        rows.append([impl, precision, fmt(r["generate_s"]), fmt(gen_kernel), fmt(r["generate_s"] / gen_kernel) + "x",
-                     fmt(gen_physical), fmt(r["generate_s"] / gen_physical) + "x", fmt(r["train_s"]), fmt(upd_kernel),
-                     fmt(r["train_s"] / upd_kernel) + "x", fmt(upd_physical), fmt(r["train_s"] / upd_physical) + "x"])
-    notes = [f"machine: peak {', '.join(f'{str(d)[6:]} {rates[d] / 1e9:.0f} GFLOP/s' for d in rates if d != 'read_bytes_s')}"
-             f", read bandwidth {rates['read_bytes_s'] / 1e9:.1f} GB/s; matmul params {params / 1e6:.1f}M",
+    dtype, nbytes = (torch.float32, 4) if args.precision == "fp32" else (torch.bfloat16, 2)
+    rates = machine_rates([dtype])
+    steps = max(1.0, r["completion_len"])
+    gen_tokens = r["gen_tok_s"] * r["generate_s"]
+    live = max(1, round(gen_tokens / steps))  # rows per decoding step, on average
+    rows_trained = r["rows_trained"] or args.prompts_per_step * args.group_size
+    train_tokens = r["train_tok_s"] * r["train_s"] if r["train_tok_s"] else rows_trained * (steps + 40)
+    micro_batches = max(1, -(-int(rows_trained) // args.micro_batch))
+    per_micro = max(1, round(train_tokens / micro_batches))
+    return {"gen_kernel": steps * kernel_seconds(shapes, live, dtype),
+            "gen_physical": max(params * nbytes * steps / rates["read_bytes_s"],
+                                2 * params * gen_tokens / rates[dtype]),
+            "update_kernel": 3 * micro_batches * kernel_seconds(shapes, per_micro, dtype),  # forward + 2x backward
+            "update_physical": 6 * params * train_tokens / rates[dtype],
+            "peak_flop_s": rates[dtype], "read_bytes_s": rates["read_bytes_s"], "params": params}
+
+
+def floor_rows(results: dict) -> tuple[list[list[str]], list[str]]:
+    """The floor table: each GRPO config's generate and update times against the floors measured with it."""
+    rows, params = [], None
+    for (impl, algo, precision), r in results.items():
+        if "floors" not in r:
+            continue
+        f, params = r["floors"], r["floors"]["params"]
+        rows.append([impl, precision, fmt(r["generate_s"]), fmt(f["gen_kernel"]),
+                     fmt(r["generate_s"] / f["gen_kernel"]) + "x", fmt(f["gen_physical"]),
+                     fmt(r["generate_s"] / f["gen_physical"]) + "x", fmt(r["train_s"]), fmt(f["update_kernel"]),
+                     fmt(r["train_s"] / f["update_kernel"]) + "x", fmt(f["update_physical"]),
+                     fmt(r["train_s"] / f["update_physical"]) + "x", fmt(f["peak_flop_s"] / 1e9, 0),
+                     fmt(f["read_bytes_s"] / 1e9, 1)])
+    notes = [f"matmul params {params / 1e6:.1f}M; peak: a 2048 x 2048 GEMM in the config's dtype; read: a 512 MiB sum",
              "physical floor: generation max(weight bytes x decoding steps / bandwidth, 2 x params x tokens / peak), "
              "update 6 x params x trained tokens / peak",
              "kernel floor: the same matmuls timed on the model's weight shapes with the phase's rows (live rows per "
@@ -298,7 +317,7 @@ def floor_rows(results: dict, model: str, args: train.Args) -> list[list[str]]:
 
 FLOOR_COLUMNS = ["impl", "precision", "generate s", "gen kernel floor s", "gen / kernel", "gen physical floor s",
                  "gen / physical", "update s", "update kernel floor s", "update / kernel", "update physical floor s",
-                 "update / physical"]
+                 "update / physical", "peak GFLOP/s", "read GB/s"]
 
 
 # ------------------------------------------------------------------------------ report
@@ -324,7 +343,8 @@ def step_row(impl: str, algo: str, precision: str, r: dict) -> list[str]:
 
 
 def bench_training(model: str, steps: int, warmup: int, precisions: list[str], with_trl: bool,
-                   micro_batch: int = train.Args.micro_batch, adv_reps: int = 10_000) -> tuple[list[list[str]], list[str], dict]:
+                   micro_batch: int = train.Args.micro_batch,
+                   adv_reps: int = 10_000) -> tuple[list[list[str]], list[str], dict]:
     """Sections 1-3: the step table rows, the summary lines (ours/TRL, AVSPO and AAPO vs GRPO) and the results."""
     rows, notes, results = [], [], {}
     jobs = [("ours", "grpo", p) for p in precisions] + [("TRL", "grpo", p) for p in precisions if with_trl]
@@ -332,7 +352,7 @@ def bench_training(model: str, steps: int, warmup: int, precisions: list[str], w
     for i, (impl, algo, precision) in enumerate(jobs, 1):
         print(f"[{i}/{len(jobs)}] {impl} {algo} {precision}: {warmup} warm-up + {steps} timed steps", flush=True)
         args = reference_args(model, steps, precision, algo, micro_batch)
-        results[impl, algo, precision] = run_isolated(bench_ours if impl == "ours" else bench_trl, args, warmup)
+        results[impl, algo, precision] = run_isolated(measure_config, impl, args, warmup)
         rows.append(step_row(impl, algo, precision, results[impl, algo, precision]))
     notes.append("rows trained: completions that went through log-prob + backward; train.update_policy skips "
                  "zero-advantage rows (collapsed GRPO groups), TRL trains all of them")
@@ -360,7 +380,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps before them")
     parser.add_argument("--precision", choices=("fp32", "bf16", "both"), default="fp32",
                         help="bf16 is autocast (train.py --precision bf16); AVSPO/AAPO use the first")
-    parser.add_argument("--micro-batch", type=int, default=train.Args.micro_batch, help="completions per forward/backward, ours and TRL's")
+    parser.add_argument("--micro-batch", type=int, default=train.Args.micro_batch,
+                        help="completions per forward/backward, ours and TRL's")
     parser.add_argument("--skip-trl", action="store_true", help="leave out TRL's GRPOTrainer")
     parser.add_argument("--skip-verifier", action="store_true", help="leave out the verifier section")
     parser.add_argument("--data-dir", type=Path, default=DATA_DIR, help="shared data with GSM8K / MATH-500")
@@ -387,8 +408,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{'max CUDA allocated' if cuda else 'max RSS'} of the config's process\n")
     print(markdown_table(STEP_COLUMNS, rows))
     print("\n" + "\n".join(f"- {n}" for n in notes))
-    floors, floor_notes = floor_rows(results, args.model, reference_args(args.model, args.steps, "fp32",
-                                                                          micro_batch=args.micro_batch))
+    floors, floor_notes = floor_rows(results)
     print(f"\n## Floors: each phase against what this machine allows (CPU features: "
           f"{' '.join(sorted(cpu_features())) or '-'})\n")
     print(markdown_table(FLOOR_COLUMNS, floors))

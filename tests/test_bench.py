@@ -25,6 +25,12 @@ def test_bench_quick_prints_the_step_table(capsys, monkeypatch):
     for row in rows:
         assert len(row) == len(bench.STEP_COLUMNS) and float(row[6]) > 0  # step s
         assert float(row[-1]) > 100  # peak MB: a Python process with torch loaded
+    floor_header = next(i for i, line in enumerate(lines) if line.startswith("| impl | precision | generate s"))
+    assert [c.strip() for c in lines[floor_header].strip("|").split("|")] == bench.FLOOR_COLUMNS
+    floor_row = [c.strip() for c in lines[floor_header + 2].strip("|").split("|")]
+    assert floor_row[:2] == ["ours", "fp32"] and len(floor_row) == len(bench.FLOOR_COLUMNS)
+    ratios, rates = [c for c in floor_row if c.endswith("x")], floor_row[-2:]  # measured in the config's process
+    assert len(ratios) == 4 and all(float(c[:-1]) > 0 for c in ratios) and all(float(c) > 0 for c in rates)
     summary = "\n".join(lines)
     assert "AVSPO's is" in summary and "AAPO / GRPO step time" in summary and "ours / TRL" not in summary
 
