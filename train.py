@@ -32,9 +32,9 @@ from tqdm import tqdm
 
 from advantage import (AdaptiveThreshold, aapo_advantages, aapo_margin, avspo_advantages, collapsed_groups,
                        grpo_advantages)
-from common import (all_sum, append_jsonl, arg, at_least, close_processes, dataclass_parser, find_checkpoint,
-                    gather_groups, init_processes, ctrl_c_stops_after_the_step, restore_checkpoint, save_checkpoint, start_logs,
-                    step_metrics, sum_gradients, summarise_run, write_jsonl)
+from common import (all_sum, append_jsonl, arg, at_least, close_processes, ctrl_c_stops_after_the_step,
+                    dataclass_parser, find_checkpoint, gather_groups, init_processes, restore_checkpoint,
+                    save_checkpoint, start_logs, step_metrics, sum_gradients, summarise_run, write_jsonl)
 from data.tasks import Problem, load_eval_problems, load_problems
 from eval import evaluate, score_groups
 from model import (Rollout, completion_logprobs, inference_model, load_model, replace_groups, sample, sampling_copy,
