@@ -114,7 +114,7 @@ def ctrl_c_stops_after_the_step():
         if requested:
             raise KeyboardInterrupt
         requested.append(True)
-        os.write(2, b"\nCtrl-C: stopping after this step (press again to stop at once, without saving)\n")
+        os.write(2, b"\nCtrl-C: stopping at the end of the step under way (press again to stop at once, unsaved)\n")
 
     previous = signal.signal(signal.SIGINT, on_ctrl_c)
     try:

@@ -26,6 +26,7 @@ import time
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
+from typing import Sequence
 
 import torch
 from tqdm import tqdm
@@ -245,8 +246,9 @@ def update_policy(model, optimizer, rollout: Rollout, b_advantages, ref_model, a
 # ------------------------------------------------------------------------------ the loop
 
 
-def train(args: Args, run_dir: Path) -> dict | None:
-    """Train one algorithm; process 0 writes config.json, metrics.jsonl, evals.jsonl, checkpoint/, summary.json."""
+def train(args: Args, run_dir: Path, stop_requested: Sequence = ()) -> dict | None:
+    """Train one algorithm; process 0 writes config.json, metrics.jsonl, evals.jsonl, checkpoint/, summary.json.
+    Once `stop_requested` is non-empty (Ctrl-C, see main), no new step starts: KeyboardInterrupt after saving."""
     rank, world, device = init_processes()
     is_main = rank == 0
     checkpoint = find_checkpoint(run_dir) if args.resume else None
@@ -279,51 +281,50 @@ def train(args: Args, run_dir: Path) -> dict | None:
     if is_main:
         last = start_logs(run_dir, dataclasses.asdict(args), done)
         totals = {key: last.get(f"{key}_total", 0) for key in ("gen_tokens", "train_tokens")}
-        if not checkpoint:
+        if not checkpoint and not stop_requested:
             print(f"[{args.algo}] held-out accuracy before training: {run_eval(0):.3f} ({len(eval_problems)} problems)")
     mine = slice(rank * args.prompts_per_step // world, (rank + 1) * args.prompts_per_step // world)  # my prompts
+    if all_sum([len(stop_requested)], device)[0] > 0:  # Ctrl-C while loading: stop before the first step
+        raise KeyboardInterrupt
     stop = False
     bar = tqdm(range(done + 1, args.steps + 1), desc=args.algo, initial=done, total=args.steps, disable=not is_main)
-    with ctrl_c_stops_after_the_step() as stop_requested:
-        for step in bar:
-            torch.manual_seed(args.seed * 1_000_003 + step * 1_000 + rank)  # samples depend on (seed, step, rank) only
-            draw_problems = partial(step_problems, train_problems, args, step)  # round -> the B prompts to sample
-            timer = {"generate": 0.0, "score": 0.0, "gen_tokens": 0}
-            rollout_and_score = partial(generate_and_score, tokenizer=tokenizer, args=args, reward_fn=reward_fn,
-                                        autocast=autocast, timer=timer)
-            # ---- sample G completions for each prompt and score them: rewards [B, G] of the whole batch
-            rollout, rewards, resampled = sample_batch(args, partial(rollout_and_score, sampler), draw_problems, mine,
-                                                       tokenizer.pad_token_id)
-            # ---- advantages [B, G]: ALGO LOGIC (AAPO samples the reference model here)
-            sample_reference = partial(rollout_and_score, ref_model, draw_problems(0)[mine])
-            advantages, extra = compute_advantages(args, rewards, state, sample_reference)
-            # ---- this process's rows: loss, backward, optimizer step
-            start = time.perf_counter()
-            stats = update_policy(model, optimizer, rollout, advantages[mine].flatten().to(device), ref_model, args,
-                                  autocast)
-            sampling_copy(model, into=sampler)  # the bf16 sampler follows the update (nothing to do in fp32)
-            timer["train"] = time.perf_counter() - start
-            # ---- log, save, evaluate
-            record = {"step": step, **step_metrics(rewards, advantages, rollout, timer, device), **extra, **stats,
-                      "train_tokens_per_s": stats["train_tokens"] / timer["train"], "resampled_groups": resampled}
-            stop = all_sum([len(stop_requested)], device)[0] > 0  # every process stops after the same step
-            if is_main:
-                totals = {key: total + record[key] for key, total in totals.items()}  # x-axis: compute spent so far
-                append_jsonl(run_dir / "metrics.jsonl", record | {f"{k}_total": v for k, v in totals.items()})
-                bar.set_postfix_str(f"reward {record['reward_mean']:.2f} acr {record['acr']:.2f} "
-                                    f"eff {record['acr_effective']:.2f} |g| {stats['grad_norm']:.2f}")
-                if args.save_every and (step % args.save_every == 0 or step == args.steps or stop):
-                    save_checkpoint(run_dir, model, tokenizer, optimizer, step, state)
-                if (args.eval_every and step % args.eval_every == 0 and not stop) or step == args.steps:
-                    run_eval(step)
-            if stop:
-                break
+    for step in bar:
+        torch.manual_seed(args.seed * 1_000_003 + step * 1_000 + rank)  # samples depend on (seed, step, rank) only
+        draw_problems = partial(step_problems, train_problems, args, step)  # round -> the B prompts to sample
+        timer = {"generate": 0.0, "score": 0.0, "gen_tokens": 0}
+        rollout_and_score = partial(generate_and_score, tokenizer=tokenizer, args=args, reward_fn=reward_fn,
+                                    autocast=autocast, timer=timer)
+        # ---- sample G completions for each prompt and score them: rewards [B, G] of the whole batch
+        rollout, rewards, resampled = sample_batch(args, partial(rollout_and_score, sampler), draw_problems, mine,
+                                                   tokenizer.pad_token_id)
+        # ---- advantages [B, G]: ALGO LOGIC (AAPO samples the reference model here)
+        sample_reference = partial(rollout_and_score, ref_model, draw_problems(0)[mine])
+        advantages, extra = compute_advantages(args, rewards, state, sample_reference)
+        # ---- this process's rows: loss, backward, optimizer step
+        start = time.perf_counter()
+        stats = update_policy(model, optimizer, rollout, advantages[mine].flatten().to(device), ref_model, args,
+                              autocast)
+        sampling_copy(model, into=sampler)  # the bf16 sampler follows the update (nothing to do in fp32)
+        timer["train"] = time.perf_counter() - start
+        # ---- log, save, evaluate
+        record = {"step": step, **step_metrics(rewards, advantages, rollout, timer, device), **extra, **stats,
+                  "train_tokens_per_s": stats["train_tokens"] / timer["train"], "resampled_groups": resampled}
+        stop = all_sum([len(stop_requested)], device)[0] > 0  # every process stops after the same step
+        if is_main:
+            totals = {key: total + record[key] for key, total in totals.items()}  # x-axis: compute spent so far
+            append_jsonl(run_dir / "metrics.jsonl", record | {f"{k}_total": v for k, v in totals.items()})
+            bar.set_postfix_str(f"reward {record['reward_mean']:.2f} acr {record['acr']:.2f} "
+                                f"eff {record['acr_effective']:.2f} |g| {stats['grad_norm']:.2f}")
+            if args.save_every and (step % args.save_every == 0 or step == args.steps or stop):
+                save_checkpoint(run_dir, model, tokenizer, optimizer, step, state)
+            if (args.eval_every and step % args.eval_every == 0 and not stop) or step == args.steps:
+                run_eval(step)
+        if stop:
+            break
     bar.close()
     if stop or stop_requested:
-        if is_main:
-            saved = f"checkpoint of step {step} saved in {run_dir}; continue with --resume" if args.save_every else \
-                f"after step {step} (no checkpoint: --save-every 0)"
-            print(f"[{args.algo}] interrupted: {saved}")
+        if is_main and args.save_every:
+            print(f"[{args.algo}] interrupted: checkpoint of step {step} saved in {run_dir}; continue with --resume")
         raise KeyboardInterrupt
     return summarise_run(run_dir, args.algo) if is_main else None
 
@@ -331,10 +332,12 @@ def train(args: Args, run_dir: Path) -> dict | None:
 def main(argv: list[str] | None = None) -> list[dict]:
     args = parse_args(argv)
     try:
-        summaries = [train(dataclasses.replace(args, algo=algo), Path(args.out) / algo) for algo in args.algo.split(",")]
+        with ctrl_c_stops_after_the_step() as stop_requested:  # Ctrl-C: the loop stops after its step, saved
+            summaries = [train(dataclasses.replace(args, algo=algo), Path(args.out) / algo, stop_requested)
+                         for algo in args.algo.split(",")]
     except FileNotFoundError as e:  # an unknown model or a missing file: one line, not a traceback
         sys.exit(f"error: {e}")
-    except KeyboardInterrupt:  # the checkpoint is saved and said so; no traceback
+    except KeyboardInterrupt:  # the checkpoint is saved and said so (or a second Ctrl-C); no traceback
         sys.exit(130)
     finally:
         close_processes()
