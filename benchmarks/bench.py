@@ -44,7 +44,7 @@ sys.path.insert(0, str(ROOT))
 
 import train  # noqa: E402
 from data.tasks import load_problems  # noqa: E402
-from model import cpu_features, load_model, pick_device  # noqa: E402
+from model import cpu_features, load_model, packed_linear, pick_device  # noqa: E402
 from verifier import verify  # noqa: E402
 
 DATA_DIR = ROOT.parent / "shared" / "data"
@@ -257,16 +257,19 @@ def machine_rates(dtypes: list[torch.dtype]) -> dict:
 @functools.cache
 def kernel_seconds(shapes: tuple[tuple[int, int], ...], rows: int, dtype: torch.dtype) -> float:
     """Seconds for x[rows, in] @ W.T over every weight of the model, each a distinct tensor (read from memory,
-    as in a decoding step): the model's own products at this CPU's best kernel speed, nothing else."""
+    as in a decoding step): the model's own products at this CPU's best kernel speed, nothing else. Best of
+    plain `F.linear` and `model.packed_linear` (oneDNN-packed weights, what fp32 decoding uses)."""
     weights = [torch.randn(o, i).to(dtype) for o, i in shapes]
     inputs = {i: torch.randn(rows, i).to(dtype) for _, i in shapes}
-    return best_seconds(lambda: [torch.nn.functional.linear(inputs[w.shape[1]], w) for w in weights], reps=5)
+    packed = [packed_linear(w, None, rows) for w in weights]
+    return min(best_seconds(lambda: [torch.nn.functional.linear(inputs[w.shape[1]], w) for w in weights], reps=5),
+               best_seconds(lambda: [p(inputs[w.shape[1]]) for p, w in zip(packed, weights)], reps=5))
 
 
 def phase_floors(r: dict, args: train.Args) -> dict:
     """One GRPO config's two floors per phase, measured on this machine right after its steps (in the same
-    process: this machine's memory bandwidth drifts by up to 2x over minutes, so a phase and its floor are
-    timed together).
+    process: this machine's bandwidth and GEMM rate drift by up to 2.5x over minutes, so a phase and its floor
+    are timed together).
 
     physical: generation max(weight bytes x decoding steps / read bandwidth, 2 x params x tokens / peak FLOP/s),
               update 6 x params x trained tokens / peak FLOP/s (peak: a large square GEMM in that dtype).
@@ -296,7 +299,7 @@ def phase_floors(r: dict, args: train.Args) -> dict:
 def floor_rows(results: dict) -> tuple[list[list[str]], list[str]]:
     """The floor table: each GRPO config's generate and update times against the floors measured with it."""
     rows, params = [], None
-    for (impl, algo, precision), r in results.items():
+    for (impl, _, precision), r in results.items():
         if "floors" not in r:
             continue
         f, params = r["floors"], r["floors"]["params"]
