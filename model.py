@@ -437,25 +437,61 @@ def sample(
 # ----------------------------------------------------------------------------- log-probs
 
 
+class TokenLogProbs(torch.autograd.Function):
+    """log softmax(z / T)[target] [N, C] in float32 (float64 for float64 z), from logits z [N, C, V], row by row.
+
+    Autograd through log_softmax would keep a float32 copy of z / T for backward (as large as the logits in
+    float32) and build several [N, C, V] temporaries there; this keeps z alone and writes its gradient once:
+        d log p(target) / d z = (onehot(target) - softmax(z / T)) / T
+    """
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, targets: torch.Tensor, temperature: float) -> torch.Tensor:
+        dtype = torch.promote_types(logits.dtype, torch.float32)  # bf16 -> float32; float64 stays (gradcheck)
+        logsumexp = torch.empty(targets.shape, dtype=dtype, device=logits.device)  # [N, C]
+        picked = torch.empty_like(logsumexp)  # [N, C]
+        for i, (row, row_targets) in enumerate(zip(logits, targets)):
+            scaled = row.to(dtype) / temperature  # [C, V]
+            logsumexp[i] = torch.logsumexp(scaled, dim=1)
+            picked[i] = scaled.gather(1, row_targets[:, None]).squeeze(1)
+        ctx.save_for_backward(logits, targets, logsumexp)
+        ctx.temperature = temperature
+        return picked - logsumexp
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_logp: torch.Tensor) -> tuple[torch.Tensor, None, None]:  # grad_logp [N, C]
+        logits, targets, logsumexp = ctx.saved_tensors
+        grad = torch.empty_like(logits)  # [N, C, V]
+        for i, row in enumerate(logits):
+            g = grad_logp[i, :, None] / ctx.temperature  # [C, 1]
+            softmax = (row.to(logsumexp.dtype) / ctx.temperature - logsumexp[i, :, None]).exp_()  # [C, V]
+            grad[i] = softmax.mul_(-g).scatter_add_(1, targets[i, :, None], g)
+        return grad, None, None
+
+
 def shared_prompt_logits(model: PreTrainedModel, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                          position_ids: torch.Tensor, completion_len: int) -> torch.Tensor:
     """Logits [N, C, V] predicting the last C tokens of each row, each distinct prompt run only once.
 
-    The G rows of a group share their prompt, so its keys and values are computed once and gathered to
-    every row that has it; the gradient flows back through the gather (a sum over the rows), so values and
-    gradients are those of one plain pass, for C instead of P + C tokens per row.
+    The G rows of a group share their prompt, so the keys and values of its first P - 1 tokens are computed once
+    and gathered to every row that has it; the gradient flows back through the gather (a sum over the rows), so
+    values and gradients are those of one plain pass, for C instead of P + C tokens per row. The second pass
+    starts at the prompt's last token, so each of its C outputs predicts a completion token: one lm_head product
+    (its weight gradient is a [V, d] matrix per call), and one embedding lookup (the same for the embedding).
     """
-    prompt_len = input_ids.shape[1] - completion_len
-    prompt = torch.cat([input_ids[:, :prompt_len], attention_mask[:, :prompt_len].to(input_ids.dtype)], dim=1)  # [N, 2P]
-    unique, row_prompt = torch.unique(prompt, dim=0, return_inverse=True)  # [u, 2P], [N]; mask too: pad == EOS
-    unique_ids, unique_mask = unique[:, :prompt_len], unique[:, prompt_len:]
+    split = input_ids.shape[1] - completion_len - 1  # the prompt's last column starts the second pass
+    prompt = torch.cat([input_ids[:, : split + 1], attention_mask[:, : split + 1].to(input_ids.dtype)], dim=1)  # [N, 2P]
+    _, row_prompt = torch.unique(prompt, dim=0, return_inverse=True)  # [N]; mask too: pad == EOS
+    first_row = [row_prompt.tolist().index(u) for u in range(int(row_prompt.max()) + 1)]  # [u]: a row of each prompt
+    embeds = model.get_input_embeddings()(input_ids[:, :-1])  # [N, T - 1, d]: the last token predicts nothing
     cache = DynamicCache(config=model.config)
-    first = model(input_ids=unique_ids, attention_mask=unique_mask, position_ids=(unique_mask.cumsum(1) - 1).clamp(min=0),
-                  cache=cache, use_cache=True, logits_to_keep=1).logits  # [u, 1, V]: predicts completion token 0
-    cache.batch_select_indices(row_prompt)  # [N, ...] keys and values of each row's prompt
-    rest = model(input_ids=input_ids[:, prompt_len:], attention_mask=attention_mask,
-                 position_ids=position_ids[:, prompt_len:], cache=cache, use_cache=True).logits[:, :-1]  # [N, C-1, V]
-    return torch.cat([first[row_prompt], rest], dim=1)  # [N, C, V]
+    model(inputs_embeds=embeds[first_row, :split], attention_mask=attention_mask[first_row, :split],
+          position_ids=position_ids[first_row, :split], cache=cache, use_cache=True, logits_to_keep=1)  # logits unused
+    for layer in cache.layers:  # [u, ...] -> [N, ...]; index_select's backward (index_add) is fast on CPU
+        layer.keys, layer.values = layer.keys.index_select(0, row_prompt), layer.values.index_select(0, row_prompt)
+    return model(inputs_embeds=embeds[:, split:], attention_mask=attention_mask[:, :-1],
+                 position_ids=position_ids[:, split:-1], cache=cache, use_cache=True).logits  # [N, C, V]
 
 
 def completion_logprobs(
@@ -468,8 +504,8 @@ def completion_logprobs(
 ) -> torch.Tensor:
     """Per-token log pi(token | prefix) [N, C] of the last `completion_len` tokens of each row.
 
-    Only completion positions get logits (`logits_to_keep`), and the float32 log-softmax is taken one
-    row at a time: a [rows, T, vocab] float32 tensor for the whole batch is the usual GRPO OOM. Logits
+    Only completion positions get logits, and the float32 log-softmax is taken one row at a time
+    (`TokenLogProbs`): a [rows, T, vocab] float32 tensor for the whole batch is the usual GRPO OOM. Logits
     are divided by the sampling temperature so the log-probs are those of the distribution sampled from.
     """
     # Masked columns round the prompt and completion lengths up to multiples of 16 so that matmul shapes recur
@@ -483,18 +519,10 @@ def completion_logprobs(
     position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)  # [N, T]
     if share_prompt and not getattr(model, "is_activation_checkpointing", False):  # it turns the cache off
         logits = shared_prompt_logits(model, input_ids, attention_mask, position_ids, completion_len)
-    else:
-        logits = model(
-            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-            logits_to_keep=completion_len + 1, use_cache=False,
-        ).logits[:, :-1]  # [N, C, V]: the logit at position t predicts token t + 1
-    targets = input_ids[:, -completion_len:]  # [N, C]
-    rows = []
-    for row_logits, row_targets in zip(logits, targets):
-        scaled = row_logits.float() / temperature  # [C, V]
-        picked = scaled.gather(1, row_targets[:, None]).squeeze(1)  # [C]
-        rows.append(picked - torch.logsumexp(scaled, dim=1))  # [C]
-    return torch.stack(rows)[:, :kept_len]  # [N, C]
+    else:  # the last token predicts nothing: it is not an input
+        logits = model(input_ids=input_ids[:, :-1], attention_mask=attention_mask[:, :-1],
+                       position_ids=position_ids[:, :-1], logits_to_keep=completion_len, use_cache=False).logits  # [N, C, V]
+    return TokenLogProbs.apply(logits, input_ids[:, -completion_len:], temperature)[:, :kept_len]  # [N, C]
 
 
 def trim_padding(input_ids: torch.Tensor, attention_mask: torch.Tensor, completion_mask: torch.Tensor):

@@ -7,7 +7,7 @@ import torch
 import model as model_module
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
-from model import (DecodeCache, byte_tokenizer, completion_logprobs, decode, decode_step, decode_weights, hf_generate,
+from model import (DecodeCache, TokenLogProbs, byte_tokenizer, completion_logprobs, decode, decode_step, decode_weights, hf_generate,
                    load_model, next_tokens, packed_linear, resolve_precision, sample, sampling_copy, tiny_qwen2)
 
 QUESTIONS = ["2+3?", "What is 17 * 4?", "hi", "a"]  # different lengths: left padding is exercised
@@ -308,6 +308,34 @@ def test_logprobs_with_shape_padding_equal_a_direct_forward(tiny, share_prompt):
     assert logp.shape == direct.shape
     mask = rollout.completion_mask.bool()
     assert torch.allclose(logp[mask], direct[mask], atol=1e-5)
+
+
+def test_token_logprobs_gradient_is_onehot_minus_softmax_over_temperature():
+    """TokenLogProbs' hand-written backward against finite differences (float64)."""
+    torch.manual_seed(0)
+    logits = torch.randn(2, 3, 7, dtype=torch.float64, requires_grad=True)
+    targets = torch.randint(0, 7, (2, 3))
+    for temperature in (1.0, 0.7):
+        assert torch.autograd.gradcheck(lambda z: TokenLogProbs.apply(z, targets, temperature), (logits,))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_token_logprobs_equal_autograd_through_log_softmax(dtype):
+    """Same values and gradients as the plain float32 log-softmax they replace, for float32 and bf16 logits."""
+    torch.manual_seed(0)
+    logits = (4 * torch.randn(3, 5, 1000)).to(dtype)
+    targets, weights = torch.randint(0, 1000, (3, 5)), torch.randn(3, 5)
+    results = []
+    for fn in (lambda z: TokenLogProbs.apply(z, targets, 0.7),
+               lambda z: torch.log_softmax(z.float() / 0.7, -1).gather(2, targets[..., None]).squeeze(2)):
+        z = logits.clone().requires_grad_()
+        logp = fn(z)
+        (logp * weights).sum().backward()
+        results.append((logp, z.grad))
+    (logp, grad), (expected_logp, expected_grad) = results
+    assert logp.dtype == torch.float32 and grad.dtype == dtype
+    torch.testing.assert_close(logp, expected_logp)
+    torch.testing.assert_close(grad, expected_grad)
 
 
 def test_sample_pads_prompts_to_a_multiple_of_16(tiny):
