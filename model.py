@@ -443,6 +443,7 @@ class TokenLogProbs(torch.autograd.Function):
     Autograd through log_softmax would keep a float32 copy of z / T for backward (as large as the logits in
     float32) and build several [N, C, V] temporaries there; this keeps z alone and writes its gradient once:
         d log p(target) / d z = (onehot(target) - softmax(z / T)) / T
+    Each row is worked in place in one [C, V] buffer: fresh buffers of this size cost page faults on every row.
     """
 
     @staticmethod
@@ -450,10 +451,12 @@ class TokenLogProbs(torch.autograd.Function):
         dtype = torch.promote_types(logits.dtype, torch.float32)  # bf16 -> float32; float64 stays (gradcheck)
         logsumexp = torch.empty(targets.shape, dtype=dtype, device=logits.device)  # [N, C]
         picked = torch.empty_like(logsumexp)  # [N, C]
+        scaled = torch.empty(logits.shape[1:], dtype=dtype, device=logits.device)  # [C, V], reused
         for i, (row, row_targets) in enumerate(zip(logits, targets)):
-            scaled = row.to(dtype) / temperature  # [C, V]
-            logsumexp[i] = torch.logsumexp(scaled, dim=1)
+            scaled.copy_(row).div_(temperature)
             picked[i] = scaled.gather(1, row_targets[:, None]).squeeze(1)
+            top = scaled.amax(dim=1, keepdim=True)  # [C, 1]: exp never overflows
+            logsumexp[i] = (top + scaled.sub_(top).exp_().sum(dim=1, keepdim=True).log_()).squeeze(1)
         ctx.save_for_backward(logits, targets, logsumexp)
         ctx.temperature = temperature
         return picked - logsumexp
@@ -463,10 +466,14 @@ class TokenLogProbs(torch.autograd.Function):
     def backward(ctx, grad_logp: torch.Tensor) -> tuple[torch.Tensor, None, None]:  # grad_logp [N, C]
         logits, targets, logsumexp = ctx.saved_tensors
         grad = torch.empty_like(logits)  # [N, C, V]
+        buffer = None if logits.dtype == logsumexp.dtype else torch.empty(logits.shape[1:], dtype=logsumexp.dtype)
         for i, row in enumerate(logits):
             g = grad_logp[i, :, None] / ctx.temperature  # [C, 1]
-            softmax = (row.to(logsumexp.dtype) / ctx.temperature - logsumexp[i, :, None]).exp_()  # [C, V]
-            grad[i] = softmax.mul_(-g).scatter_add_(1, targets[i, :, None], g)
+            out = grad[i] if buffer is None else buffer  # [C, V]: softmax(z / T), then the gradient, in place
+            out.copy_(row).div_(ctx.temperature).sub_(logsumexp[i, :, None]).exp_()
+            out.mul_(-g).scatter_add_(1, targets[i, :, None], g)
+            if buffer is not None:
+                grad[i] = buffer
         return grad, None, None
 
 

@@ -79,9 +79,31 @@ def median_of(rows: list[dict], key: str) -> float:
     return statistics.median(r[key] for r in rows)
 
 
+def batch_shape(lengths: list[int], prompt_lengths: list[int], rewards: list[float], group_size: int) -> dict:
+    """What one step's floors need from its batch of B x G completions (rows b*G .. b*G+G-1 share prompt b):
+    the completion lengths, the real tokens of its B distinct prompts, and what a minimal update must train:
+    the rows of groups whose rewards differ (with beta 0 every other row has advantage 0 and no gradient)."""
+    groups = [range(b * group_size, (b + 1) * group_size) for b in range(len(prompt_lengths))]
+    mixed = [b for b, rows in enumerate(groups) if len({rewards[i] for i in rows}) > 1]
+    return {"lengths": lengths, "prompt_tokens": sum(prompt_lengths),
+            "trained_prompt_tokens": sum(prompt_lengths[b] for b in mixed),
+            "trained_completion_tokens": sum(lengths[i] for b in mixed for i in groups[b]),
+            "trained_rows": len(mixed) * group_size}
+
+
 def bench_ours(args: train.Args, warmup: int) -> dict:
     """train.train for warmup + steps steps; medians of the per-step times it logs, after the warm-up."""
     args = dataclasses.replace(args, steps=warmup + args.steps)
+    shapes, generate_and_score = [], train.generate_and_score
+
+    def recording_generate_and_score(*a, **kw):  # one call per GRPO step: the batch its floors are computed for
+        rollout, rewards = generate_and_score(*a, **kw)
+        prompt_mask = rollout.attention_mask[:: args.group_size, : rollout.input_ids.shape[1] - rollout.completion_len]
+        shapes.append(batch_shape(rollout.completion_mask.sum(1).tolist(), prompt_mask.sum(1).tolist(),
+                                  rewards.flatten().tolist(), args.group_size))
+        return rollout, rewards
+
+    train.generate_and_score = recording_generate_and_score  # this spawned process runs nothing else
     with tempfile.TemporaryDirectory() as tmp:
         run_dir = Path(tmp) / args.algo
         train.train(args, run_dir)
@@ -92,7 +114,9 @@ def bench_ours(args: train.Args, warmup: int) -> dict:
             "train_s": median_of(rows, "time_train"), "step_s": median_of(rows, "time_step"),
             "gen_tok_s": median_of(rows, "gen_tokens_per_s"), "train_tok_s": median_of(rows, "train_tokens_per_s"),
             "completion_len": median_of(rows, "completion_len"), "peak_mb": peak_memory_mb(),
-            "rows_trained": median_of(rows, "rows_trained") if "rows_trained" in rows[0] else None}
+            "rows_trained": median_of(rows, "rows_trained") if "rows_trained" in rows[0] else None,
+            "per_step": [{"generate_s": r["time_generate"], "train_s": r["time_train"], **shape}
+                         for r, shape in zip(rows, shapes[warmup:])]}
 
 
 def bench_trl(args: train.Args, warmup: int) -> dict:
@@ -118,11 +142,16 @@ def bench_trl(args: train.Args, warmup: int) -> dict:
             sync()
             steps[-1]["step_s"] = time.perf_counter() - steps[-1]["start"]
 
-    def correctness(completions, answer, completion_ids, **_) -> list[float]:
+    def correctness(prompts, completions, answer, completion_ids, **_) -> list[float]:
         start = time.perf_counter()
         rewards = [float(verify(c[0]["content"], a)) for c, a in zip(completions, answer)]
         steps[-1]["reward_s"] += time.perf_counter() - start
         steps[-1]["gen_tokens"] += sum(len(ids) for ids in completion_ids)
+        texts = [tokenizer.apply_chat_template(p, tokenize=False, add_generation_prompt=True)
+                 for p in prompts[:: args.group_size]]
+        prompt_lengths = [len(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]]
+        steps[-1]["shape"] = batch_shape([len(ids) for ids in completion_ids], prompt_lengths, rewards,
+                                         args.group_size)
         return rewards
 
     completions = args.prompts_per_step * args.group_size
@@ -161,7 +190,8 @@ def bench_trl(args: train.Args, warmup: int) -> dict:
             "train_s": median_of(rows, "train_s"), "step_s": median_of(rows, "step_s"),
             "gen_tok_s": median_of(rows, "gen_tok_s"), "train_tok_s": None,
             "completion_len": median_of(rows, "gen_tokens") / completions, "peak_mb": peak_memory_mb(),
-            "rows_trained": completions}  # TRL runs forward/backward on every row, zero advantage or not
+            "rows_trained": completions,  # TRL runs forward/backward on every row, zero advantage or not
+            "per_step": [{"generate_s": r["generate_s"], "train_s": r["train_s"], **r["shape"]} for r in rows]}
 
 
 def measure_config(impl: str, args: train.Args, warmup: int) -> dict:
@@ -237,10 +267,12 @@ def best_seconds(fn: Callable, reps: int = 3) -> float:
     return best
 
 
-def linear_shapes(model: str) -> list[tuple[int, int]]:
-    """(out, in) of every matmul weight of one forward pass: each layer's projections and the lm_head."""
+def linear_shapes(model: str) -> tuple[tuple[tuple[int, int], ...], tuple[int, int]]:
+    """(out, in) of every matmul weight of one forward pass but the output layer's, and the output layer's."""
     net = load_model(model, torch.device("cpu"))[0]
-    return [tuple(m.weight.shape) for m in net.modules() if isinstance(m, torch.nn.Linear)]
+    head = net.get_output_embeddings()
+    body = tuple(tuple(m.weight.shape) for m in net.modules() if isinstance(m, torch.nn.Linear) and m is not head)
+    return body, tuple(head.weight.shape)
 
 
 def machine_rates(dtypes: list[torch.dtype]) -> dict:
@@ -256,9 +288,9 @@ def machine_rates(dtypes: list[torch.dtype]) -> dict:
 
 @functools.cache
 def kernel_seconds(shapes: tuple[tuple[int, int], ...], rows: int, dtype: torch.dtype) -> float:
-    """Seconds for x[rows, in] @ W.T over every weight of the model, each a distinct tensor (read from memory,
-    as in a decoding step): the model's own products at this CPU's best kernel speed, nothing else. Best of
-    plain `F.linear` and `model.packed_linear` (oneDNN-packed weights, what fp32 decoding uses)."""
+    """Seconds for x[rows, in] @ W.T over every weight in `shapes`, each a distinct tensor (read from memory, as in
+    a decoding step): the model's own products at this CPU's best kernel speed, nothing else. Best of plain
+    `F.linear` and `model.packed_linear` (oneDNN-packed weights, what fp32 decoding uses)."""
     weights = [torch.randn(o, i).to(dtype) for o, i in shapes]
     inputs = {i: torch.randn(rows, i).to(dtype) for _, i in shapes}
     packed = [packed_linear(w, None, rows) for w in weights]
@@ -266,34 +298,60 @@ def kernel_seconds(shapes: tuple[tuple[int, int], ...], rows: int, dtype: torch.
                best_seconds(lambda: [p(inputs[w.shape[1]]) for p, w in zip(packed, weights)], reps=5))
 
 
-def phase_floors(r: dict, args: train.Args) -> dict:
-    """One GRPO config's two floors per phase, measured on this machine right after its steps (in the same
-    process: this machine's bandwidth and GEMM rate drift by up to 2.5x over minutes, so a phase and its floor
-    are timed together).
+def update_tokens(shape: dict) -> tuple[int, int]:
+    """(tokens through the body, tokens through the output layer) of a minimal update of one step's batch."""
+    return shape["trained_prompt_tokens"] + shape["trained_completion_tokens"], shape["trained_completion_tokens"]
 
-    physical: generation max(weight bytes x decoding steps / read bandwidth, 2 x params x tokens / peak FLOP/s),
-              update 6 x params x trained tokens / peak FLOP/s (peak: a large square GEMM in that dtype).
-    kernel:   the same matmuls at the speed this CPU's kernels reach on the model's own weight shapes with the
-              rows the phase has (generation: live rows per decoding step; update: tokens per micro-batch).
-    Decoding steps = completion length (mean over rows: a lower bound of the longest row, so the floors are low).
+
+def step_floors(shape: dict, body: tuple, head: tuple, dtype: torch.dtype, rates: dict, update_rates: tuple) -> dict:
+    """One step's floors in seconds, from its batch shape (`batch_shape`); see `phase_floors`."""
+    body_params, head_params = sum(o * i for o, i in body), head[0] * head[1]
+    lengths, weight_bytes = shape["lengths"], (body_params + head_params) * torch.finfo(dtype).bits // 8
+    live = [sum(n > t for n in lengths) for t in range(1, max(lengths))]  # rows that run decoding pass t
+    body_tokens, head_tokens = update_tokens(shape)
+    gen_flops = 2 * (body_params * (shape["prompt_tokens"] + sum(lengths)) + head_params * sum(lengths))
+    return {"gen_kernel": kernel_seconds(body, shape["prompt_tokens"], dtype) + kernel_seconds((head,), 1, dtype)
+                          + sum(kernel_seconds(body + (head,), n, dtype) for n in live),  # prefill, then each pass
+            "gen_physical": max(weight_bytes * (1 + len(live)) / rates["read_bytes_s"], gen_flops / rates[dtype]),
+            "update_kernel": 6 * (body_params * body_tokens / update_rates[0] + head_params * head_tokens / update_rates[1]),
+            "update_physical": 6 * (body_params * body_tokens + head_params * head_tokens) / rates[dtype]}
+
+
+def phase_floors(r: dict, args: train.Args) -> dict:
+    """One GRPO config's two floors per phase, for each timed step's own batch, measured on this machine right
+    after its steps (in the same process: this machine's bandwidth and GEMM rate drift by up to 2.5x over minutes,
+    so a phase and its floor are timed together). The floors count the work any implementation must do:
+
+    generation: the prefill (each distinct prompt's real tokens once), then one pass per token up to the longest
+                row, each pass with the rows still decoding (a row that has ended costs nothing).
+                physical = max(weight bytes x passes / read bandwidth, its FLOPs / peak FLOP/s);
+                kernel = those products timed on the model's own weight shapes with each pass's rows.
+    update:     forward + backward (6 x params x tokens) over the rows an update must train (groups with
+                differing rewards) and their real tokens: prompts once, completions without padding, the output
+                layer on completion positions only. physical at the peak rate (a large square GEMM); kernel at the
+                rate the model's own products reach with an update's tokens per micro-batch (median step).
+    Floors and ratios are medians over the timed steps, each step's time against its own batch's floor.
     """
-    shapes = tuple(linear_shapes(args.model))
-    params = sum(o * i for o, i in shapes)
-    dtype, nbytes = (torch.float32, 4) if args.precision == "fp32" else (torch.bfloat16, 2)
+    body, head = linear_shapes(args.model)
+    dtype = torch.float32 if args.precision == "fp32" else torch.bfloat16
     rates = machine_rates([dtype])
-    steps = max(1.0, r["completion_len"])
-    gen_tokens = r["gen_tok_s"] * r["generate_s"]
-    live = max(1, round(gen_tokens / steps))  # rows per decoding step, on average
-    rows_trained = r["rows_trained"] or args.prompts_per_step * args.group_size
-    train_tokens = r["train_tok_s"] * r["train_s"] if r["train_tok_s"] else rows_trained * (steps + 40)
-    micro_batches = max(1, -(-int(rows_trained) // args.micro_batch))
-    per_micro = max(1, round(train_tokens / micro_batches))
-    return {"gen_kernel": steps * kernel_seconds(shapes, live, dtype),
-            "gen_physical": max(params * nbytes * steps / rates["read_bytes_s"],
-                                2 * params * gen_tokens / rates[dtype]),
-            "update_kernel": 3 * micro_batches * kernel_seconds(shapes, per_micro, dtype),  # forward + 2x backward
-            "update_physical": 6 * params * train_tokens / rates[dtype],
-            "peak_flop_s": rates[dtype], "read_bytes_s": rates["read_bytes_s"], "params": params}
+    steps = r["per_step"]
+    trained = [s for s in steps if s["trained_rows"]]  # a step whose groups all collapsed needs no update
+    update_rates = (1.0, 1.0)
+    if trained:
+        micro = [[t / -(-s["trained_rows"] // args.micro_batch) for t in update_tokens(s)] for s in trained]
+        rows = [max(1, round(statistics.median(m[k] for m in micro))) for k in (0, 1)]  # per micro-batch
+        update_rates = tuple(2 * sum(o * i for o, i in shapes) * n / kernel_seconds(shapes, n, dtype)
+                             for shapes, n in ((body, rows[0]), ((head,), rows[1])))
+    floors = [step_floors(s, body, head, dtype, rates, update_rates) for s in steps]
+    result = {"peak_flop_s": rates[dtype], "read_bytes_s": rates["read_bytes_s"],
+              "params": sum(o * i for o, i in body + (head,))}
+    for key, phase in (("gen_kernel", "generate"), ("gen_physical", "generate"), ("update_kernel", "train"),
+                       ("update_physical", "train")):
+        pairs = [(s[f"{phase}_s"], f[key]) for s, f in zip(steps, floors) if f[key] > 0]
+        result[key] = statistics.median(f for _, f in pairs) if pairs else None
+        result[f"{key}_ratio"] = statistics.median(t / f for t, f in pairs) if pairs else None
+    return result
 
 
 def floor_rows(results: dict) -> tuple[list[list[str]], list[str]]:
@@ -303,18 +361,21 @@ def floor_rows(results: dict) -> tuple[list[list[str]], list[str]]:
         if "floors" not in r:
             continue
         f, params = r["floors"], r["floors"]["params"]
-        rows.append([impl, precision, fmt(r["generate_s"]), fmt(f["gen_kernel"]),
-                     fmt(r["generate_s"] / f["gen_kernel"]) + "x", fmt(f["gen_physical"]),
-                     fmt(r["generate_s"] / f["gen_physical"]) + "x", fmt(r["train_s"]), fmt(f["update_kernel"]),
-                     fmt(r["train_s"] / f["update_kernel"]) + "x", fmt(f["update_physical"]),
-                     fmt(r["train_s"] / f["update_physical"]) + "x", fmt(f["peak_flop_s"] / 1e9, 0),
-                     fmt(f["read_bytes_s"] / 1e9, 1)])
+        row = [impl, precision]
+        for phase, floors in (("generate_s", ("gen_kernel", "gen_physical")),
+                              ("train_s", ("update_kernel", "update_physical"))):
+            row.append(fmt(r[phase]))
+            for key in floors:
+                row += [fmt(f[key]), "–" if f[f"{key}_ratio"] is None else fmt(f[f"{key}_ratio"]) + "x"]
+        rows.append(row + [fmt(f["peak_flop_s"] / 1e9, 0), fmt(f["read_bytes_s"] / 1e9, 1)])
     notes = [f"matmul params {params / 1e6:.1f}M; peak: a 2048 x 2048 GEMM in the config's dtype; read: a 512 MiB sum",
-             "physical floor: generation max(weight bytes x decoding steps / bandwidth, 2 x params x tokens / peak), "
-             "update 6 x params x trained tokens / peak",
-             "kernel floor: the same matmuls timed on the model's weight shapes with the phase's rows (live rows per "
-             "decoding step; tokens per micro-batch, x3 for the backward)",
-             "decoding steps = mean completion length, a lower bound of the longest row's: the floors err low"]
+             "floors count the work any implementation must do for each step's batch: generation = prefill of each "
+             "distinct prompt, then one pass per token up to the longest row with the rows still decoding; update = "
+             "forward + backward of the rows in groups with differing rewards, real tokens only (prompts once, no "
+             "padding), the output layer on completion positions only",
+             "physical floor: generation max(weight bytes x passes / bandwidth, FLOPs / peak), update FLOPs / peak; "
+             "kernel floor: the same products at the speed the model's own weight shapes reach with the phase's rows",
+             "floors and ratios: medians over the timed steps, each step's time against its own batch's floors"]
     return rows, notes
 
 

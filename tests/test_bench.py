@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from benchmarks import bench
 
@@ -29,10 +30,44 @@ def test_bench_quick_prints_the_step_table(capsys, monkeypatch):
     assert [c.strip() for c in lines[floor_header].strip("|").split("|")] == bench.FLOOR_COLUMNS
     floor_row = [c.strip() for c in lines[floor_header + 2].strip("|").split("|")]
     assert floor_row[:2] == ["ours", "fp32"] and len(floor_row) == len(bench.FLOOR_COLUMNS)
-    ratios, rates = [c for c in floor_row if c.endswith("x")], floor_row[-2:]  # measured in the config's process
-    assert len(ratios) == 4 and all(float(c[:-1]) > 0 for c in ratios) and all(float(c) > 0 for c in rates)
+    gen_ratios, update_ratios, rates = floor_row[4:7:2], floor_row[9:12:2], floor_row[-2:]
+    assert all(float(c[:-1]) > 0 for c in gen_ratios) and all(float(c) > 0 for c in rates)  # measured here
+    assert all(c == "–" or float(c[:-1]) > 0 for c in update_ratios)  # "–": every group collapsed, nothing to train
     summary = "\n".join(lines)
     assert "AVSPO's is" in summary and "AAPO / GRPO step time" in summary and "ours / TRL" not in summary
+
+
+def test_batch_shape_counts_what_a_minimal_update_trains():
+    """Group 0 has differing rewards (its rows train), group 1 collapsed (advantage 0: nothing to train)."""
+    shape = bench.batch_shape([3, 1, 2, 2], [5, 7], [1.0, 0.0, 1.0, 1.0], group_size=2)
+    assert shape == {"lengths": [3, 1, 2, 2], "prompt_tokens": 12, "trained_prompt_tokens": 5,
+                     "trained_completion_tokens": 4, "trained_rows": 2}
+
+
+def test_step_floors_count_passes_live_rows_and_real_tokens():
+    body, head, dtype = ((4, 2),), (3, 2), torch.float32  # 8 body and 6 output-layer parameters
+    shape = bench.batch_shape([3, 1, 2, 2], [5, 7], [1.0, 0.0, 1.0, 1.0], group_size=2)
+    floors = bench.step_floors(shape, body, head, dtype, {dtype: 1.0, "read_bytes_s": 1.0}, update_rates=(2.0, 3.0))
+    # prefill (12 prompt tokens, 1 output row) + passes 1 and 2 with the rows still decoding: 3, then 1
+    assert floors["gen_kernel"] == (bench.kernel_seconds(body, 12, dtype) + bench.kernel_seconds((head,), 1, dtype)
+                                    + bench.kernel_seconds(body + (head,), 3, dtype)
+                                    + bench.kernel_seconds(body + (head,), 1, dtype))
+    # 3 passes read 14 float32 weights each; FLOPs: 2 x (8 x (12 + 8) + 6 x 8) = 416 > 168 bytes at rate 1
+    assert floors["gen_physical"] == max(3 * 14 * 4, 416)
+    # update: body sees 5 prompt + 4 completion tokens, the output layer the 4 completion tokens
+    assert floors["update_physical"] == 6 * (8 * 9 + 6 * 4)
+    assert floors["update_kernel"] == 6 * (8 * 9 / 2.0 + 6 * 4 / 3.0)
+
+
+def test_phase_floors_skip_a_step_with_nothing_to_train():
+    """Two timed steps: the update floor comes from the one with a mixed group, generation's from both."""
+    shapes = [bench.batch_shape([3, 1, 2, 2], [5, 7], [1.0, 0.0, 1.0, 1.0], 2),
+              bench.batch_shape([2, 2, 2, 2], [5, 7], [0.0, 0.0, 0.0, 0.0], 2)]
+    r = {"per_step": [{"generate_s": 1.0, "train_s": 2.0, **shape} for shape in shapes]}
+    floors = bench.phase_floors(r, bench.reference_args("tiny-qwen2", 1, "fp32"))
+    assert floors["update_kernel_ratio"] == pytest.approx(2.0 / floors["update_kernel"])
+    assert floors["update_physical_ratio"] == pytest.approx(2.0 / floors["update_physical"])
+    assert floors["gen_kernel"] > 0 and floors["gen_kernel_ratio"] > 0 and floors["gen_physical_ratio"] > 0
 
 
 def test_verifier_section_is_skipped_without_shared_data(tmp_path, capsys):
