@@ -207,6 +207,7 @@ def update_policy(model, optimizer, rollout: Rollout, b_advantages, ref_model, a
     device = b_advantages.device
     num_tokens, = all_sum([rollout.completion_mask.sum().item()], device)  # every row of every process counts
     rows = torch.arange(len(b_advantages)) if args.beta > 0 else b_advantages.nonzero().flatten().cpu()
+    rows = rows[rollout.completion_mask[rows].sum(1).argsort(stable=True)]  # micro-batches of similar lengths pad less
     micro = [(idx, *trim_padding(rollout.input_ids[idx], rollout.attention_mask[idx], rollout.completion_mask[idx]))
              for idx in rows.split(args.micro_batch) if len(idx)]
     loss_args = dict(clip_low=args.epsilon, clip_high=args.epsilon_high, beta=args.beta, num_tokens=num_tokens)

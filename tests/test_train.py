@@ -36,7 +36,7 @@ def rollout(tiny):
 def run_update(tiny, rollout, advantages, fused=True, **overrides):
     """One update_policy call on a fresh copy of the tiny model; returns (stats, weights before, weights after)."""
     model, _ = load_model("tiny-qwen2", torch.device("cpu"))
-    args = train.Args(micro_batch=3, **overrides)  # 3 does not divide 8 rows: exercises uneven micro-batches
+    args = train.Args(**{"micro_batch": 3, **overrides})  # 3 does not divide 8 rows: uneven micro-batches
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.0, fused=fused)  # fused: as train.py
     before = [p.detach().clone() for p in model.parameters()]
     stats = train.update_policy(model, optimizer, rollout, advantages, None, args, torch.autocast("cpu", enabled=False))
@@ -111,6 +111,18 @@ def test_skipping_zero_advantage_rows_keeps_the_gradient(tiny, rollout):
     assert stats["rows_trained"] == 4
     for b, a, g in zip(before, model.parameters(), expected):
         torch.testing.assert_close(b - a.detach(), g, atol=1e-6, rtol=1e-4)
+
+
+def test_micro_batches_hold_rows_of_similar_length(tiny):
+    """Completion lengths 1, 5, 1, 5 in micro-batches of 2: the short rows go together, so one micro-batch is
+    1 token wide instead of both 5 (`train_tokens` counts the padded tokens that went through the passes)."""
+    prompt_len, lengths = 6, [1, 5, 1, 5]
+    completion_mask = torch.tensor([[1] * n + [0] * (5 - n) for n in lengths])
+    input_ids = torch.randint(3, 200, (4, prompt_len + 5))
+    attention_mask = torch.cat([torch.ones(4, prompt_len, dtype=torch.long), completion_mask], dim=1)
+    rollout = train.Rollout(input_ids, attention_mask, completion_mask, [""] * 4, torch.zeros(4, dtype=torch.bool))
+    stats, _, _ = run_update(tiny, rollout, torch.tensor([1.0, -1.0, 0.5, -0.5]), micro_batch=2)
+    assert stats["train_tokens"] == 2 * (prompt_len + 1) + 2 * (prompt_len + 5)
 
 
 def test_pad_tokens_carry_no_loss(tiny, rollout):
