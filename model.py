@@ -490,7 +490,8 @@ def shared_prompt_logits(model: PreTrainedModel, input_ids: torch.Tensor, attent
     split = input_ids.shape[1] - completion_len - 1  # the prompt's last column starts the second pass
     prompt = torch.cat([input_ids[:, : split + 1], attention_mask[:, : split + 1].to(input_ids.dtype)], dim=1)  # [N, 2P]
     _, row_prompt = torch.unique(prompt, dim=0, return_inverse=True)  # [N]; mask too: pad == EOS
-    first_row = [row_prompt.tolist().index(u) for u in range(int(row_prompt.max()) + 1)]  # [u]: a row of each prompt
+    prompt_of_row = row_prompt.tolist()
+    first_row = [prompt_of_row.index(u) for u in range(max(prompt_of_row) + 1)]  # [u]: a row holding each prompt
     embeds = model.get_input_embeddings()(input_ids[:, :-1])  # [N, T - 1, d]: the last token predicts nothing
     cache = DynamicCache(config=model.config)
     model(inputs_embeds=embeds[first_row, :split], attention_mask=attention_mask[first_row, :split],
