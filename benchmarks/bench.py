@@ -3,6 +3,7 @@
     python benchmarks/bench.py           # reference config: SmolLM2-135M, fp32, B=2 prompts x G=8, 64 new tokens
     python benchmarks/bench.py --precision both  # also bf16 autocast
     python benchmarks/bench.py --quick   # tiny random Qwen2, 2 steps, 200 verifier cases per check: seconds
+    python benchmarks/bench.py --rounds 3  # every config 3 times, interleaved: ratios robust to the machine's drift
 
 Every training config runs in a fresh process, so its peak memory is its own: max RSS on CPU,
 torch.cuda.max_memory_allocated on GPU. Step times are medians over --steps steps after --warmup
@@ -313,7 +314,8 @@ def step_floors(shape: dict, body: tuple, head: tuple, dtype: torch.dtype, rates
     return {"gen_kernel": kernel_seconds(body, shape["prompt_tokens"], dtype) + kernel_seconds((head,), 1, dtype)
                           + sum(kernel_seconds(body + (head,), n, dtype) for n in live),  # prefill, then each pass
             "gen_physical": max(weight_bytes * (1 + len(live)) / rates["read_bytes_s"], gen_flops / rates[dtype]),
-            "update_kernel": 6 * (body_params * body_tokens / update_rates[0] + head_params * head_tokens / update_rates[1]),
+            "update_kernel": 6 * (body_params * body_tokens / update_rates[0]
+                                  + head_params * head_tokens / update_rates[1]),
             "update_physical": 6 * (body_params * body_tokens + head_params * head_tokens) / rates[dtype]}
 
 
@@ -407,33 +409,47 @@ def step_row(impl: str, algo: str, precision: str, r: dict) -> list[str]:
 
 
 def bench_training(model: str, steps: int, warmup: int, precisions: list[str], with_trl: bool,
-                   micro_batch: int = train.Args.micro_batch,
-                   adv_reps: int = 10_000) -> tuple[list[list[str]], list[str], dict]:
-    """Sections 1-3: the step table rows, the summary lines (ours/TRL, AVSPO and AAPO vs GRPO) and the results."""
-    rows, notes, results = [], [], {}
-    jobs = [("ours", "grpo", p) for p in precisions] + [("TRL", "grpo", p) for p in precisions if with_trl]
-    jobs += [("ours", algo, precisions[0]) for algo in ("avspo", "aapo")]
-    for i, (impl, algo, precision) in enumerate(jobs, 1):
-        print(f"[{i}/{len(jobs)}] {impl} {algo} {precision}: {warmup} warm-up + {steps} timed steps", flush=True)
-        args = reference_args(model, steps, precision, algo, micro_batch)
-        results[impl, algo, precision] = run_isolated(measure_config, impl, args, warmup)
-        rows.append(step_row(impl, algo, precision, results[impl, algo, precision]))
-    notes.append("rows trained: completions that went through log-prob + backward; train.update_policy skips "
-                 "zero-advantage rows (collapsed GRPO groups), TRL trains all of them")
+                   micro_batch: int = train.Args.micro_batch, adv_reps: int = 10_000,
+                   rounds: int = 1) -> tuple[list[list[str]], list[str], dict]:
+    """Sections 1-3: the step table rows, the summary lines (ours/TRL, AVSPO and AAPO vs GRPO) and the results.
+
+    Every config runs once per round, configs compared with each other close in time (this machine's speed
+    drifts by up to 2.5x over minutes); a ratio is the median of its per-round ratios, and the table shows
+    each config's run with the median step time."""
+    impls = ["ours", "TRL"] if with_trl else ["ours"]
+    configs = [(impl, "grpo", p) for p in precisions for impl in impls]
+    configs += [("ours", algo, precisions[0]) for algo in ("avspo", "aapo")]
+    runs: dict[tuple, list[dict]] = {config: [] for config in configs}
+    for round in range(rounds):
+        for i, (impl, algo, precision) in enumerate(configs, 1):
+            print(f"[round {round + 1}/{rounds}, {i}/{len(configs)}] {impl} {algo} {precision}: {warmup} warm-up + "
+                  f"{steps} timed steps", flush=True)
+            args = reference_args(model, steps, precision, algo, micro_batch)
+            runs[impl, algo, precision].append(run_isolated(measure_config, impl, args, warmup))
+    results = {config: sorted(r, key=lambda run: run["step_s"])[(len(r) - 1) // 2] for config, r in runs.items()}
+    rows = [step_row(*config, results[config]) for config in configs]
+
+    def ratio(a: tuple, b: tuple) -> tuple[float, str]:  # median over rounds of a's step time / b's, as text too
+        per_round = [x["step_s"] / y["step_s"] for x, y in zip(runs[a], runs[b])]
+        median = statistics.median(per_round)
+        each = f" (rounds: {', '.join(f'{r:.2f}' for r in per_round)})" if rounds > 1 else ""
+        return median, f"{median:.2f}x{each}"
+
+    notes = ["rows trained: completions that went through log-prob + backward; train.update_policy skips "
+             "zero-advantage rows (collapsed GRPO groups), TRL trains all of them"]
     for p in precisions:
-        if ("TRL", "grpo", p) in results:
-            ratio = results["ours", "grpo", p]["step_s"] / results["TRL", "grpo", p]["step_s"]
-            notes.append(f"ours / TRL step time, {p}: {ratio:.2f}x")
-    grpo_step = results["ours", "grpo", precisions[0]]["step_s"]
+        if with_trl:
+            notes.append(f"ours / TRL step time, {p}: {ratio(('ours', 'grpo', p), ('TRL', 'grpo', p))[1]}")
+    grpo = ("ours", "grpo", precisions[0])
     adv = {algo: advantage_seconds(reference_args(model, steps, precisions[0], algo), adv_reps) for algo in train.ALGOS}
-    avspo_share = 100 * adv["avspo"] / grpo_step
+    avspo_share = 100 * adv["avspo"] / results[grpo]["step_s"]
     notes.append("advantage step µs/call: " + ", ".join(f"{a} {s * 1e6:.0f}" for a, s in adv.items()) +
                  f"; AVSPO's is {avspo_share:.4f}% of a GRPO step (goal < {AVSPO_GOAL}%): "
                  f"{'met' if avspo_share < AVSPO_GOAL else 'NOT met'}")
     for algo in ("avspo", "aapo"):
-        ratio = results["ours", algo, precisions[0]]["step_s"] / grpo_step
-        goal = f" (goal <= {AAPO_GOAL}x: {'met' if ratio <= AAPO_GOAL else 'NOT met'})" if algo == "aapo" else ""
-        notes.append(f"{algo.upper()} / GRPO step time, {precisions[0]}: {ratio:.2f}x{goal}")
+        median, text = ratio(("ours", algo, precisions[0]), grpo)
+        goal = f" (goal <= {AAPO_GOAL}x: {'met' if median <= AAPO_GOAL else 'NOT met'})" if algo == "aapo" else ""
+        notes.append(f"{algo.upper()} / GRPO step time, {precisions[0]}: {text}{goal}")
     return rows, notes, results
 
 
@@ -446,6 +462,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="bf16 is autocast (train.py --precision bf16); AVSPO/AAPO use the first")
     parser.add_argument("--micro-batch", type=int, default=train.Args.micro_batch,
                         help="completions per forward/backward, ours and TRL's")
+    parser.add_argument("--rounds", type=int, default=1, help="run every config this many times, interleaved; "
+                        "ratios are medians of the per-round ratios (this machine's speed drifts over minutes)")
     parser.add_argument("--skip-trl", action="store_true", help="leave out TRL's GRPOTrainer")
     parser.add_argument("--skip-verifier", action="store_true", help="leave out the verifier section")
     parser.add_argument("--data-dir", type=Path, default=DATA_DIR, help="shared data with GSM8K / MATH-500")
@@ -463,12 +481,13 @@ def main(argv: list[str] | None = None) -> int:
     start = time.perf_counter()
     print(f"CPU features: {' '.join(sorted(cpu_features())) or 'none of avx2/avx512f/avx512_bf16/amx_bf16'}")
     rows, notes, results = bench_training(args.model, args.steps, args.warmup, precisions, with_trl, args.micro_batch,
-                                 adv_reps=1_000 if args.quick else 10_000)
+                                          adv_reps=1_000 if args.quick else 10_000, rounds=args.rounds)
     verifier = None if args.skip_verifier else verifier_rows(args.data_dir, limit=200 if args.quick else None)
     ref = reference_args(args.model, args.steps, "fp32")
     print(f"\n## Training step: {args.model}, {ref.dataset}, B={ref.prompts_per_step} x G={ref.group_size}, "
           f"{ref.max_new_tokens} new tokens, micro-batch {args.micro_batch}, {device}")
-    print(f"median of {args.steps} steps after {args.warmup} warm-up; peak MB = "
+    rounds = f"; each config's run with the median step time of {args.rounds} rounds" if args.rounds > 1 else ""
+    print(f"median of {args.steps} steps after {args.warmup} warm-up{rounds}; peak MB = "
           f"{'max CUDA allocated' if cuda else 'max RSS'} of the config's process\n")
     print(markdown_table(STEP_COLUMNS, rows))
     print("\n" + "\n".join(f"- {n}" for n in notes))

@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def test_bench_quick_prints_the_step_table(capsys, monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "1")  # the spawned per-config processes: no thread oversubscription
-    assert bench.main(["--quick", "--skip-trl", "--skip-verifier"]) == 0
+    assert bench.main(["--quick", "--skip-trl", "--skip-verifier", "--rounds", "2"]) == 0
     lines = capsys.readouterr().out.splitlines()
     header = next(i for i, line in enumerate(lines) if line.startswith("| impl |"))
     assert [c.strip() for c in lines[header].strip("|").split("|")] == bench.STEP_COLUMNS
@@ -35,6 +35,8 @@ def test_bench_quick_prints_the_step_table(capsys, monkeypatch):
     assert all(c == "–" or float(c[:-1]) > 0 for c in update_ratios)  # "–": every group collapsed, nothing to train
     summary = "\n".join(lines)
     assert "AVSPO's is" in summary and "AAPO / GRPO step time" in summary and "ours / TRL" not in summary
+    aapo = next(line for line in lines if "AAPO / GRPO step time" in line)
+    assert len(aapo.split("(rounds: ")[1].split(")")[0].split(", ")) == 2  # one ratio per round, then their median
 
 
 def test_batch_shape_counts_what_a_minimal_update_trains():
