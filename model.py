@@ -466,7 +466,7 @@ class TokenLogProbs(torch.autograd.Function):
     def backward(ctx, grad_logp: torch.Tensor) -> tuple[torch.Tensor, None, None]:  # grad_logp [N, C]
         logits, targets, logsumexp = ctx.saved_tensors
         grad = torch.empty_like(logits)  # [N, C, V]
-        buffer = None if logits.dtype == logsumexp.dtype else torch.empty(logits.shape[1:], dtype=logsumexp.dtype)
+        buffer = None if logits.dtype == logsumexp.dtype else torch.empty_like(logits[0], dtype=logsumexp.dtype)
         for i, row in enumerate(logits):
             g = grad_logp[i, :, None] / ctx.temperature  # [C, 1]
             out = grad[i] if buffer is None else buffer  # [C, V]: softmax(z / T), then the gradient, in place
@@ -529,7 +529,8 @@ def completion_logprobs(
         logits = shared_prompt_logits(model, input_ids, attention_mask, position_ids, completion_len)
     else:  # the last token predicts nothing: it is not an input
         logits = model(input_ids=input_ids[:, :-1], attention_mask=attention_mask[:, :-1],
-                       position_ids=position_ids[:, :-1], logits_to_keep=completion_len, use_cache=False).logits  # [N, C, V]
+                       position_ids=position_ids[:, :-1], logits_to_keep=completion_len,
+                       use_cache=False).logits  # [N, C, V]
     return TokenLogProbs.apply(logits, input_ids[:, -completion_len:], temperature)[:, :kept_len]  # [N, C]
 
 

@@ -338,6 +338,14 @@ def test_token_logprobs_equal_autograd_through_log_softmax(dtype):
     torch.testing.assert_close(grad, expected_grad)
 
 
+def test_token_logprobs_keep_every_buffer_on_the_logits_device():
+    """bf16 logits on the meta device stand in for CUDA: a buffer made on the CPU would fail to take them."""
+    logits = torch.randn(2, 3, 11, dtype=torch.bfloat16, device="meta", requires_grad=True)
+    logp = TokenLogProbs.apply(logits, torch.zeros(2, 3, dtype=torch.long, device="meta"), 0.7)
+    (grad,) = torch.autograd.grad(logp.sum(), logits)
+    assert logp.device.type == grad.device.type == "meta" and grad.dtype == torch.bfloat16
+
+
 def test_sample_pads_prompts_to_a_multiple_of_16(tiny):
     model, tokenizer = tiny
     rollout = sample(model, tokenizer, QUESTIONS, 2, 5)
