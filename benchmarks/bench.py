@@ -97,14 +97,15 @@ def bench_ours(args: train.Args, warmup: int) -> dict:
     args = dataclasses.replace(args, steps=warmup + args.steps)
     shapes, generate_and_score = [], train.generate_and_score
 
-    def recording_generate_and_score(*a, **kw):  # one call per GRPO step: the batch its floors are computed for
+    def recording_generate_and_score(*a, **kw):  # one call per GRPO step (AAPO's reference samples call it too)
         rollout, rewards = generate_and_score(*a, **kw)
         prompt_mask = rollout.attention_mask[:: args.group_size, : rollout.input_ids.shape[1] - rollout.completion_len]
         shapes.append(batch_shape(rollout.completion_mask.sum(1).tolist(), prompt_mask.sum(1).tolist(),
                                   rewards.flatten().tolist(), args.group_size))
         return rollout, rewards
 
-    train.generate_and_score = recording_generate_and_score  # this spawned process runs nothing else
+    if args.algo == "grpo":  # the only config with floors; this spawned process runs nothing else
+        train.generate_and_score = recording_generate_and_score
     with tempfile.TemporaryDirectory() as tmp:
         run_dir = Path(tmp) / args.algo
         train.train(args, run_dir)
