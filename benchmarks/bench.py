@@ -300,6 +300,10 @@ def kernel_seconds(shapes: tuple[tuple[int, int], ...], rows: int, dtype: torch.
                best_seconds(lambda: [p(inputs[w.shape[1]]) for p, w in zip(packed, weights)], reps=5))
 
 
+def param_count(shapes: tuple[tuple[int, int], ...]) -> int:
+    return sum(o * i for o, i in shapes)
+
+
 def update_tokens(shape: dict) -> tuple[int, int]:
     """(tokens through the body, tokens through the output layer) of a minimal update of one step's batch."""
     return shape["trained_prompt_tokens"] + shape["trained_completion_tokens"], shape["trained_completion_tokens"]
@@ -307,7 +311,7 @@ def update_tokens(shape: dict) -> tuple[int, int]:
 
 def step_floors(shape: dict, body: tuple, head: tuple, dtype: torch.dtype, rates: dict, update_rates: tuple) -> dict:
     """One step's floors in seconds, from its batch shape (`batch_shape`); see `phase_floors`."""
-    body_params, head_params = sum(o * i for o, i in body), head[0] * head[1]
+    body_params, head_params = param_count(body), param_count((head,))
     lengths, weight_bytes = shape["lengths"], (body_params + head_params) * torch.finfo(dtype).bits // 8
     live = [sum(n > t for n in lengths) for t in range(1, max(lengths))]  # rows that run decoding pass t
     body_tokens, head_tokens = update_tokens(shape)
@@ -344,11 +348,11 @@ def phase_floors(r: dict, args: train.Args) -> dict:
     if trained:
         micro = [[t / -(-s["trained_rows"] // args.micro_batch) for t in update_tokens(s)] for s in trained]
         rows = [max(1, round(statistics.median(m[k] for m in micro))) for k in (0, 1)]  # per micro-batch
-        update_rates = tuple(2 * sum(o * i for o, i in shapes) * n / kernel_seconds(shapes, n, dtype)
+        update_rates = tuple(2 * param_count(shapes) * n / kernel_seconds(shapes, n, dtype)
                              for shapes, n in ((body, rows[0]), ((head,), rows[1])))
     floors = [step_floors(s, body, head, dtype, rates, update_rates) for s in steps]
     result = {"peak_flop_s": rates[dtype], "read_bytes_s": rates["read_bytes_s"],
-              "params": sum(o * i for o, i in body + (head,))}
+              "params": param_count(body + (head,))}
     for key, phase in (("gen_kernel", "generate"), ("gen_physical", "generate"), ("update_kernel", "train"),
                        ("update_physical", "train")):
         pairs = [(s[f"{phase}_s"], f[key]) for s, f in zip(steps, floors) if f[key] > 0]
