@@ -437,69 +437,78 @@ def sample(
 # ----------------------------------------------------------------------------- log-probs
 
 
+PLAIN_HEAD_MODELS = ("llama", "qwen2", "qwen3", "mistral")  # logits = lm_head(final hidden state), nothing after
+
+
 class TokenLogProbs(torch.autograd.Function):
-    """log softmax(z / T)[target] [N, C] in float32 (float64 for float64 z), from logits z [N, C, V], row by row.
+    """log softmax(z / T)[target] [M] in float32 (float64 for float64 z), from logits z [M, V], CHUNK rows at a time.
 
     Autograd through log_softmax would keep a float32 copy of z / T for backward (as large as the logits in
-    float32) and build several [N, C, V] temporaries there; this keeps z alone and writes its gradient once:
+    float32) and build several [M, V] temporaries there; this keeps z alone and writes its gradient once:
         d log p(target) / d z = (onehot(target) - softmax(z / T)) / T
-    Each row is worked in place in one [C, V] buffer: fresh buffers of this size cost page faults on every row.
+    Each chunk is worked in place in one [CHUNK, V] buffer: fresh buffers of this size cost page faults every time.
     """
+
+    CHUNK = 64
 
     @staticmethod
     def forward(ctx, logits: torch.Tensor, targets: torch.Tensor, temperature: float) -> torch.Tensor:
         dtype = torch.promote_types(logits.dtype, torch.float32)  # bf16 -> float32; float64 stays (gradcheck)
-        logsumexp = torch.empty(targets.shape, dtype=dtype, device=logits.device)  # [N, C]
-        picked = torch.empty_like(logsumexp)  # [N, C]
-        scaled = torch.empty(logits.shape[1:], dtype=dtype, device=logits.device)  # [C, V], reused
-        for i, (row, row_targets) in enumerate(zip(logits, targets)):
-            scaled.copy_(row).div_(temperature)
-            picked[i] = scaled.gather(1, row_targets[:, None]).squeeze(1)
-            top = scaled.amax(dim=1, keepdim=True)  # [C, 1]: exp never overflows
-            logsumexp[i] = (top + scaled.sub_(top).exp_().sum(dim=1, keepdim=True).log_()).squeeze(1)
+        logsumexp = torch.empty(targets.shape, dtype=dtype, device=logits.device)  # [M]
+        picked = torch.empty_like(logsumexp)  # [M]
+        buffer = torch.empty(min(TokenLogProbs.CHUNK, len(logits)), logits.shape[1], dtype=dtype, device=logits.device)
+        for s in range(0, len(logits), TokenLogProbs.CHUNK):
+            e = min(s + TokenLogProbs.CHUNK, len(logits))
+            scaled = buffer[: e - s].copy_(logits[s:e]).div_(temperature)  # [c, V]
+            picked[s:e] = scaled.gather(1, targets[s:e, None]).squeeze(1)
+            top = scaled.amax(dim=1, keepdim=True)  # [c, 1]: exp never overflows
+            logsumexp[s:e] = (top + scaled.sub_(top).exp_().sum(dim=1, keepdim=True).log_()).squeeze(1)
         ctx.save_for_backward(logits, targets, logsumexp)
         ctx.temperature = temperature
         return picked - logsumexp
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    def backward(ctx, grad_logp: torch.Tensor) -> tuple[torch.Tensor, None, None]:  # grad_logp [N, C]
+    def backward(ctx, grad_logp: torch.Tensor) -> tuple[torch.Tensor, None, None]:  # grad_logp [M]
         logits, targets, logsumexp = ctx.saved_tensors
-        grad = torch.empty_like(logits)  # [N, C, V]
-        buffer = None if logits.dtype == logsumexp.dtype else torch.empty_like(logits[0], dtype=logsumexp.dtype)
-        for i, row in enumerate(logits):
-            g = grad_logp[i, :, None] / ctx.temperature  # [C, 1]
-            out = grad[i] if buffer is None else buffer  # [C, V]: softmax(z / T), then the gradient, in place
-            out.copy_(row).div_(ctx.temperature).sub_(logsumexp[i, :, None]).exp_()
-            out.mul_(-g).scatter_add_(1, targets[i, :, None], g)
+        grad = torch.empty_like(logits)  # [M, V]
+        buffer = None if logits.dtype == logsumexp.dtype else torch.empty(
+            min(TokenLogProbs.CHUNK, len(logits)), logits.shape[1], dtype=logsumexp.dtype, device=logits.device)
+        for s in range(0, len(logits), TokenLogProbs.CHUNK):
+            e = min(s + TokenLogProbs.CHUNK, len(logits))
+            g = grad_logp[s:e, None] / ctx.temperature  # [c, 1]
+            out = grad[s:e] if buffer is None else buffer[: e - s]  # softmax(z / T), then the gradient, in place
+            out.copy_(logits[s:e]).div_(ctx.temperature).sub_(logsumexp[s:e, None]).exp_()
+            out.mul_(-g).scatter_add_(1, targets[s:e, None], g)
             if buffer is not None:
-                grad[i] = buffer
+                grad[s:e] = out
         return grad, None, None
 
 
-def shared_prompt_logits(model: PreTrainedModel, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                         position_ids: torch.Tensor, completion_len: int) -> torch.Tensor:
-    """Logits [N, C, V] predicting the last C tokens of each row, each distinct prompt run only once.
+def shared_prompt_states(network: torch.nn.Module, embed: torch.nn.Module, input_ids: torch.Tensor,
+                         attention_mask: torch.Tensor, position_ids: torch.Tensor, completion_len: int) -> torch.Tensor:
+    """`network`'s first output [N, C, ...] (hidden states of the base model, or a full model's logits) at the
+    positions predicting the last C tokens of each row, each distinct prompt run only once.
 
     The G rows of a group share their prompt, so the keys and values of its first P - 1 tokens are computed once
     and gathered to every row that has it; the gradient flows back through the gather (a sum over the rows), so
     values and gradients are those of one plain pass, for C instead of P + C tokens per row. The second pass
-    starts at the prompt's last token, so each of its C outputs predicts a completion token: one lm_head product
-    (its weight gradient is a [V, d] matrix per call), and one embedding lookup (the same for the embedding).
+    starts at the prompt's last token, so each of its C outputs predicts a completion token, and one embedding
+    lookup serves both passes (a tied embedding's gradient is a [V, d] matrix per lookup).
     """
     split = input_ids.shape[1] - completion_len - 1  # the prompt's last column starts the second pass
     prompt = torch.cat([input_ids[:, : split + 1], attention_mask[:, : split + 1].to(input_ids.dtype)], dim=1)  # [N, 2P]
     _, row_prompt = torch.unique(prompt, dim=0, return_inverse=True)  # [N]; mask too: pad == EOS
     prompt_of_row = row_prompt.tolist()
     first_row = [prompt_of_row.index(u) for u in range(max(prompt_of_row) + 1)]  # [u]: a row holding each prompt
-    embeds = model.get_input_embeddings()(input_ids[:, :-1])  # [N, T - 1, d]: the last token predicts nothing
-    cache = DynamicCache(config=model.config)
-    model(inputs_embeds=embeds[first_row, :split], attention_mask=attention_mask[first_row, :split],
-          position_ids=position_ids[first_row, :split], cache=cache, use_cache=True, logits_to_keep=1)  # logits unused
+    embeds = embed(input_ids[:, :-1])  # [N, T - 1, d]: the last token predicts nothing
+    cache = DynamicCache(config=network.config)
+    network(inputs_embeds=embeds[first_row, :split], attention_mask=attention_mask[first_row, :split],
+            position_ids=position_ids[first_row, :split], cache=cache, use_cache=True)  # outputs unused
     for layer in cache.layers:  # [u, ...] -> [N, ...]; index_select's backward (index_add) is fast on CPU
         layer.keys, layer.values = layer.keys.index_select(0, row_prompt), layer.values.index_select(0, row_prompt)
-    return model(inputs_embeds=embeds[:, split:], attention_mask=attention_mask[:, :-1],
-                 position_ids=position_ids[:, split:-1], cache=cache, use_cache=True).logits  # [N, C, V]
+    return network(inputs_embeds=embeds[:, split:], attention_mask=attention_mask[:, :-1],
+                   position_ids=position_ids[:, split:-1], cache=cache, use_cache=True)[0]
 
 
 def completion_logprobs(
@@ -510,11 +519,14 @@ def completion_logprobs(
     temperature: float = 1.0,
     share_prompt: bool = True,
 ) -> torch.Tensor:
-    """Per-token log pi(token | prefix) [N, C] of the last `completion_len` tokens of each row.
+    """Per-token log pi(token | prefix) [N, C] of the last `completion_len` tokens of each row; 0 where the
+    attention mask is 0 (after a row's EOS).
 
-    Only completion positions get logits, and the float32 log-softmax is taken one row at a time
-    (`TokenLogProbs`): a [rows, T, vocab] float32 tensor for the whole batch is the usual GRPO OOM. Logits
-    are divided by the sampling temperature so the log-probs are those of the distribution sampled from.
+    Logits exist only for the M completion tokens up to each row's EOS (and a few after it, so that M is a multiple
+    of 16 and the output layer's shapes recur): a Llama-style model's output layer (PLAIN_HEAD_MODELS) runs on just
+    their hidden states; other models' logits are taken from their own forward. The float32 log-softmax is
+    `TokenLogProbs`, a chunk of rows at a time: a [rows, T, vocab] float32 tensor is the usual GRPO OOM. Logits are
+    divided by the sampling temperature so the log-probs are those of the distribution sampled from.
     """
     # Masked columns round the prompt and completion lengths up to multiples of 16 so that matmul shapes recur
     # across steps (a new shape costs a kernel build); they change no real token's log-prob and are cut off below.
@@ -525,13 +537,23 @@ def completion_logprobs(
     completion_len += pad[1]
     # Left padding shifts every row; positions must count real tokens only, exactly as `generate` did.
     position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)  # [N, T]
+    plain_head = model.config.model_type in PLAIN_HEAD_MODELS
+    network = model.model if plain_head else model  # -> hidden states [.., d], or logits [.., V]
     if share_prompt and not getattr(model, "is_activation_checkpointing", False):  # it turns the cache off
-        logits = shared_prompt_logits(model, input_ids, attention_mask, position_ids, completion_len)
+        states = shared_prompt_states(network, model.get_input_embeddings(), input_ids, attention_mask, position_ids,
+                                      completion_len)
     else:  # the last token predicts nothing: it is not an input
-        logits = model(input_ids=input_ids[:, :-1], attention_mask=attention_mask[:, :-1],
-                       position_ids=position_ids[:, :-1], logits_to_keep=completion_len,
-                       use_cache=False).logits  # [N, C, V]
-    return TokenLogProbs.apply(logits, input_ids[:, -completion_len:], temperature)[:, :kept_len]  # [N, C]
+        only_completion = {} if plain_head else {"logits_to_keep": completion_len}
+        states = network(input_ids=input_ids[:, :-1], attention_mask=attention_mask[:, :-1],
+                         position_ids=position_ids[:, :-1], use_cache=False, **only_completion)[0][:, -completion_len:]
+    real = attention_mask[:, -completion_len:].bool()  # [N, C]: completion tokens up to and including EOS
+    extra = (~real).flatten().nonzero().flatten()[: -int(real.sum()) % SHAPE_MULTIPLE]  # M up to a multiple of 16
+    chosen = real.flatten().index_fill(0, extra, True).view_as(real)  # [N, C]: the M positions that get log-probs
+    targets = input_ids[:, -completion_len:][chosen]  # [M]
+    logits = model.lm_head(states[chosen]) if plain_head else states[chosen]  # [M, V]
+    picked = TokenLogProbs.apply(logits, targets, temperature)  # [M]
+    logp = picked.new_zeros(chosen.shape).masked_scatter(chosen, picked).masked_fill(~real, 0.0)  # [N, C]
+    return logp[:, :kept_len]
 
 
 def trim_padding(input_ids: torch.Tensor, attention_mask: torch.Tensor, completion_mask: torch.Tensor):

@@ -262,20 +262,25 @@ def test_cpu_features_reads_this_machines_flags():
 
 @pytest.mark.parametrize("micro_rows", [slice(0, 8), slice(2, 7)])  # whole groups, and groups cut by a micro-batch
 def test_shared_prompt_logprobs_and_gradients_equal_the_plain_pass(tiny, micro_rows):
-    """Each distinct prompt run once (its KV gathered to its rows): same log-probs, same gradients."""
+    """Each distinct prompt run once (its KV gathered to its rows), only real completion tokens through the output
+    layer: same log-probs, same gradients as one plain pass over the padded batch; 0 after each row's EOS."""
     model, tokenizer = tiny
     model = model_module.copy.deepcopy(model).train()
     torch.manual_seed(0)
     rollout = sample(model, tokenizer, QUESTIONS[:2], 4, 10)  # 2 prompts of different lengths x 4
-    ids, attn = rollout.input_ids[micro_rows], rollout.attention_mask[micro_rows]
+    lengths = torch.tensor([10, 2, 7, 4, 10, 1, 5, 8])  # completions cut as if EOS came there: rows end at 1..10
+    completion_mask = (torch.arange(10)[None, :] < lengths[:, None]).long()[micro_rows]  # [n, 10]
+    ids, attn = rollout.input_ids[micro_rows], rollout.attention_mask[micro_rows].clone()
+    attn[:, -10:] = completion_mask
     results = []
     for share in (False, True):
         model.zero_grad()
         logp = completion_logprobs(model, ids, attn, rollout.completion_len, temperature=0.7, share_prompt=share)
-        (logp * rollout.completion_mask[micro_rows]).sum().backward()
+        (logp * completion_mask).sum().backward()
         results.append((logp.detach(), [p.grad.clone() for p in model.parameters()]))
     (plain, plain_grads), (shared, shared_grads) = results
-    mask = rollout.completion_mask[micro_rows].bool()
+    mask = completion_mask.bool()
+    assert torch.equal(plain[~mask], shared[~mask]) and not plain[~mask].any()  # 0 after EOS
     assert torch.allclose(plain[mask], shared[mask], atol=1e-5)
     for g_plain, g_shared in zip(plain_grads, shared_grads):
         assert torch.allclose(g_plain, g_shared, atol=1e-5, rtol=1e-4)
@@ -310,24 +315,44 @@ def test_logprobs_with_shape_padding_equal_a_direct_forward(tiny, share_prompt):
     assert torch.allclose(logp[mask], direct[mask], atol=1e-5)
 
 
-def test_token_logprobs_gradient_is_onehot_minus_softmax_over_temperature():
-    """TokenLogProbs' hand-written backward against finite differences (float64)."""
+def test_output_layer_sees_the_real_completion_tokens_rounded_up_to_a_multiple_of_16(tiny):
+    """Logits only where a completion token is real (+ fewer than 16 more, so the layer's shapes recur)."""
+    model, tokenizer = tiny
+    torch.manual_seed(2)
+    rollout = sample(model, tokenizer, QUESTIONS[:2], 3, 7)
+    attn = rollout.attention_mask.clone()
+    attn[:, -7:] = (torch.arange(7)[None, :] < torch.tensor([7, 1, 3, 7, 2, 5])[:, None]).long()  # 25 real tokens
+    rows = []
+    hook = model.lm_head.register_forward_hook(lambda module, args, out: rows.append(args[0].shape[0]))
+    try:
+        with torch.no_grad():
+            completion_logprobs(model, rollout.input_ids, attn, 7)
+    finally:
+        hook.remove()
+    assert rows == [32]
+
+
+def test_token_logprobs_gradient_is_onehot_minus_softmax_over_temperature(monkeypatch):
+    """TokenLogProbs' hand-written backward against finite differences (float64), over chunks of 2 rows."""
+    monkeypatch.setattr(TokenLogProbs, "CHUNK", 2)
     torch.manual_seed(0)
-    logits = torch.randn(2, 3, 7, dtype=torch.float64, requires_grad=True)
-    targets = torch.randint(0, 7, (2, 3))
+    logits = torch.randn(5, 7, dtype=torch.float64, requires_grad=True)
+    targets = torch.randint(0, 7, (5,))
     for temperature in (1.0, 0.7):
         assert torch.autograd.gradcheck(lambda z: TokenLogProbs.apply(z, targets, temperature), (logits,))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_token_logprobs_equal_autograd_through_log_softmax(dtype):
-    """Same values and gradients as the plain float32 log-softmax they replace, for float32 and bf16 logits."""
+def test_token_logprobs_equal_autograd_through_log_softmax(monkeypatch, dtype):
+    """Same values and gradients as the plain float32 log-softmax they replace, for float32 and bf16 logits;
+    12 rows in chunks of 5."""
+    monkeypatch.setattr(TokenLogProbs, "CHUNK", 5)
     torch.manual_seed(0)
-    logits = (4 * torch.randn(3, 5, 1000)).to(dtype)
-    targets, weights = torch.randint(0, 1000, (3, 5)), torch.randn(3, 5)
+    logits = (4 * torch.randn(12, 1000)).to(dtype)
+    targets, weights = torch.randint(0, 1000, (12,)), torch.randn(12)
     results = []
     for fn in (lambda z: TokenLogProbs.apply(z, targets, 0.7),
-               lambda z: torch.log_softmax(z.float() / 0.7, -1).gather(2, targets[..., None]).squeeze(2)):
+               lambda z: torch.log_softmax(z.float() / 0.7, -1).gather(1, targets[:, None]).squeeze(1)):
         z = logits.clone().requires_grad_()
         logp = fn(z)
         (logp * weights).sum().backward()
@@ -340,10 +365,32 @@ def test_token_logprobs_equal_autograd_through_log_softmax(dtype):
 
 def test_token_logprobs_keep_every_buffer_on_the_logits_device():
     """bf16 logits on the meta device stand in for CUDA: a buffer made on the CPU would fail to take them."""
-    logits = torch.randn(2, 3, 11, dtype=torch.bfloat16, device="meta", requires_grad=True)
-    logp = TokenLogProbs.apply(logits, torch.zeros(2, 3, dtype=torch.long, device="meta"), 0.7)
+    logits = torch.randn(3, 11, dtype=torch.bfloat16, device="meta", requires_grad=True)
+    logp = TokenLogProbs.apply(logits, torch.zeros(3, dtype=torch.long, device="meta"), 0.7)
     (grad,) = torch.autograd.grad(logp.sum(), logits)
     assert logp.device.type == grad.device.type == "meta" and grad.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("share_prompt", [False, True])
+def test_models_outside_plain_head_models_take_their_logits_from_their_own_forward(tiny, monkeypatch, share_prompt):
+    """The other route (the full model's forward, its logits at the chosen positions): the same log-probs and
+    gradients as the output layer applied to the base model's hidden states."""
+    model, tokenizer = tiny
+    model = model_module.copy.deepcopy(model)
+    torch.manual_seed(0)
+    rollout = sample(model, tokenizer, QUESTIONS[:2], 3, 6)
+    results = []
+    for plain_head_models in (model_module.PLAIN_HEAD_MODELS, ()):
+        monkeypatch.setattr(model_module, "PLAIN_HEAD_MODELS", plain_head_models)
+        model.zero_grad()
+        logp = completion_logprobs(model, rollout.input_ids, rollout.attention_mask, rollout.completion_len, 0.7,
+                                   share_prompt=share_prompt)
+        logp.sum().backward()
+        results.append((logp.detach(), [p.grad.clone() for p in model.parameters()]))
+    (head_logp, head_grads), (own_logp, own_grads) = results
+    torch.testing.assert_close(head_logp, own_logp)
+    for a, b in zip(head_grads, own_grads):
+        torch.testing.assert_close(a, b)
 
 
 def test_sample_pads_prompts_to_a_multiple_of_16(tiny):
