@@ -124,7 +124,7 @@ def model_flops(model, s: dict) -> tuple[float, float]:
     head = 2 * config.hidden_size * config.vocab_size  # FLOPs per position that gets logits
     rows, prompt, completion = s["rows"], s["prompt_len"], s["completion_len"]
     generate = 2 * body * rows * (prompt + completion) + head * rows * completion  # prefill + decode, logits per token
-    forward = 2 * body * s["train_tokens"] + head * s["rows_trained"] * completion  # logits at C positions
+    forward = 2 * body * s["train_tokens"] + head * s["rows_trained"] * completion  # logits at all C (no EOS)
     return generate, 3 * forward
 
 
