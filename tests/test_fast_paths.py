@@ -268,6 +268,7 @@ def test_shared_prompt_logprobs_and_gradients_equal_the_plain_pass(tiny, micro_r
     model = model_module.copy.deepcopy(model).train()
     torch.manual_seed(0)
     rollout = sample(model, tokenizer, QUESTIONS[:2], 4, 10)  # 2 prompts of different lengths x 4
+    assert rollout.completion_len == 10  # random weights never emit EOS: every row has 10 columns to cut
     lengths = torch.tensor([10, 2, 7, 4, 10, 1, 5, 8])  # completions cut as if EOS came there: rows end at 1..10
     completion_mask = (torch.arange(10)[None, :] < lengths[:, None]).long()[micro_rows]  # [n, 10]
     ids, attn = rollout.input_ids[micro_rows], rollout.attention_mask[micro_rows].clone()
@@ -320,6 +321,7 @@ def test_output_layer_sees_the_real_completion_tokens_rounded_up_to_a_multiple_o
     model, tokenizer = tiny
     torch.manual_seed(2)
     rollout = sample(model, tokenizer, QUESTIONS[:2], 3, 7)
+    assert rollout.completion_len == 7  # random weights never emit EOS: every row has 7 columns to cut
     attn = rollout.attention_mask.clone()
     attn[:, -7:] = (torch.arange(7)[None, :] < torch.tensor([7, 1, 3, 7, 2, 5])[:, None]).long()  # 25 real tokens
     rows = []
