@@ -268,20 +268,23 @@ class DecodeCache:
 
 
 def packed_linear(weight: torch.Tensor, bias: torch.Tensor | None, rows: int) -> Callable[[torch.Tensor], torch.Tensor]:
-    """x -> F.linear(x, weight, bias); a float32 weight on CPU is reordered once into oneDNN's blocked layout for x
-    of about `rows` rows (what inference compilers do when they "freeze" a model), which decoding's few-row
-    products read faster: 1.1-1.3x per fp32 decoding step on this project's 2-core CPU. In bf16 it measured
-    0.94-1.10x there, so bf16 keeps `F.linear` (benchmarks/profile_decode.py). Only the order of additions differs."""
-    if (weight.device.type != "cpu" or weight.dtype != torch.float32 or not torch.backends.mkldnn.is_available()
-            or torch.is_autocast_enabled("cpu")):  # under autocast, F.linear casts x and the weight; oneDNN would not
+    """x -> F.linear(x, weight, bias); a CPU weight is reordered once into oneDNN's blocked layout for x of about
+    `rows` rows (what inference compilers do when they "freeze" a model), which decoding's few-row products read
+    faster: a whole decoding step 1.1-1.3x faster in fp32 and ~1.15x in bf16 on this project's 2-core CPU
+    (benchmarks/profile_decode.py). Only the order of additions differs. Not packed: a float32 weight under
+    autocast (F.linear casts x and the weight there; oneDNN would not), and bf16 where oneDNN has no bf16 kernels."""
+    packable = {torch.float32: not torch.is_autocast_enabled("cpu"),
+                torch.bfloat16: torch.ops.mkldnn._is_mkldnn_bf16_supported()}  # bf16 needs AVX-512 (bw/vl/dq)
+    if weight.device.type != "cpu" or not torch.backends.mkldnn.is_available() or not packable.get(weight.dtype):
         return lambda x: F.linear(x, weight, bias)
-    packed = torch.ops.mkldnn._reorder_linear_weight(weight, rows)  # (a private op: the one torch.compile uses)
+    packed = torch.ops.mkldnn._reorder_linear_weight(weight, rows)  # (private ops: the ones torch.compile uses)
     return lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
-def decode_weights(model: PreTrainedModel, rows: int) -> list[tuple[Callable, ...]] | None:
-    """The products of `decode_step` for batches of about `rows` rows, per layer (qkv, o, gate_up, down): q/k/v
-    and gate/up are each one matrix (4 products per layer instead of 7), each packed by `packed_linear`. None for
+def decode_weights(model: PreTrainedModel, rows: int) -> tuple[list[tuple[Callable, ...]], Callable] | None:
+    """The products of `decode_step` for batches of about `rows` rows: per layer (qkv, o, gate_up, down), and the
+    output layer. q/k/v and gate/up are each one matrix (4 products per layer instead of 7), every product packed by
+    `packed_linear` (the fp32 output layer, 113 MB for SmolLM2's 49k vocabulary, ~8 -> 5 ms a step). None for
     blocks `decode_step` does not implement (other than the Llama/Qwen2 block: SmolLM2, Qwen2.5); those decode
     with transformers' forward."""
     config = model.config
@@ -297,7 +300,7 @@ def decode_weights(model: PreTrainedModel, rows: int) -> list[tuple[Callable, ..
         layers.append((packed_linear(qkv_weight, qkv_bias, rows), packed_linear(attn.o_proj.weight, None, rows),
                        packed_linear(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]), None, rows),
                        packed_linear(mlp.down_proj.weight, None, rows)))
-    return layers
+    return layers, packed_linear(model.lm_head.weight, model.lm_head.bias, rows)
 
 
 def rms_norm(x: torch.Tensor, norm: torch.nn.Module) -> torch.Tensor:
@@ -312,7 +315,7 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     return x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin
 
 
-def decode_step(model: PreTrainedModel, weights: list, tokens: torch.Tensor, positions: torch.Tensor,
+def decode_step(model: PreTrainedModel, weights: tuple, tokens: torch.Tensor, positions: torch.Tensor,
                 cache: DecodeCache, column: int, mask: torch.Tensor) -> torch.Tensor:
     """Logits [n, V] of one new token per row: the Llama/Qwen2 block written out for a single position.
 
@@ -326,7 +329,8 @@ def decode_step(model: PreTrainedModel, weights: list, tokens: torch.Tensor, pos
     h = model.model.embed_tokens(tokens)  # [n, d]
     cos, sin = model.model.rotary_emb(h, positions[:, None])  # [n, 1, head_dim]
     attend = mask[:, None, None, :]  # [n, 1, 1, T]
-    for layer, (qkv_proj, o_proj, gate_up_proj, down_proj) in zip(model.model.layers, weights):
+    layer_weights, lm_head = weights  # from `decode_weights`
+    for layer, (qkv_proj, o_proj, gate_up_proj, down_proj) in zip(model.model.layers, layer_weights):
         x = rms_norm(h, layer.input_layernorm)
         q, k, v = qkv_proj(x).split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
         q = rotate(q.view(n, heads, head_dim), cos, sin)
@@ -338,7 +342,7 @@ def decode_step(model: PreTrainedModel, weights: list, tokens: torch.Tensor, pos
         h = h + o_proj(out.reshape(n, heads * head_dim))
         gate, up = gate_up_proj(rms_norm(h, layer.post_attention_layernorm)).chunk(2, dim=-1)
         h = h + down_proj(F.silu(gate) * up)
-    return model.lm_head(rms_norm(h, model.model.norm))
+    return lm_head(rms_norm(h, model.model.norm))
 
 
 @torch.no_grad()

@@ -19,20 +19,23 @@ def tiny():
     return model.eval(), tokenizer
 
 
+def favour_eos(model, eos_token_id: int, bias: float | None) -> None:
+    """Give the output layer a bias of `bias` on the EOS logit (None removes it), so rows end at different steps
+    (a random model rarely ends). A bias, not a forward hook: decode_step runs the output layer's weights itself."""
+    if bias is None:
+        model.lm_head.bias = None
+        return
+    logit_bias = torch.zeros(model.lm_head.out_features)
+    logit_bias[eos_token_id] = bias
+    model.lm_head.bias = torch.nn.Parameter(logit_bias, requires_grad=False)
+
+
 @pytest.fixture
 def eos_bias(tiny):
-    """Add `bias` to the EOS logit, so greedy rows end at different steps (a random model rarely ends)."""
+    """set_bias(b): `favour_eos` on the tiny model, removed after the test."""
     model, tokenizer = tiny
-    eos = torch.tensor([tokenizer.eos_token_id])
-    handles = []
-
-    def set_bias(bias: float):
-        handles.append(model.lm_head.register_forward_hook(
-            lambda mod, inp, out: out.index_add(-1, eos, torch.full((*out.shape[:-1], 1), bias))))
-
-    yield set_bias
-    for h in handles:
-        h.remove()
+    yield lambda bias: favour_eos(model, tokenizer.eos_token_id, bias)
+    favour_eos(model, tokenizer.eos_token_id, None)
 
 
 @pytest.mark.parametrize("group_size", [1, 3])
@@ -116,7 +119,7 @@ def test_decode_step_logits_equal_the_transformers_forward(block_model):
         tokens, position = expected.argmax(-1), position + 1
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])  # bf16: the F.linear fallback
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])  # bf16: packed where oneDNN has bf16 kernels
 @pytest.mark.parametrize("rows", [1, 3, 16, 40])
 def test_packed_linear_computes_what_f_linear_computes(dtype, rows):
     """Packed for 16 rows, right for any number of rows, with and without a bias."""
@@ -126,9 +129,12 @@ def test_packed_linear_computes_what_f_linear_computes(dtype, rows):
         torch.testing.assert_close(packed_linear(weight, b, 16)(x), torch.nn.functional.linear(x, weight, b))
 
 
-def test_packed_linear_under_autocast_casts_as_f_linear_does():
-    """A float32 model sampled under bf16 autocast (gpu_bench's CPU smoke test does) gets bf16 inputs."""
-    weight, x = torch.randn(96, 64), torch.randn(3, 64).bfloat16()
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_packed_linear_under_autocast_computes_what_f_linear_computes(dtype):
+    """Under bf16 autocast: a float32 model (gpu_bench's CPU smoke test samples one) and train.py's bf16 sampling
+    copy, both given bf16 inputs."""
+    torch.manual_seed(0)
+    weight, x = torch.randn(96, 64).to(dtype), torch.randn(3, 64).bfloat16()
     with torch.autocast("cpu", dtype=torch.bfloat16):
         torch.testing.assert_close(packed_linear(weight, None, 16)(x), torch.nn.functional.linear(x, weight))
 
@@ -137,14 +143,15 @@ def test_decode_step_samples_what_the_transformers_forward_samples(block_model, 
     """Same seed, same tokens (float32), with and without decode_step; rows ending early included."""
     model, tokenizer = block_model
     eos = tokenizer.eos_token_id
-    hook = model.lm_head.register_forward_hook(lambda mod, inp, out: out.index_add(
-        -1, torch.tensor([eos]), torch.full((*out.shape[:-1], 1), 2.0)))  # rows end at different steps
+    favour_eos(model, eos, 2.0)
     runs = []
-    for weights in (decode_weights, lambda model, rows: None):
-        monkeypatch.setattr(model_module, "decode_weights", weights)
-        torch.manual_seed(7)
-        runs.append(sample(model, tokenizer, QUESTIONS, 3, 20).input_ids)
-    hook.remove()
+    try:
+        for weights in (decode_weights, lambda model, rows: None):
+            monkeypatch.setattr(model_module, "decode_weights", weights)
+            torch.manual_seed(7)
+            runs.append(sample(model, tokenizer, QUESTIONS, 3, 20).input_ids)
+    finally:
+        favour_eos(model, eos, None)
     assert torch.equal(*runs)
     lengths = (runs[0][:, -20:] != tokenizer.pad_token_id).sum(1)
     assert lengths.min() < lengths.max()
