@@ -34,8 +34,8 @@ from tqdm import tqdm
 from advantage import (AdaptiveThreshold, aapo_advantages, aapo_margin, avspo_advantages, collapsed_groups,
                        grpo_advantages)
 from common import (all_sum, append_jsonl, arg, at_least, close_processes, ctrl_c_stops_after_the_step,
-                    dataclass_parser, find_checkpoint, gather_groups, init_processes, restore_checkpoint,
-                    save_checkpoint, start_logs, step_metrics, sum_gradients, summarise_run, write_jsonl)
+                    dataclass_parser, find_checkpoint, gather_groups, init_processes, release_freed_memory,
+                    restore_checkpoint, save_checkpoint, start_logs, step_metrics, sum_gradients, summarise_run, write_jsonl)
 from data.tasks import Problem, load_eval_problems, load_problems
 from eval import evaluate, score_groups
 from model import (Rollout, completion_logprobs, inference_model, load_model, replace_groups, sample, sampling_copy,
@@ -306,6 +306,7 @@ def train(args: Args, run_dir: Path, stop_requested: Sequence = ()) -> dict | No
         stats = update_policy(model, optimizer, rollout, advantages[mine].flatten().to(device), ref_model, args,
                               autocast)
         sampling_copy(model, into=sampler)  # the bf16 sampler follows the update (nothing to do in fp32)
+        release_freed_memory()  # the update's activations, before the evaluation and the next rollout
         timer["train"] = time.perf_counter() - start
         # ---- log, save, evaluate
         record = {"step": step, **step_metrics(rewards, advantages, rollout, timer, device), **extra, **stats,
