@@ -328,14 +328,15 @@ def decode_step(model: PreTrainedModel, weights: tuple, tokens: torch.Tensor, po
     head_dim = model.model.layers[0].self_attn.head_dim
     h = model.model.embed_tokens(tokens)  # [n, d]
     cos, sin = model.model.rotary_emb(h, positions[:, None])  # [n, 1, head_dim]
-    attend = mask[:, None, None, :]  # [n, 1, 1, T]
+    # [n, 1, 1, T], additive: SDPA would convert a boolean mask in every layer
+    attend = torch.zeros(mask.shape, dtype=h.dtype, device=h.device).masked_fill_(~mask, float("-inf"))[:, None, None]
     layer_weights, lm_head = weights  # from `decode_weights`
     for layer, (qkv_proj, o_proj, gate_up_proj, down_proj) in zip(model.model.layers, layer_weights):
         x = rms_norm(h, layer.input_layernorm)
-        q, k, v = qkv_proj(x).split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
-        q = rotate(q.view(n, heads, head_dim), cos, sin)
+        qk, v = qkv_proj(x).split([(heads + kv_heads) * head_dim, kv_heads * head_dim], dim=-1)
+        q, k = rotate(qk.view(n, heads + kv_heads, head_dim), cos, sin).split([heads, kv_heads], dim=1)  # one rotation
         keys, values = cache.keys[layer.self_attn.layer_idx], cache.values[layer.self_attn.layer_idx]
-        keys[:, :, column] = rotate(k.view(n, kv_heads, head_dim), cos, sin)
+        keys[:, :, column] = k
         values[:, :, column] = v.view(n, kv_heads, head_dim)
         out = F.scaled_dot_product_attention(q[:, :, None], keys[:, :, : column + 1], values[:, :, : column + 1],
                                              attn_mask=attend, scale=layer.self_attn.scaling, enable_gqa=True)
