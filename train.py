@@ -35,7 +35,8 @@ from advantage import (AdaptiveThreshold, aapo_advantages, aapo_margin, avspo_ad
                        grpo_advantages)
 from common import (all_sum, append_jsonl, arg, at_least, close_processes, ctrl_c_stops_after_the_step,
                     dataclass_parser, find_checkpoint, gather_groups, init_processes, release_freed_memory,
-                    restore_checkpoint, save_checkpoint, start_logs, step_metrics, sum_gradients, summarise_run, write_jsonl)
+                    restore_checkpoint, save_checkpoint, start_logs, step_metrics, sum_gradients, summarise_run,
+                    write_jsonl)
 from data.tasks import Problem, load_eval_problems, load_problems
 from eval import evaluate, score_groups
 from model import (Rollout, completion_logprobs, inference_model, load_model, replace_groups, sample, sampling_copy,
@@ -203,11 +204,15 @@ def policy_loss(logp, old_logp, ref_logp, advantages, mask, *, clip_low: float, 
 def update_policy(model, optimizer, rollout: Rollout, b_advantages, ref_model, args: Args, autocast) -> dict:
     """`updates_per_batch` optimizer steps on this process's rows, in micro-batches; returns what to log.
     Rows with advantage 0 (a collapsed GRPO group) add nothing to the gradient when beta = 0: their forward
-    and backward are skipped. A non-finite gradient skips the step, leaving weights and optimizer unchanged."""
+    and backward are skipped. A non-finite gradient skips the step, leaving weights and optimizer unchanged.
+    A micro-batch holds one prompt's rows where it can: each distinct prompt in it costs a pass over that prompt
+    (`shared_prompt_states`) whose weight gradients are products over few tokens, slow for their size (fp32 update
+    0.91x, bf16 0.98x the time of micro-batches sorted by length alone; six rollouts, alternating)."""
     device = b_advantages.device
     num_tokens, = all_sum([rollout.completion_mask.sum().item()], device)  # every row of every process counts
     rows = torch.arange(len(b_advantages)) if args.beta > 0 else b_advantages.nonzero().flatten().cpu()
-    rows = rows[rollout.completion_mask[rows].sum(1).argsort(stable=True)]  # micro-batches of similar lengths pad less
+    rows = rows[rollout.completion_mask[rows].sum(1).argsort(stable=True)]  # shortest first: similar lengths pad less
+    rows = rows[(rows // args.group_size).argsort(stable=True)]  # then by prompt, by length within each
     micro = [(idx, *trim_padding(rollout.input_ids[idx], rollout.attention_mask[idx], rollout.completion_mask[idx]))
              for idx in rows.split(args.micro_batch) if len(idx)]
     loss_args = dict(clip_low=args.epsilon, clip_high=args.epsilon_high, beta=args.beta, num_tokens=num_tokens)

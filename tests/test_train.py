@@ -125,6 +125,26 @@ def test_micro_batches_hold_rows_of_similar_length(tiny):
     assert stats["train_tokens"] == 2 * (prompt_len + 1) + 2 * (prompt_len + 5)
 
 
+def test_micro_batches_hold_one_prompts_rows(tiny, monkeypatch):
+    """Two prompts x G=2, lengths 5, 1 | 1, 5, micro-batches of 2: by length alone the two 1-token rows (one of each
+    prompt) would go together; each micro-batch holds one prompt's rows instead, so it runs one prompt pass."""
+    prompt_len, lengths = 6, [5, 1, 1, 5]
+    completion_mask = torch.tensor([[1] * n + [0] * (5 - n) for n in lengths])
+    prompts = torch.tensor([[10] * prompt_len, [10] * prompt_len, [20] * prompt_len, [20] * prompt_len])
+    input_ids = torch.cat([prompts, torch.randint(30, 200, (4, 5))], dim=1)
+    attention_mask = torch.cat([torch.ones(4, prompt_len, dtype=torch.long), completion_mask], dim=1)
+    rollout = train.Rollout(input_ids, attention_mask, completion_mask, [""] * 4, torch.zeros(4, dtype=torch.bool))
+    prompts_per_pass, logprobs = [], train.completion_logprobs
+
+    def recording_logprobs(net, ids, *args, **kwargs):
+        prompts_per_pass.append(set(ids[:, 0].tolist()))
+        return logprobs(net, ids, *args, **kwargs)
+
+    monkeypatch.setattr(train, "completion_logprobs", recording_logprobs)
+    run_update(tiny, rollout, torch.tensor([1.0, -1.0, 0.5, -0.5]), micro_batch=2, group_size=2)
+    assert sorted(map(sorted, prompts_per_pass)) == [[10], [20]]
+
+
 def test_pad_tokens_carry_no_loss(tiny, rollout):
     advantages = torch.linspace(-1, 1, 8)
     reference, _, _ = run_update(tiny, rollout, advantages)
