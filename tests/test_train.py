@@ -2,6 +2,7 @@
 
 import json
 import os
+import platform
 import signal
 import subprocess
 import sys
@@ -441,7 +442,7 @@ def test_fused_adamw_updates_the_weights_as_the_default_adamw(tiny, rollout):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
 
 
-@pytest.mark.skipif(__import__("platform").libc_ver()[0] != "glibc", reason="malloc_trim is glibc's")
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="malloc_trim is glibc's")
 def test_release_freed_memory_returns_the_freed_heap_to_the_os():
     """A fresh process fills its heap with 3,000 blocks of 64 KB (below glibc's mmap threshold) and frees all
     but the last, which pins the heap's top: free() alone gives nothing back; release_freed_memory gives ~188 MB."""
