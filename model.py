@@ -270,7 +270,7 @@ class DecodeCache:
 def packed_linear(weight: torch.Tensor, bias: torch.Tensor | None, rows: int) -> Callable[[torch.Tensor], torch.Tensor]:
     """x -> F.linear(x, weight, bias); a CPU weight is reordered once into oneDNN's blocked layout for x of about
     `rows` rows (what inference compilers do when they "freeze" a model), which decoding's few-row products read
-    faster: a whole decoding step 1.1-1.3x faster in fp32 and ~1.15x in bf16 on this project's 2-core CPU
+    faster: a whole decoding step 1.1-1.3x faster in fp32 and ~1.2x in bf16 on this project's 2-core CPU
     (benchmarks/profile_decode.py). Only the order of additions differs. Not packed: a float32 weight under
     autocast (F.linear casts x and the weight there; oneDNN would not), and bf16 where oneDNN has no bf16 kernels."""
     packable = {torch.float32: not torch.is_autocast_enabled("cpu"),

@@ -114,14 +114,20 @@ def test_skipping_zero_advantage_rows_keeps_the_gradient(tiny, rollout):
         torch.testing.assert_close(b - a.detach(), g, atol=1e-6, rtol=1e-4)
 
 
+def rollout_cut_at(prompt_ids: torch.Tensor, lengths: list[int], width: int = 5) -> train.Rollout:
+    """Prompts [N, P] (no padding) followed by `width` random completion tokens, row i's ending after lengths[i]."""
+    n = len(prompt_ids)
+    completion_mask = torch.tensor([[1] * k + [0] * (width - k) for k in lengths])  # [N, width]
+    input_ids = torch.cat([prompt_ids, torch.randint(30, 200, (n, width))], dim=1)
+    attention_mask = torch.cat([torch.ones_like(prompt_ids), completion_mask], dim=1)
+    return train.Rollout(input_ids, attention_mask, completion_mask, [""] * n, torch.zeros(n, dtype=torch.bool))
+
+
 def test_micro_batches_hold_rows_of_similar_length(tiny):
     """Completion lengths 1, 5, 1, 5 in micro-batches of 2: the short rows go together, so one micro-batch is
     1 token wide instead of both 5 (`train_tokens` counts the padded tokens that went through the passes)."""
-    prompt_len, lengths = 6, [1, 5, 1, 5]
-    completion_mask = torch.tensor([[1] * n + [0] * (5 - n) for n in lengths])
-    input_ids = torch.randint(3, 200, (4, prompt_len + 5))
-    attention_mask = torch.cat([torch.ones(4, prompt_len, dtype=torch.long), completion_mask], dim=1)
-    rollout = train.Rollout(input_ids, attention_mask, completion_mask, [""] * 4, torch.zeros(4, dtype=torch.bool))
+    prompt_len = 6
+    rollout = rollout_cut_at(torch.randint(3, 200, (4, prompt_len)), [1, 5, 1, 5])
     stats, _, _ = run_update(tiny, rollout, torch.tensor([1.0, -1.0, 0.5, -0.5]), micro_batch=2)
     assert stats["train_tokens"] == 2 * (prompt_len + 1) + 2 * (prompt_len + 5)
 
@@ -129,12 +135,7 @@ def test_micro_batches_hold_rows_of_similar_length(tiny):
 def test_micro_batches_hold_one_prompts_rows(tiny, monkeypatch):
     """Two prompts x G=2, lengths 5, 1 | 1, 5, micro-batches of 2: by length alone the two 1-token rows (one of each
     prompt) would go together; each micro-batch holds one prompt's rows instead, so it runs one prompt pass."""
-    prompt_len, lengths = 6, [5, 1, 1, 5]
-    completion_mask = torch.tensor([[1] * n + [0] * (5 - n) for n in lengths])
-    prompts = torch.tensor([[10] * prompt_len, [10] * prompt_len, [20] * prompt_len, [20] * prompt_len])
-    input_ids = torch.cat([prompts, torch.randint(30, 200, (4, 5))], dim=1)
-    attention_mask = torch.cat([torch.ones(4, prompt_len, dtype=torch.long), completion_mask], dim=1)
-    rollout = train.Rollout(input_ids, attention_mask, completion_mask, [""] * 4, torch.zeros(4, dtype=torch.bool))
+    rollout = rollout_cut_at(torch.tensor([[10] * 6, [10] * 6, [20] * 6, [20] * 6]), [5, 1, 1, 5])
     prompts_per_pass, logprobs = [], train.completion_logprobs
 
     def recording_logprobs(net, ids, *args, **kwargs):
