@@ -360,7 +360,8 @@ def main(argv: list[str] | None = None) -> dict:
     results_path = out / "results.json"
     results = json.loads(results_path.read_text()) if results_path.exists() else {}
     results["scale"] = {k: v for k, v in vars(args).items() if k not in ("out", "figures", "only")}
-    base = ["--model", args.model, "--max-new-tokens", str(args.max_new_tokens)]
+    # a constant lr: the setting the README's results were measured with (train.py's default decays since)
+    base = ["--model", args.model, "--max-new-tokens", str(args.max_new_tokens), "--lr-schedule", "constant"]
     if "difficulty" in parts:
         results["difficulty"] = acr_by_difficulty(args.model, args.difficulty_prompts, 8, args.max_new_tokens)
         plot_difficulty(results["difficulty"], figures / "acr_vs_difficulty.png", f"{args.model}, G=8, T=1")

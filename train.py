@@ -15,6 +15,9 @@ Choices, each made once here:
   3. Under torchrun each process samples its share of the B prompts; rewards are gathered (ACR and every
      logged number are the whole batch's), the loss is divided by the whole batch's token count, and
      gradients are summed once per update (processes skip different numbers of zero-advantage rows).
+  4. The learning rate decays linearly to 0 over --steps (TRL's and nanochat's default). Late in a run most groups
+     have collapsed and one or two groups set the direction of a full-size Adam step: at a constant lr those steps
+     undid part of what was learned (default run, 4 seeds: held-out 0.78 at step 40 constant, 0.95 linear).
 """
 
 import dataclasses
@@ -65,7 +68,9 @@ class Args:
     temperature: float = arg(1.0, "sampling temperature, also applied to the log-probs")
     top_p: float = arg(1.0, "nucleus sampling")
     # optimisation
-    lr: float = arg(2e-5, "AdamW learning rate")
+    lr: float = arg(2e-5, "AdamW learning rate (at the first step)")
+    lr_schedule: str = arg("linear", "linear: decay to 0 over --steps (TRL's and nanochat's default), or constant",
+                           choices=("linear", "constant"))
     beta: float = arg(0.0, "k3 KL penalty to the reference model (0: no reference forward)")
     epsilon: float = arg(0.2, "PPO clip: ratio lower bound 1 - epsilon")
     epsilon_high: float = arg(0.2, "PPO clip: ratio upper bound 1 + epsilon_high (DAPO uses 0.28)")
@@ -307,6 +312,9 @@ def train(args: Args, run_dir: Path, stop_requested: Sequence = ()) -> dict | No
         sample_reference = partial(rollout_and_score, ref_model, draw_problems(0)[mine])
         advantages, extra = compute_advantages(args, rewards, state, sample_reference)
         # ---- this process's rows: loss, backward, optimizer step
+        lr = args.lr * ((1 - (step - 1) / args.steps) if args.lr_schedule == "linear" else 1.0)  # from step: resumable
+        for group in optimizer.param_groups:
+            group["lr"] = lr
         start = time.perf_counter()
         stats = update_policy(model, optimizer, rollout, advantages[mine].flatten().to(device), ref_model, args,
                               autocast)
@@ -315,7 +323,7 @@ def train(args: Args, run_dir: Path, stop_requested: Sequence = ()) -> dict | No
         timer["train"] = time.perf_counter() - start
         # ---- log, save, evaluate
         record = {"step": step, **step_metrics(rewards, advantages, rollout, timer, device), **extra, **stats,
-                  "train_tokens_per_s": stats["train_tokens"] / timer["train"], "resampled_groups": resampled}
+                  "train_tokens_per_s": stats["train_tokens"] / timer["train"], "resampled_groups": resampled, "lr": lr}
         stop = all_sum([len(stop_requested)], device)[0] > 0  # every process stops after the same step
         if is_main:
             totals = {key: total + record[key] for key, total in totals.items()}  # x-axis: compute spent so far

@@ -188,7 +188,8 @@ def test_each_algorithm_runs_end_to_end(tmp_path):
 
 @pytest.mark.parametrize("algo", ["avspo", "aapo"])
 def test_resume_reproduces_the_next_step(tmp_path, algo):
-    common = TINY + ["--algo", algo, "--eval-every", "0", "--lr", "1e-2"]
+    # a linear schedule depends on --steps, which this test changes between the runs
+    common = TINY + ["--algo", algo, "--eval-every", "0", "--lr", "1e-2", "--lr-schedule", "constant"]
     train.main(common + ["--steps", "3", "--out", str(tmp_path / "straight")])
     train.main(common + ["--steps", "2", "--out", str(tmp_path / "resumed")])
     train.main(common + ["--steps", "3", "--out", str(tmp_path / "resumed"), "--resume"])
@@ -201,6 +202,22 @@ def test_resume_reproduces_the_next_step(tmp_path, algo):
     assert len(rows["resumed"]) == len(rows["straight"])
     for resumed, straight in zip(rows["resumed"], rows["straight"]):
         assert resumed == pytest.approx(straight)
+
+
+@pytest.mark.parametrize("schedule, expected", [("linear", [1.0, 0.75, 0.5, 0.25]), ("constant", [1.0] * 4)])
+def test_the_optimizer_steps_with_the_scheduled_lr(tmp_path, monkeypatch, schedule, expected):
+    real_update, seen = train.update_policy, []
+
+    def update(model, optimizer, *args, **kwargs):
+        seen.append(optimizer.param_groups[0]["lr"])
+        return real_update(model, optimizer, *args, **kwargs)
+
+    monkeypatch.setattr(train, "update_policy", update)
+    train.main(TINY + ["--steps", "4", "--lr", "1e-3", "--lr-schedule", schedule, "--eval-every", "0",
+                       "--save-every", "0", "--out", str(tmp_path)])
+    assert seen == pytest.approx([1e-3 * e for e in expected])
+    rows = [json.loads(line) for line in (tmp_path / "grpo" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["lr"] for r in rows] == pytest.approx(seen)
 
 
 def test_bad_dataset_line_is_named(tmp_path, capsys):
@@ -250,8 +267,9 @@ def test_ctrl_c_ends_the_step_saves_it_and_resumes(tmp_path, monkeypatch, capfd)
     assert signal.getsignal(signal.SIGINT) == handler_before  # the handler is put back
     monkeypatch.undo()
     train.main(common + ["--resume"])
-    steps = [json.loads(line)["step"] for line in (tmp_path / "grpo" / "metrics.jsonl").read_text().splitlines()]
-    assert steps == [1, 2, 3]
+    rows = [json.loads(line) for line in (tmp_path / "grpo" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert [r["lr"] for r in rows] == pytest.approx([2e-5, 2e-5 * 2 / 3, 2e-5 / 3])  # the resumed step's too
 
 
 def test_ctrl_c_while_loading_starts_no_step(tmp_path, monkeypatch, capsys):
