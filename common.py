@@ -36,6 +36,13 @@ def at_least(minimum: int):
     return parse
 
 
+def fraction(text: str) -> float:
+    """An argparse type: a float in [0, 1], or a one-line error."""
+    if not 0.0 <= float(text) <= 1.0:
+        raise argparse.ArgumentTypeError(f"must be between 0 and 1, got {text}")
+    return float(text)
+
+
 def dataclass_parser(config_class, description: str) -> argparse.ArgumentParser:
     """One --flag per dataclass field, its help from the field's metadata (extra metadata: argparse options)."""
     parser = argparse.ArgumentParser(description=description)

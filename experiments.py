@@ -361,7 +361,7 @@ def main(argv: list[str] | None = None) -> dict:
     results = json.loads(results_path.read_text()) if results_path.exists() else {}
     results["scale"] = {k: v for k, v in vars(args).items() if k not in ("out", "figures", "only")}
     # a constant lr: the setting the README's results were measured with (train.py's default decays since)
-    base = ["--model", args.model, "--max-new-tokens", str(args.max_new_tokens), "--lr-schedule", "constant"]
+    base = ["--model", args.model, "--max-new-tokens", str(args.max_new_tokens), "--lr-decay", "0"]
     if "difficulty" in parts:
         results["difficulty"] = acr_by_difficulty(args.model, args.difficulty_prompts, 8, args.max_new_tokens)
         plot_difficulty(results["difficulty"], figures / "acr_vs_difficulty.png", f"{args.model}, G=8, T=1")

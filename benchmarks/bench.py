@@ -57,7 +57,7 @@ def reference_args(model: str, steps: int, precision: str, algo: str = "grpo",
     """The reference config: G=8, 2 prompts, 64 new tokens, lr 1e-5 constant (as TRL's below), beta 0, one update,
     no eval, no saving."""
     return train.Args(algo=algo, model=model, dataset="arith-mul1", steps=steps, prompts_per_step=2, group_size=8,
-                      max_new_tokens=64, temperature=1.0, lr=1e-5, lr_schedule="constant", beta=0.0,
+                      max_new_tokens=64, temperature=1.0, lr=1e-5, lr_decay=0.0, beta=0.0,
                       updates_per_batch=1, micro_batch=micro_batch, precision=precision, eval_every=0, eval_size=1,
                       save_every=0)
 

@@ -189,7 +189,7 @@ def test_each_algorithm_runs_end_to_end(tmp_path):
 @pytest.mark.parametrize("algo", ["avspo", "aapo"])
 def test_resume_reproduces_the_next_step(tmp_path, algo):
     # a linear schedule depends on --steps, which this test changes between the runs
-    common = TINY + ["--algo", algo, "--eval-every", "0", "--lr", "1e-2", "--lr-schedule", "constant"]
+    common = TINY + ["--algo", algo, "--eval-every", "0", "--lr", "1e-2", "--lr-decay", "0"]
     train.main(common + ["--steps", "3", "--out", str(tmp_path / "straight")])
     train.main(common + ["--steps", "2", "--out", str(tmp_path / "resumed")])
     train.main(common + ["--steps", "3", "--out", str(tmp_path / "resumed"), "--resume"])
@@ -204,8 +204,9 @@ def test_resume_reproduces_the_next_step(tmp_path, algo):
         assert resumed == pytest.approx(straight)
 
 
-@pytest.mark.parametrize("schedule, expected", [("linear", [1.0, 0.75, 0.5, 0.25]), ("constant", [1.0] * 4)])
-def test_the_optimizer_steps_with_the_scheduled_lr(tmp_path, monkeypatch, schedule, expected):
+@pytest.mark.parametrize("decay, expected", [("0.5", [1.0, 1.0, 1.0, 0.5]), ("1", [1.0, 0.75, 0.5, 0.25]),
+                                              ("0.25", [1.0] * 4), ("0", [1.0] * 4)])
+def test_the_optimizer_steps_with_the_scheduled_lr(tmp_path, monkeypatch, decay, expected):
     real_update, seen = train.update_policy, []
 
     def update(model, optimizer, *args, **kwargs):
@@ -213,7 +214,7 @@ def test_the_optimizer_steps_with_the_scheduled_lr(tmp_path, monkeypatch, schedu
         return real_update(model, optimizer, *args, **kwargs)
 
     monkeypatch.setattr(train, "update_policy", update)
-    train.main(TINY + ["--steps", "4", "--lr", "1e-3", "--lr-schedule", schedule, "--eval-every", "0",
+    train.main(TINY + ["--steps", "4", "--lr", "1e-3", "--lr-decay", decay, "--eval-every", "0",
                        "--save-every", "0", "--out", str(tmp_path)])
     assert seen == pytest.approx([1e-3 * e for e in expected])
     rows = [json.loads(line) for line in (tmp_path / "grpo" / "metrics.jsonl").read_text().splitlines()]
@@ -299,7 +300,8 @@ def test_a_second_ctrl_c_stops_at_once_without_saving_half_a_step(tmp_path, monk
     assert len((tmp_path / "grpo" / "metrics.jsonl").read_text().splitlines()) == 1
 
 
-@pytest.mark.parametrize("flag, value", [("--group-size", "1"), ("--micro-batch", "0"), ("--algo", "ppo")])
+@pytest.mark.parametrize("flag, value", [("--group-size", "1"), ("--micro-batch", "0"), ("--algo", "ppo"),
+                                         ("--lr-decay", "1.5")])
 def test_bad_flags_are_rejected_before_anything_runs(flag, value, tmp_path):
     with pytest.raises(SystemExit):
         train.main(TINY + [flag, value, "--out", str(tmp_path)])
