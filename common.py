@@ -38,9 +38,10 @@ def at_least(minimum: int):
 
 def fraction(text: str) -> float:
     """An argparse type: a float in [0, 1], or a one-line error."""
-    if not 0.0 <= float(text) <= 1.0:
+    value = float(text)
+    if not 0.0 <= value <= 1.0:
         raise argparse.ArgumentTypeError(f"must be between 0 and 1, got {text}")
-    return float(text)
+    return value
 
 
 def dataclass_parser(config_class, description: str) -> argparse.ArgumentParser:

@@ -207,6 +207,15 @@ def policy_loss(logp, old_logp, ref_logp, advantages, mask, *, clip_low: float, 
     return loss, (None if kl is None else (kl * mask).sum().detach() / num_tokens)
 
 
+def scheduled_lr(args: Args, step: int) -> float:
+    """The lr of step 1..steps (choice 4): args.lr, falling linearly to 0 over the last `lr_decay` of the run, to
+    args.lr / steps at the last step when lr_decay is 1 (TRL's linear schedule). From the step alone: --resume
+    continues the schedule."""
+    if args.lr_decay == 0:
+        return args.lr
+    return args.lr * min(1.0, (1 - (step - 1) / args.steps) / args.lr_decay)
+
+
 def update_policy(model, optimizer, rollout: Rollout, b_advantages, ref_model, args: Args, autocast) -> dict:
     """`updates_per_batch` optimizer steps on this process's rows, in micro-batches; returns what to log.
     Rows with advantage 0 (a collapsed GRPO group) add nothing to the gradient when beta = 0: their forward
@@ -313,8 +322,7 @@ def train(args: Args, run_dir: Path, stop_requested: Sequence = ()) -> dict | No
         sample_reference = partial(rollout_and_score, ref_model, draw_problems(0)[mine])
         advantages, extra = compute_advantages(args, rewards, state, sample_reference)
         # ---- this process's rows: loss, backward, optimizer step
-        # the lr from the step alone, so --resume continues the schedule (choice 4)
-        lr = args.lr * (min(1.0, (1 - (step - 1) / args.steps) / args.lr_decay) if args.lr_decay else 1.0)
+        lr = scheduled_lr(args, step)
         for group in optimizer.param_groups:
             group["lr"] = lr
         start = time.perf_counter()
