@@ -21,6 +21,7 @@ from typing import Callable
 
 import torch
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
 CACHE_DIR = Path(os.environ.get("GROUP_RL_CACHE", Path.home() / ".cache" / "group-rl"))
@@ -281,6 +282,13 @@ def packed_linear(weight: torch.Tensor, bias: torch.Tensor | None, rows: int) ->
     return lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
+def writes_out_block(config) -> bool:
+    """Whether `packed_states` and `decode_step`, which write the transformer block out, implement this model's: the
+    Llama/Qwen2 block (SmolLM2, Qwen2.5), without sliding-window attention or attention dropout."""
+    return (config.model_type in ("llama", "qwen2") and not getattr(config, "use_sliding_window", False)
+            and not getattr(config, "attention_dropout", 0.0))
+
+
 def decode_weights(model: PreTrainedModel, rows: int) -> tuple[list[tuple[Callable, ...]], Callable] | None:
     """The products of `decode_step` for batches of about `rows` rows: per layer (qkv, o, gate_up, down), and the
     output layer. q/k/v and gate/up are each one matrix (4 products per layer instead of 7), every product packed by
@@ -288,8 +296,7 @@ def decode_weights(model: PreTrainedModel, rows: int) -> tuple[list[tuple[Callab
     blocks `decode_step` does not implement (other than the Llama/Qwen2 block: SmolLM2, Qwen2.5); those decode
     with transformers' forward."""
     config = model.config
-    if (config.model_type not in ("llama", "qwen2") or config.hidden_act != "silu"
-            or getattr(config, "use_sliding_window", False) or getattr(config, "mlp_bias", False)):
+    if not writes_out_block(config) or config.hidden_act != "silu" or getattr(config, "mlp_bias", False):
         return None
     layers = []
     for layer in model.model.layers:
@@ -297,7 +304,7 @@ def decode_weights(model: PreTrainedModel, rows: int) -> tuple[list[tuple[Callab
         biases = [attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias]
         qkv_bias = None if biases[0] is None else torch.cat(biases)
         qkv_weight = torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight])
-        layers.append((packed_linear(qkv_weight, qkv_bias, rows), packed_linear(attn.o_proj.weight, None, rows),
+        layers.append((packed_linear(qkv_weight, qkv_bias, rows), packed_linear(attn.o_proj.weight, attn.o_proj.bias, rows),
                        packed_linear(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]), None, rows),
                        packed_linear(mlp.down_proj.weight, None, rows)))
     return layers, packed_linear(model.lm_head.weight, model.lm_head.bias, rows)
@@ -490,30 +497,102 @@ class TokenLogProbs(torch.autograd.Function):
         return grad, None, None
 
 
-def shared_prompt_states(network: torch.nn.Module, embed: torch.nn.Module, input_ids: torch.Tensor,
-                         attention_mask: torch.Tensor, position_ids: torch.Tensor, completion_len: int) -> torch.Tensor:
-    """`network`'s first output [N, C, ...] (hidden states of the base model, or a full model's logits) at the
-    positions predicting the last C tokens of each row, each distinct prompt run only once.
+@dataclass
+class PackedRows:
+    """Rows [n, P + C] of left-padded prompt + completion as one stream of N tokens: each distinct prompt once, then
+    each row's completion tokens but its last (which predicts nothing), no padding; N rounded up to a multiple of 16
+    with dummy tokens, so matmul shapes recur. Attention runs on S segments (a prompt's tokens, or a row's
+    completion tokens), each padded to Lq queries and Lk keys (its prompt, then its own completion so far)."""
 
-    The G rows of a group share their prompt, so the keys and values of its first P - 1 tokens are computed once
-    and gathered to every row that has it; the gradient flows back through the gather (a sum over the rows), so
-    values and gradients are those of one plain pass, for C instead of P + C tokens per row. The second pass
-    starts at the prompt's last token, so each of its C outputs predicts a completion token, and one embedding
-    lookup serves both passes (a tied embedding's gradient is a [V, d] matrix per lookup).
-    """
-    split = input_ids.shape[1] - completion_len - 1  # the prompt's last column starts the second pass
-    prompt = torch.cat([input_ids[:, : split + 1], attention_mask[:, : split + 1].to(input_ids.dtype)], dim=1)  # [N, 2P]
-    _, row_prompt = torch.unique(prompt, dim=0, return_inverse=True)  # [N]; mask too: pad == EOS
-    prompt_of_row = row_prompt.tolist()
-    first_row = [prompt_of_row.index(u) for u in range(max(prompt_of_row) + 1)]  # [u]: a row holding each prompt
-    embeds = embed(input_ids[:, :-1])  # [N, T - 1, d]: the last token predicts nothing
-    cache = DynamicCache(config=network.config)
-    network(inputs_embeds=embeds[first_row, :split], attention_mask=attention_mask[first_row, :split],
-            position_ids=position_ids[first_row, :split], cache=cache, use_cache=True)  # outputs unused
-    for layer in cache.layers:  # [u, ...] -> [N, ...]; index_select's backward (index_add) is fast on CPU
-        layer.keys, layer.values = layer.keys.index_select(0, row_prompt), layer.values.index_select(0, row_prompt)
-    return network(inputs_embeds=embeds[:, split:], attention_mask=attention_mask[:, :-1],
-                   position_ids=position_ids[:, split:-1], cache=cache, use_cache=True)[0]
+    tokens: torch.Tensor  # [N]
+    positions: torch.Tensor  # [N]: a row's positions count its real tokens, as when it was sampled
+    query_slots: torch.Tensor  # [S, Lq]: stream index of each segment's queries (N: an empty slot)
+    key_slots: torch.Tensor  # [S, Lk]: stream index of each segment's keys (N: an empty slot)
+    attend: torch.Tensor  # [S, 1, Lq, Lk] bool: real key at or before the query
+    output_slots: torch.Tensor  # [N]: where each token's attention output lies in the [S * Lq] outputs (S * Lq: none)
+    predictors: torch.Tensor  # [M]: stream index of the token whose output predicts each target
+    targets: torch.Tensor  # [M]: completion tokens in row order, then dummies up to a multiple of 16
+    num_targets: int  # the real ones among the M
+
+
+def round_up(n: int) -> int:
+    return n + -n % SHAPE_MULTIPLE
+
+
+def pack_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor, completion_len: int) -> PackedRows:
+    """`PackedRows` of rows [n, P + C] whose last `completion_len` columns are completions; mask 0 on padding."""
+    prompt_len = input_ids.shape[1] - completion_len
+    tokens, positions, segments, predictors, targets, prompt_slots = [], [], [], [], [], {}
+    for ids, mask in zip(input_ids.tolist(), attention_mask.tolist()):
+        prompt = tuple(t for t, m in zip(ids[:prompt_len], mask[:prompt_len]) if m)
+        completion = [t for t, m in zip(ids[prompt_len:], mask[prompt_len:]) if m]  # up to and including EOS
+        if prompt not in prompt_slots:  # the first row of a group: its prompt joins the stream, causal on itself
+            prompt_slots[prompt] = list(range(len(tokens), len(tokens) + len(prompt)))
+            segments.append((prompt_slots[prompt], prompt_slots[prompt]))
+            tokens += prompt
+            positions += range(len(prompt))
+        context = prompt_slots[prompt]
+        own = list(range(len(tokens), len(tokens) + len(completion) - 1))
+        if own:
+            segments.append((own, context + own))
+        tokens += completion[:-1]
+        positions += range(len(context), len(context) + len(own))
+        predictors += [context[-1]] + own  # the prompt's last token predicts the first completion token
+        targets += completion
+    n, num_targets = len(tokens), len(targets)
+    tokens += [0] * (round_up(n) - n)  # dummies: in no segment, so they attend nowhere and nothing attends to them
+    positions += [0] * (round_up(n) - n)
+    predictors += [0] * (round_up(num_targets) - num_targets)
+    targets += [0] * (round_up(num_targets) - num_targets)
+    n, lq, lk = len(tokens), max(len(q) for q, _ in segments), max(len(k) for _, k in segments)
+    query_slots, key_slots = torch.full((len(segments), lq), n), torch.full((len(segments), lk), n)
+    output_slots = torch.full((n,), len(segments) * lq)
+    for s, (queries, keys) in enumerate(segments):
+        query_slots[s, : len(queries)], key_slots[s, : len(keys)] = torch.tensor(queries), torch.tensor(keys)
+        output_slots[queries] = torch.arange(s * lq, s * lq + len(queries))
+    position = torch.tensor(positions + [-1])  # [N + 1]: the empty slot N
+    attend = (key_slots < n)[:, None, :] & (position[key_slots][:, None, :] <= position[query_slots][:, :, None])
+    attend[:, :, 0] |= query_slots >= n  # an empty query slot attends to one key, not none (no NaN; output unused)
+    device = input_ids.device
+    return PackedRows(*(torch.tensor(x, device=device) for x in (tokens, positions)), query_slots.to(device),
+                      key_slots.to(device), attend[:, None].to(device), output_slots.to(device),
+                      *(torch.tensor(x, device=device) for x in (predictors, targets)), num_targets)
+
+
+def packed_states(model: PreTrainedModel, rows: PackedRows) -> torch.Tensor:
+    """Final hidden states [N, d] of the token stream `rows` (`pack_rows`), the model's own block modules applied
+    to it: every matrix product runs once over all N tokens (prompts once, no padding), attention per segment.
+    Values and gradients are those of the plain forward of every row, up to the order of additions."""
+    config, n = model.config, len(rows.tokens)
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    head_dim = model.model.layers[0].self_attn.head_dim
+    segments, lq = rows.query_slots.shape
+    h = model.model.embed_tokens(rows.tokens)  # [N, d]
+    cos, sin = (c[0, :, None] for c in model.model.rotary_emb(h, rows.positions[None]))  # [N, 1, head_dim]
+    dtype = torch.get_autocast_dtype(h.device.type) if torch.is_autocast_enabled(h.device.type) else h.dtype
+    attend = torch.zeros(rows.attend.shape, dtype=dtype, device=h.device).masked_fill_(~rows.attend, float("-inf"))
+
+    def with_empty_slot(x: torch.Tensor) -> torch.Tensor:  # [N, ...] -> [N + 1, ...]: slot N is zeros
+        return F.pad(x, (0, 0) * (x.dim() - 1) + (0, 1))
+
+    def block(layer: torch.nn.Module, h: torch.Tensor) -> torch.Tensor:
+        attn = layer.self_attn
+        x = layer.input_layernorm(h)
+        q = rotate(attn.q_proj(x).view(n, heads, head_dim), cos, sin)
+        k = rotate(attn.k_proj(x).view(n, kv_heads, head_dim), cos, sin)
+        v = attn.v_proj(x).view(n, kv_heads, head_dim)
+        q = with_empty_slot(q)[rows.query_slots].transpose(1, 2)  # [S, heads, Lq, head_dim]
+        k, v = (with_empty_slot(t)[rows.key_slots].transpose(1, 2) for t in (k, v))  # [S, kv_heads, Lk, head_dim]
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=attend.to(q.dtype), scale=attn.scaling,
+                                             enable_gqa=True)  # [S, heads, Lq, head_dim]
+        out = with_empty_slot(out.transpose(1, 2).reshape(segments * lq, heads * head_dim))[rows.output_slots]
+        h = h + attn.o_proj(out)
+        return h + layer.mlp(layer.post_attention_layernorm(h))
+
+    recompute = torch.is_grad_enabled() and model.is_activation_checkpointing  # --grad-checkpointing
+    for layer in model.model.layers:
+        h = checkpoint(block, layer, h, use_reentrant=False) if recompute else block(layer, h)
+    return model.model.norm(h)
 
 
 def completion_logprobs(
@@ -522,17 +601,26 @@ def completion_logprobs(
     attention_mask: torch.Tensor,
     completion_len: int,
     temperature: float = 1.0,
-    share_prompt: bool = True,
+    packed: bool = True,
 ) -> torch.Tensor:
     """Per-token log pi(token | prefix) [N, C] of the last `completion_len` tokens of each row; 0 where the
     attention mask is 0 (after a row's EOS).
 
-    Logits exist only for the M completion tokens up to each row's EOS (and a few after it, so that M is a multiple
-    of 16 and the output layer's shapes recur): a Llama-style model's output layer (PLAIN_HEAD_MODELS) runs on just
-    their hidden states; other models' logits are taken from their own forward. The float32 log-softmax is
-    `TokenLogProbs`, a chunk of rows at a time: a [rows, T, vocab] float32 tensor is the usual GRPO OOM. Logits are
-    divided by the sampling temperature so the log-probs are those of the distribution sampled from.
+    Models whose block `packed_states` writes out (`writes_out_block`) run as one packed token stream: each distinct
+    prompt once, no padding (packed=False takes the plain path, the reference in tests). Others run their own
+    forward on the padded rows. Either way logits exist only for the M completion tokens up to each row's EOS (and a
+    few dummies, so that M is a multiple of 16 and the output layer's shapes recur): a Llama-style model's output
+    layer (PLAIN_HEAD_MODELS) runs on just their hidden states; other models' logits are taken from their own
+    forward. The float32 log-softmax is `TokenLogProbs`, a chunk of rows at a time: a [rows, T, vocab] float32
+    tensor is the usual GRPO OOM. Logits are divided by the sampling temperature so the log-probs are those of the
+    distribution sampled from.
     """
+    if packed and writes_out_block(model.config):
+        rows = pack_rows(input_ids, attention_mask, completion_len)
+        logits = model.lm_head(packed_states(model, rows)[rows.predictors])  # [M, V]
+        picked = TokenLogProbs.apply(logits, rows.targets, temperature)[: rows.num_targets]  # row by row
+        real = attention_mask[:, -completion_len:].bool()  # [N, C]: completion tokens up to and including EOS
+        return picked.new_zeros(real.shape).masked_scatter(real, picked)
     # Masked columns round the prompt and completion lengths up to multiples of 16 so that matmul shapes recur
     # across steps (a new shape costs a kernel build); they change no real token's log-prob and are cut off below.
     prompt_len, kept_len = input_ids.shape[1] - completion_len, completion_len
@@ -544,14 +632,10 @@ def completion_logprobs(
     position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)  # [N, T]
     plain_head = model.config.model_type in PLAIN_HEAD_MODELS
     network = model.model if plain_head else model  # -> hidden states [.., d], or logits [.., V]
-    if share_prompt and not getattr(model, "is_activation_checkpointing", False):  # it turns the cache off
-        states = shared_prompt_states(network, model.get_input_embeddings(), input_ids, attention_mask, position_ids,
-                                      completion_len)
-    else:  # the last token predicts nothing: it is not an input
-        only_completion = {} if plain_head else {"logits_to_keep": completion_len}
-        states = network(input_ids=input_ids[:, :-1], attention_mask=attention_mask[:, :-1],
-                         position_ids=position_ids[:, :-1], use_cache=False, **only_completion)[0][:, -completion_len:]
-    real = attention_mask[:, -completion_len:].bool()  # [N, C]: completion tokens up to and including EOS
+    only_completion = {} if plain_head else {"logits_to_keep": completion_len}
+    states = network(input_ids=input_ids[:, :-1], attention_mask=attention_mask[:, :-1],  # the last token predicts
+                     position_ids=position_ids[:, :-1], use_cache=False, **only_completion)[0][:, -completion_len:]
+    real = attention_mask[:, -completion_len:].bool()  # [N, C]
     extra = (~real).flatten().nonzero().flatten()[: -int(real.sum()) % SHAPE_MULTIPLE]  # M up to a multiple of 16
     chosen = real.flatten().index_fill(0, extra, True).view_as(real)  # [N, C]: the M positions that get log-probs
     targets = input_ids[:, -completion_len:][chosen]  # [M]

@@ -267,10 +267,22 @@ def test_cpu_features_reads_this_machines_flags():
     assert isinstance(features, set) and features <= {"avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile"}
 
 
-@pytest.mark.parametrize("micro_rows", [slice(0, 8), slice(2, 7)])  # whole groups, and groups cut by a micro-batch
-def test_shared_prompt_logprobs_and_gradients_equal_the_plain_pass(tiny, micro_rows):
-    """Each distinct prompt run once (its KV gathered to its rows), only real completion tokens through the output
-    layer: same log-probs, same gradients as one plain pass over the padded batch; 0 after each row's EOS."""
+def packed_and_plain(model, ids, attn, completion_len, temperature=0.7):
+    """(log-probs, gradients) of the sum of the real tokens' log-probs, by the plain path then the packed one."""
+    results = []
+    for packed in (False, True):
+        model.zero_grad()
+        logp = completion_logprobs(model, ids, attn, completion_len, temperature=temperature, packed=packed)
+        (logp * attn[:, -completion_len:]).sum().backward()
+        results.append((logp.detach(), [p.grad.clone() for p in model.parameters()]))
+    return results
+
+
+@pytest.mark.parametrize("micro_rows", [slice(0, 8), slice(2, 7), [5, 0, 6, 1]])  # whole groups, cut groups, mixed
+def test_packed_logprobs_and_gradients_equal_the_plain_pass(tiny, micro_rows):
+    """One packed stream (each distinct prompt once, no padding, attention per segment): the same log-probs and
+    gradients as one plain pass over the padded rows, 0 after each row's EOS; rows of two prompts in any order,
+    and a row whose first token is EOS (no completion token to feed in)."""
     model, tokenizer = tiny
     model = model_module.copy.deepcopy(model).train()
     torch.manual_seed(0)
@@ -280,33 +292,97 @@ def test_shared_prompt_logprobs_and_gradients_equal_the_plain_pass(tiny, micro_r
     completion_mask = (torch.arange(10)[None, :] < lengths[:, None]).long()[micro_rows]  # [n, 10]
     ids, attn = rollout.input_ids[micro_rows], rollout.attention_mask[micro_rows].clone()
     attn[:, -10:] = completion_mask
-    results = []
-    for share in (False, True):
-        model.zero_grad()
-        logp = completion_logprobs(model, ids, attn, rollout.completion_len, temperature=0.7, share_prompt=share)
-        (logp * completion_mask).sum().backward()
-        results.append((logp.detach(), [p.grad.clone() for p in model.parameters()]))
-    (plain, plain_grads), (shared, shared_grads) = results
+    (plain, plain_grads), (packed, packed_grads) = packed_and_plain(model, ids, attn, rollout.completion_len)
     mask = completion_mask.bool()
-    assert torch.equal(plain[~mask], shared[~mask]) and not plain[~mask].any()  # 0 after EOS
-    assert torch.allclose(plain[mask], shared[mask], atol=1e-5)
-    for g_plain, g_shared in zip(plain_grads, shared_grads):
-        assert torch.allclose(g_plain, g_shared, atol=1e-5, rtol=1e-4)
+    assert torch.equal(plain[~mask], packed[~mask]) and not plain[~mask].any()  # 0 after EOS
+    assert torch.allclose(plain[mask], packed[mask], atol=1e-5)
+    for g_plain, g_packed in zip(plain_grads, packed_grads):
+        assert torch.allclose(g_plain, g_packed, atol=1e-5, rtol=1e-4)
 
 
-def test_shared_prompt_tells_prompts_apart_by_mask_too(tiny):
+def test_packed_logprobs_with_gradient_checkpointing_equal_the_plain_pass(tiny, monkeypatch):
+    """--grad-checkpointing wraps each packed block in torch's checkpoint (recomputed in backward): same log-probs and
+    gradients as without it, and as the plain path."""
+    model, tokenizer = tiny
+    model = model_module.copy.deepcopy(model).train()
+    torch.manual_seed(3)
+    rollout = sample(model, tokenizer, QUESTIONS[:2], 3, 6)
+    args = (model, rollout.input_ids, rollout.attention_mask, rollout.completion_len)
+    expected = packed_and_plain(*args)
+    model.activation_checkpointing_enable()
+    checkpointed_blocks, checkpoint = [], model_module.checkpoint
+    monkeypatch.setattr(model_module, "checkpoint", lambda *a, **kw: checkpointed_blocks.append(1) or checkpoint(*a, **kw))
+    checkpointed = packed_and_plain(*args)
+    assert len(checkpointed_blocks) == len(model.model.layers)  # the packed pass, once per layer
+    for (logp, grads), (logp_ckpt, grads_ckpt) in zip(expected, checkpointed):
+        torch.testing.assert_close(logp_ckpt, logp)
+        for a, b in zip(grads, grads_ckpt):
+            torch.testing.assert_close(b, a, atol=1e-6, rtol=1e-5)
+
+
+def test_packed_logprobs_under_bf16_autocast_are_as_close_to_fp32_as_the_plain_pass(tiny):
+    """bf16 rounds differently along the two paths; each stays as close to the float32 log-probs as the other."""
+    model, tokenizer = tiny
+    torch.manual_seed(4)
+    rollout = sample(model, tokenizer, QUESTIONS[:2], 4, 10)
+    args = (rollout.input_ids, rollout.attention_mask, rollout.completion_len)
+    mask = rollout.completion_mask.bool()
+    with torch.no_grad():
+        exact = completion_logprobs(model, *args, packed=False)[mask]
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            errors = [(completion_logprobs(model, *args, packed=packed)[mask] - exact).abs().max() for packed in
+                      (False, True)]
+    assert 0 < errors[1] < 2 * errors[0] + 1e-3, errors
+
+
+def test_pack_rows_streams_each_prompt_once_and_each_completion_but_its_last_token():
+    """Prompts [1 2 3] (left-padded) and [4 5]; completions of 3, 1 and 2 tokens: 3 + 2 prompt tokens and 2 + 0 + 1
+    completion tokens, 8 in all, then 8 dummies; each target is predicted by the token before it in its own row."""
+    ids = torch.tensor([[1, 2, 3, 7, 8, 9], [1, 2, 3, 6, 0, 0], [0, 4, 5, 7, 8, 0]])
+    attn = torch.tensor([[1, 1, 1, 1, 1, 1], [1, 1, 1, 1, 0, 0], [0, 1, 1, 1, 1, 0]])
+    rows = model_module.pack_rows(ids, attn, 3)
+    assert rows.tokens.tolist() == [1, 2, 3, 7, 8, 4, 5, 7] + [0] * 8
+    assert rows.positions[:8].tolist() == [0, 1, 2, 3, 4, 0, 1, 2]
+    assert rows.targets.tolist()[: rows.num_targets] == [7, 8, 9, 6, 7, 8] and len(rows.targets) == 16
+    assert rows.predictors.tolist()[: rows.num_targets] == [2, 3, 4, 2, 6, 7]
+    keys = [[k for k in segment if k < 16] for segment in rows.key_slots.tolist()]
+    assert keys == [[0, 1, 2], [0, 1, 2, 3, 4], [5, 6], [5, 6, 7]]  # a prompt; row 0; a prompt; row 2 (row 1: none)
+    row_0 = rows.attend[1, 0, :, :5].tolist()  # its 2 queries, then an empty slot (the longest segment has 3)
+    assert row_0 == [[True, True, True, True, False], [True] * 5, [True] + [False] * 4]  # causal; empty: one key
+    assert (rows.output_slots[8:] == rows.output_slots.max()).all()  # dummies take the empty output slot
+
+
+def test_completion_logprobs_packs_written_out_blocks_only(tiny, monkeypatch):
+    """The Llama/Qwen2 block runs packed (transformers' forward is never called); another block takes the plain path."""
+    model, tokenizer = tiny
+    rollout = sample(model, tokenizer, QUESTIONS[:2], 2, 4)
+    calls = []
+    hook = model.model.register_forward_hook(lambda *_: calls.append(1))
+    try:
+        with torch.no_grad():
+            packed = completion_logprobs(model, rollout.input_ids, rollout.attention_mask, rollout.completion_len)
+            assert calls == []
+            monkeypatch.setattr(model_module, "writes_out_block", lambda config: False)
+            plain = completion_logprobs(model, rollout.input_ids, rollout.attention_mask, rollout.completion_len)
+            assert calls == [1]
+    finally:
+        hook.remove()
+    torch.testing.assert_close(packed, plain, atol=1e-5, rtol=1e-5)
+
+
+def test_packed_rows_tell_prompts_apart_by_mask_too(tiny):
     """Same ids but a different mask (pad == EOS can make this happen) are different prompts."""
     model, tokenizer = tiny
     ids = torch.tensor([[5, 6, 7, 8, 9], [5, 6, 7, 8, 9]])
     attn = torch.tensor([[1, 1, 1, 1, 1], [0, 1, 1, 1, 1]])
     with torch.no_grad():
-        plain = completion_logprobs(model, ids, attn, 2, share_prompt=False)
-        shared = completion_logprobs(model, ids, attn, 2)
-    assert torch.allclose(plain, shared, atol=1e-5) and not torch.allclose(shared[0], shared[1])
+        plain = completion_logprobs(model, ids, attn, 2, packed=False)
+        packed = completion_logprobs(model, ids, attn, 2)
+    assert torch.allclose(plain, packed, atol=1e-5) and not torch.allclose(packed[0], packed[1])
 
 
-@pytest.mark.parametrize("share_prompt", [False, True])
-def test_logprobs_with_shape_padding_equal_a_direct_forward(tiny, share_prompt):
+@pytest.mark.parametrize("packed", [False, True])
+def test_logprobs_with_shape_padding_equal_a_direct_forward(tiny, packed):
     """The masked columns that round lengths to multiples of 16 change no log-prob of a real token."""
     model, tokenizer = tiny
     torch.manual_seed(1)
@@ -317,7 +393,7 @@ def test_logprobs_with_shape_padding_equal_a_direct_forward(tiny, share_prompt):
     with torch.no_grad():
         logits = model(input_ids=ids, attention_mask=attn, position_ids=(attn.cumsum(1) - 1).clamp(min=0)).logits
         direct = torch.log_softmax(logits[:, -c - 1:-1].float() / 0.8, -1).gather(2, ids[:, -c:, None]).squeeze(2)
-        logp = completion_logprobs(model, ids, attn, c, temperature=0.8, share_prompt=share_prompt)
+        logp = completion_logprobs(model, ids, attn, c, temperature=0.8, packed=packed)
     assert logp.shape == direct.shape
     mask = rollout.completion_mask.bool()
     assert torch.allclose(logp[mask], direct[mask], atol=1e-5)
@@ -380,8 +456,7 @@ def test_token_logprobs_keep_every_buffer_on_the_logits_device():
     assert logp.device.type == grad.device.type == "meta" and grad.dtype == torch.bfloat16
 
 
-@pytest.mark.parametrize("share_prompt", [False, True])
-def test_models_outside_plain_head_models_take_their_logits_from_their_own_forward(tiny, monkeypatch, share_prompt):
+def test_models_outside_plain_head_models_take_their_logits_from_their_own_forward(tiny, monkeypatch):
     """The other route (the full model's forward, its logits at the chosen positions): the same log-probs and
     gradients as the output layer applied to the base model's hidden states."""
     model, tokenizer = tiny
@@ -393,7 +468,7 @@ def test_models_outside_plain_head_models_take_their_logits_from_their_own_forwa
         monkeypatch.setattr(model_module, "PLAIN_HEAD_MODELS", plain_head_models)
         model.zero_grad()
         logp = completion_logprobs(model, rollout.input_ids, rollout.attention_mask, rollout.completion_len, 0.7,
-                                   share_prompt=share_prompt)
+                                   packed=False)
         logp.sum().backward()
         results.append((logp.detach(), [p.grad.clone() for p in model.parameters()]))
     (head_logp, head_grads), (own_logp, own_grads) = results
