@@ -559,14 +559,19 @@ def pack_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor, completion_
                       *(torch.tensor(x, device=device) for x in (predictors, targets)), num_targets)
 
 
-def segment_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attend: torch.Tensor,
-                      scale: float) -> torch.Tensor:
+def segment_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attend: torch.Tensor, scale: float,
+                      fused: bool = False) -> torch.Tensor:
     """softmax(q k^T * scale) v per segment over the keys `attend` [S, 1, Lq, Lk] allows: q [S, Lq, heads, D], k and v
-    [S, Lk, kv_heads, D], each kv head serving heads / kv_heads query heads (GQA) without copying k and v. Written
-    out (softmax in float32, as transformers' eager attention): the backward of CPU SDPA on these small shapes was
-    most of the packed pass's attention time (bf16 update 0.78x, fp32 0.94x; 3 rollouts, alternating). Out:
-    [S * Lq, heads * D]."""
+    [S, Lk, kv_heads, D], each kv head serving heads / kv_heads query heads (GQA). Out: [S * Lq, heads * D].
+
+    fused: torch's SDPA (on CUDA: its kernels keep no [Lq, Lk] scores for backward). Otherwise written out, without
+    copying k and v, softmax in float32 as in transformers' eager attention: on 2 CPU cores SDPA's backward on these
+    small shapes was most of the attention time (packed bf16 update 0.78x, fp32 0.94x; 3 rollouts, alternating)."""
     segments, lq, heads, head_dim = q.shape
+    if fused:
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=attend,
+                                             scale=scale, enable_gqa=True)  # [S, heads, Lq, D]
+        return out.transpose(1, 2).reshape(segments * lq, heads * head_dim)
     kv_heads = k.shape[2]
     groups = heads // kv_heads
     q = q.view(segments, lq, kv_heads, groups, head_dim).permute(0, 2, 3, 1, 4).reshape(segments, kv_heads, -1, head_dim)
@@ -589,6 +594,7 @@ def packed_states(model: PreTrainedModel, rows: PackedRows) -> torch.Tensor:
     h = model.model.embed_tokens(rows.tokens)  # [N, d]
     cos, sin = (c[0, :, None] for c in model.model.rotary_emb(h, rows.positions[None]))  # [N, 1, head_dim]
     query_slots, key_slots = rows.query_slots.flatten(), rows.key_slots.flatten()
+    fused = h.device.type == "cuda"  # attention by SDPA there (`segment_attention`)
 
     def with_empty_slot(x: torch.Tensor) -> torch.Tensor:  # [N, ...] -> [N + 1, ...]: slot N is zeros
         return F.pad(x, (0, 0) * (x.dim() - 1) + (0, 1))
@@ -601,7 +607,7 @@ def packed_states(model: PreTrainedModel, rows: PackedRows) -> torch.Tensor:
         v = attn.v_proj(x).view(n, kv_heads, head_dim)
         q = with_empty_slot(q).index_select(0, query_slots).view(segments, lq, heads, head_dim)
         k, v = (with_empty_slot(t).index_select(0, key_slots).view(segments, -1, kv_heads, head_dim) for t in (k, v))
-        out = with_empty_slot(segment_attention(q, k, v, rows.attend, attn.scaling)).index_select(0, rows.output_slots)
+        out = with_empty_slot(segment_attention(q, k, v, rows.attend, attn.scaling, fused)).index_select(0, rows.output_slots)
         h = h + attn.o_proj(out)
         return h + layer.mlp(layer.post_attention_layernorm(h))
 

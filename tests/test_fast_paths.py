@@ -335,6 +335,27 @@ def test_packed_logprobs_under_bf16_autocast_are_as_close_to_fp32_as_the_plain_p
     assert 0 < errors[1] < 2 * errors[0] + 1e-3, errors
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_segment_attention_written_out_equals_sdpa(dtype):
+    """The written-out attention (CPU) against torch's SDPA (what CUDA runs), GQA with 3 query heads per kv head,
+    values and gradients; a query slot that may attend to only its first key as well."""
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, *shape, 8).to(dtype).requires_grad_() for shape in ((5, 6), (7, 2), (7, 2)))
+    attend = torch.rand(2, 1, 5, 7) < 0.5
+    attend[..., 0] = True
+    results = []
+    for fused in (False, True):
+        out = model_module.segment_attention(q, k, v, attend, 0.3, fused)
+        grads = torch.autograd.grad((out.float() * torch.linspace(-1, 1, out.numel()).view_as(out)).sum(), (q, k, v))
+        results.append((out, grads))
+    (written, written_grads), (sdpa, sdpa_grads) = results
+    assert written.shape == (10, 48)
+    tolerance = dict(atol=1e-5, rtol=1e-4) if dtype == torch.float32 else dict(atol=3e-2, rtol=3e-2)
+    torch.testing.assert_close(written, sdpa, **tolerance)
+    for a, b in zip(written_grads, sdpa_grads):
+        torch.testing.assert_close(a, b, **tolerance)
+
+
 def test_pack_rows_streams_each_prompt_once_and_each_completion_but_its_last_token():
     """Prompts [1 2 3] (left-padded) and [4 5]; completions of 3, 1 and 2 tokens: 3 + 2 prompt tokens and 2 + 0 + 1
     completion tokens, 8 in all, then 8 dummies; each target is predicted by the token before it in its own row."""
