@@ -304,7 +304,8 @@ def decode_weights(model: PreTrainedModel, rows: int) -> tuple[list[tuple[Callab
         biases = [attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias]
         qkv_bias = None if biases[0] is None else torch.cat(biases)
         qkv_weight = torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight])
-        layers.append((packed_linear(qkv_weight, qkv_bias, rows), packed_linear(attn.o_proj.weight, attn.o_proj.bias, rows),
+        layers.append((packed_linear(qkv_weight, qkv_bias, rows),
+                       packed_linear(attn.o_proj.weight, attn.o_proj.bias, rows),
                        packed_linear(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]), None, rows),
                        packed_linear(mlp.down_proj.weight, None, rows)))
     return layers, packed_linear(model.lm_head.weight, model.lm_head.bias, rows)
@@ -574,7 +575,8 @@ def segment_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attend:
         return out.transpose(1, 2).reshape(segments * lq, heads * head_dim)
     kv_heads = k.shape[2]
     groups = heads // kv_heads
-    q = q.view(segments, lq, kv_heads, groups, head_dim).permute(0, 2, 3, 1, 4).reshape(segments, kv_heads, -1, head_dim)
+    q = q.view(segments, lq, kv_heads, groups, head_dim).permute(0, 2, 3, 1, 4)  # [S, kv_heads, groups, Lq, D]
+    q = q.reshape(segments, kv_heads, groups * lq, head_dim)
     k, v = k.transpose(1, 2), v.transpose(1, 2)  # [S, kv_heads, Lk, D]
     scores = (q @ k.transpose(2, 3)).view(segments, kv_heads, groups, lq, -1) * scale  # [S, kv_heads, groups, Lq, Lk]
     scores = scores.masked_fill(~attend[:, :, None], float("-inf"))
@@ -607,7 +609,8 @@ def packed_states(model: PreTrainedModel, rows: PackedRows) -> torch.Tensor:
         v = attn.v_proj(x).view(n, kv_heads, head_dim)
         q = with_empty_slot(q).index_select(0, query_slots).view(segments, lq, heads, head_dim)
         k, v = (with_empty_slot(t).index_select(0, key_slots).view(segments, -1, kv_heads, head_dim) for t in (k, v))
-        out = with_empty_slot(segment_attention(q, k, v, rows.attend, attn.scaling, fused)).index_select(0, rows.output_slots)
+        out = segment_attention(q, k, v, rows.attend, attn.scaling, fused)  # [S * Lq, heads * head_dim]
+        out = with_empty_slot(out).index_select(0, rows.output_slots)  # [N, heads * head_dim]
         h = h + attn.o_proj(out)
         return h + layer.mlp(layer.post_attention_layernorm(h))
 
@@ -656,7 +659,8 @@ def completion_logprobs(
     network = model.model if plain_head else model  # -> hidden states [.., d], or logits [.., V]
     only_completion = {} if plain_head else {"logits_to_keep": completion_len}
     states = network(input_ids=input_ids[:, :-1], attention_mask=attention_mask[:, :-1],  # the last token predicts
-                     position_ids=position_ids[:, :-1], use_cache=False, **only_completion)[0][:, -completion_len:]
+                     position_ids=position_ids[:, :-1], use_cache=False,  # nothing: it is no input
+                     **only_completion)[0][:, -completion_len:]
     real = attention_mask[:, -completion_len:].bool()  # [N, C]
     extra = (~real).flatten().nonzero().flatten()[: -int(real.sum()) % SHAPE_MULTIPLE]  # M up to a multiple of 16
     chosen = real.flatten().index_fill(0, extra, True).view_as(real)  # [N, C]: the M positions that get log-probs

@@ -311,7 +311,12 @@ def test_packed_logprobs_with_gradient_checkpointing_equal_the_plain_pass(tiny, 
     expected = packed_and_plain(*args)
     model.activation_checkpointing_enable()
     checkpointed_blocks, checkpoint = [], model_module.checkpoint
-    monkeypatch.setattr(model_module, "checkpoint", lambda *a, **kw: checkpointed_blocks.append(1) or checkpoint(*a, **kw))
+
+    def counting_checkpoint(*call_args, **call_kwargs):
+        checkpointed_blocks.append(1)
+        return checkpoint(*call_args, **call_kwargs)
+
+    monkeypatch.setattr(model_module, "checkpoint", counting_checkpoint)
     checkpointed = packed_and_plain(*args)
     assert len(checkpointed_blocks) == len(model.model.layers)  # the packed pass, once per layer
     for (logp, grads), (logp_ckpt, grads_ckpt) in zip(expected, checkpointed):
