@@ -429,7 +429,7 @@ def sample(
     # Prompt length rounded up to a multiple of 16 (masked left padding): oneDNN builds a kernel for each new
     # matmul shape (~5 ms per product in bf16), so the prefill's shapes must recur from step to step.
     enc = tokenizer(format_prompts(tokenizer, questions), return_tensors="pt", padding=True, add_special_tokens=False,
-                    pad_to_multiple_of=SHAPE_MULTIPLE)
+                    pad_to_multiple_of=SHAPE_MULTIPLE, padding_side="left")  # completions follow the last column
     enc = enc.to(model.device)
     completion_ids = (hf_generate if use_generate else decode)(
         model, enc["input_ids"], enc["attention_mask"], group_size, max_new_tokens, temperature, top_p,

@@ -88,6 +88,7 @@ def block_model(request):
             for layer in model.model.layers:
                 for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
                     proj.bias.normal_(0, 0.5)
+    tokenizer.padding_side = "left"  # as load_model sets it: sampling appends to the right end of every row
     return model.eval(), tokenizer
 
 
@@ -279,11 +280,11 @@ def packed_and_plain(model, ids, attn, completion_len, temperature=0.7):
 
 
 @pytest.mark.parametrize("micro_rows", [slice(0, 8), slice(2, 7), [5, 0, 6, 1]])  # whole groups, cut groups, mixed
-def test_packed_logprobs_and_gradients_equal_the_plain_pass(tiny, micro_rows):
+def test_packed_logprobs_and_gradients_equal_the_plain_pass(block_model, micro_rows):
     """One packed stream (each distinct prompt once, no padding, attention per segment): the same log-probs and
     gradients as one plain pass over the padded rows, 0 after each row's EOS; rows of two prompts in any order,
-    and a row whose first token is EOS (no completion token to feed in)."""
-    model, tokenizer = tiny
+    and a row whose first token is EOS (no completion token to feed in); Qwen2 with q/k/v biases, and Llama."""
+    model, tokenizer = block_model
     model = model_module.copy.deepcopy(model).train()
     torch.manual_seed(0)
     rollout = sample(model, tokenizer, QUESTIONS[:2], 4, 10)  # 2 prompts of different lengths x 4
@@ -507,3 +508,19 @@ def test_sample_pads_prompts_to_a_multiple_of_16(tiny):
     model, tokenizer = tiny
     rollout = sample(model, tokenizer, QUESTIONS, 2, 5)
     assert (rollout.input_ids.shape[1] - rollout.completion_len) % 16 == 0
+
+
+def test_sample_pads_prompts_on_the_left_whatever_the_tokenizer_says():
+    """A tokenizer that pads on the right (tiny_qwen2's own, before load_model sets it) still gets left-padded
+    prompts: decoding and the log-probs read each prompt's last column as its last token."""
+    model, tokenizer = tiny_qwen2()
+    assert tokenizer.padding_side == "right"
+    rollouts = []
+    for side in ("right", "left"):
+        tokenizer.padding_side = side
+        torch.manual_seed(0)
+        rollouts.append(sample(model, tokenizer, QUESTIONS[:2], 2, 4))
+    right, left = rollouts
+    prompt_len = right.input_ids.shape[1] - right.completion_len
+    assert right.attention_mask[:, prompt_len - 1].all() and not right.attention_mask[:, 0].all()
+    assert torch.equal(right.input_ids, left.input_ids)
