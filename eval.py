@@ -20,7 +20,7 @@ import torch
 from tqdm import tqdm
 
 from data.tasks import Problem, load_eval_problems
-from model import inference_model, load_model, pick_device, sample
+from model import load_model, pick_device, sample, working_copy
 from verifier import extract_answer, load_reward, verify
 
 
@@ -101,12 +101,11 @@ def main(argv: list[str] | None = None) -> dict:
         results = {}
         for name in args.model:
             model, tokenizer = load_model(name, pick_device())
-            net, context = inference_model(model, args.precision)
+            net = working_copy(model, args.precision)  # the network train.py samples from
             torch.manual_seed(args.seed)
-            with context:
-                results[name] = evaluate(net, tokenizer, problems, max_new_tokens=args.max_new_tokens,
-                                         samples=args.samples, temperature=temperature, batch_size=args.batch_size,
-                                         progress=True, reward_fn=reward_fn)
+            results[name] = evaluate(net, tokenizer, problems, max_new_tokens=args.max_new_tokens,
+                                     samples=args.samples, temperature=temperature, batch_size=args.batch_size,
+                                     progress=True, reward_fn=reward_fn)
     except (FileNotFoundError, ValueError, ImportError) as e:
         sys.exit(f"error: {e}")
 

@@ -43,7 +43,7 @@ from advantage import advantage_collapse_rate
 from common import read_jsonl
 from data.tasks import LEVELS, load_problems
 from eval import evaluate, score_groups
-from model import inference_model, load_model, sample
+from model import load_model, sample, working_copy
 from plots import plot_accuracy_vs_compute, plot_compare_curves, plot_difficulty, plot_early_acr_scatter
 from verifier import verify
 
@@ -57,7 +57,7 @@ BASELINE = "grpo"
 def acr_by_difficulty(model_name: str, prompts: int, group_size: int, max_new_tokens: int, batch: int = 8) -> dict:
     """Sample G completions for `prompts` training problems of each level with the untrained model (T=1)."""
     model, tokenizer = load_model(model_name)
-    net, context = inference_model(model)  # bf16 where the CPU has it, as train.py samples
+    net = working_copy(model)  # bf16 where the CPU has it, as train.py samples
     torch.manual_seed(0)
     result, pooled = {}, []
     for level in LEVELS:
@@ -65,8 +65,7 @@ def acr_by_difficulty(model_name: str, prompts: int, group_size: int, max_new_to
         rewards = []
         for i in tqdm(range(0, len(problems), batch), desc=level):
             chunk = problems[i : i + batch]
-            with context:
-                rollout = sample(net, tokenizer, [p.question for p in chunk], group_size, max_new_tokens)
+            rollout = sample(net, tokenizer, [p.question for p in chunk], group_size, max_new_tokens)
             rewards.append(torch.tensor(score_groups(rollout.texts, [p.answer for p in chunk], verify)))
         pooled.append(torch.cat(rewards))  # [prompts, G]
     for level, r in zip([*LEVELS, "mix"], [*pooled, torch.cat(pooled)]):  # mix: the batch ACR of arith-mix
@@ -130,9 +129,8 @@ def final_records(run: Path, problems: list, max_new_tokens: int) -> list[dict]:
     cache = run / "final_eval.jsonl"
     if [r["question"] for r in read_jsonl(cache)] != [p.question for p in problems]:  # absent, or other problems
         model, tokenizer = load_model(str(run / "checkpoint"))
-        net, context = inference_model(model)  # the precision train.py evaluates in: the same greedy answers
-        with context:
-            result = evaluate(net, tokenizer, problems, max_new_tokens=max_new_tokens)
+        net = working_copy(model)  # the network train.py evaluates: the same greedy answers
+        result = evaluate(net, tokenizer, problems, max_new_tokens=max_new_tokens)
         keep = ("question", "level", "gold", "extracted", "correct")
         cache.write_text("".join(json.dumps({k: r[k] for k in keep}) + "\n" for r in result["records"]))
     return read_jsonl(cache)

@@ -43,8 +43,8 @@ from common import (all_sum, append_jsonl, arg, at_least, close_processes, ctrl_
                     write_jsonl)
 from data.tasks import Problem, load_eval_problems, load_problems
 from eval import evaluate, score_groups
-from model import (Rollout, completion_logprobs, inference_model, load_model, replace_groups, sample, sampling_copy,
-                   trim_padding)
+from model import (Rollout, accumulate_gradients, completion_logprobs, copy_weights, load_model, replace_groups, sample,
+                   trim_padding, working_copy)
 from verifier import load_reward
 
 ALGOS = ("grpo", "avspo", "aapo", "dapo")
@@ -122,12 +122,11 @@ def step_problems(problems: list[Problem], args: Args, step: int, round: int = 0
     return random.Random(seed).sample(problems, min(args.prompts_per_step, len(problems)))
 
 
-def generate_and_score(net, problems: list[Problem], tokenizer, args: Args, reward_fn, autocast, timer: dict):
+def generate_and_score(net, problems: list[Problem], tokenizer, args: Args, reward_fn, timer: dict):
     """G completions for each of this process's b prompts, and their rewards [b, G]."""
     start = time.perf_counter()
-    with autocast:
-        rollout = sample(net, tokenizer, [p.question for p in problems], args.group_size, args.max_new_tokens,
-                         args.temperature, args.top_p)
+    rollout = sample(net, tokenizer, [p.question for p in problems], args.group_size, args.max_new_tokens,
+                     args.temperature, args.top_p)
     timer["generate"] += time.perf_counter() - start
     timer["gen_tokens"] += rollout.completion_mask.sum().item()
     start = time.perf_counter()
@@ -216,8 +215,10 @@ def scheduled_lr(args: Args, step: int) -> float:
     return args.lr * min(1.0, (1 - (step - 1) / args.steps) / args.lr_decay)
 
 
-def update_policy(model, optimizer, rollout: Rollout, b_advantages, ref_model, args: Args, autocast) -> dict:
+def update_policy(model, net, optimizer, rollout: Rollout, b_advantages, ref_model, args: Args) -> dict:
     """`updates_per_batch` optimizer steps on this process's rows, in micro-batches; returns what to log.
+    Forward and backward run on `net`, the working copy that samples (`model.working_copy`: `model` itself in fp32,
+    its bf16 copy in bf16); the optimizer steps `model`'s float32 weights, then `net` takes them.
     Rows with advantage 0 (a collapsed GRPO group) add nothing to the gradient when beta = 0: their forward
     and backward are skipped. A non-finite gradient skips the step, leaving weights and optimizer unchanged.
     A micro-batch holds one prompt's rows where it can: it runs as one packed token stream (`model.pack_rows`) in
@@ -231,32 +232,33 @@ def update_policy(model, optimizer, rollout: Rollout, b_advantages, ref_model, a
              for idx in rows.split(args.micro_batch) if len(idx)]
     loss_args = dict(clip_low=args.epsilon, clip_high=args.epsilon_high, beta=args.beta, num_tokens=num_tokens)
 
-    def logprobs(net, ids, attn, mask):
-        with autocast:
-            return completion_logprobs(net, ids, attn, mask.shape[1], args.temperature)
+    def logprobs(network, ids, attn, mask):
+        return completion_logprobs(network, ids, attn, mask.shape[1], args.temperature)
 
     with torch.no_grad():  # log-probs that stay fixed during the updates: old policy (PPO epochs) and reference
-        old_logp = [logprobs(model, *m[1:]) if args.updates_per_batch > 1 else None for m in micro]
+        old_logp = [logprobs(net, *m[1:]) if args.updates_per_batch > 1 else None for m in micro]
         ref_logp = [logprobs(ref_model, *m[1:]) if args.beta > 0 else None for m in micro]
-    model.train()
+    net.train()
     skipped = 0
     for _ in range(args.updates_per_batch):
         loss_sum, kl_sum = 0.0, 0.0
         for (idx, ids, attn, mask), old, ref in zip(micro, old_logp, ref_logp):
-            logp = logprobs(model, ids, attn, mask)  # [n, C] with grad
+            logp = logprobs(net, ids, attn, mask)  # [n, C] with grad
             loss, kl = policy_loss(logp, logp.detach() if old is None else old, ref, b_advantages[idx], mask,
                                    **loss_args)
             loss.backward()
+            accumulate_gradients(net, into=model)  # bf16: into the float32 gradients, micro-batch by micro-batch
             loss_sum += loss.item()
             kl_sum += 0.0 if kl is None else kl.item()
         sum_gradients(model)  # over processes; each one's loss is already divided by the global token count
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm).item()
         if math.isfinite(grad_norm):
             optimizer.step()
+            copy_weights(model, into=net)  # bf16: the working copy follows the step (nothing to do in fp32)
         else:
             skipped += 1
         optimizer.zero_grad(set_to_none=True)
-    model.eval()
+    net.eval()
     loss_sum, kl_sum, rows_trained, train_tokens = all_sum(
         [loss_sum, kl_sum, len(rows), sum(ids.numel() for _, ids, _, _ in micro)], device)
     return {"loss": loss_sum, "kl": kl_sum if args.beta > 0 else None, "grad_norm": grad_norm, "skipped": skipped,
@@ -275,13 +277,13 @@ def train(args: Args, run_dir: Path, stop_requested: Sequence = ()) -> dict | No
     if args.resume and not checkpoint and is_main:
         print(f"[{args.algo}] --resume: no checkpoint in {run_dir}, starting from scratch")
     model, tokenizer = load_model(str(checkpoint / "model") if checkpoint else args.model, device)
-    # auto: bf16 on CUDA and on CPUs with native bf16; then a bf16 copy to sample from, refreshed after each update
-    sampler, autocast = inference_model(model, args.precision)
-    ref_model = None  # the frozen initial policy, for AAPO's r_ref and the KL; in bf16, so autocast need not re-cast it
+    # auto: bf16 on CUDA and on CPUs with native bf16, then a bf16 copy samples and trains (float32 master weights)
+    net = working_copy(model, args.precision)
+    ref_model = None  # the frozen initial policy, for AAPO's r_ref and the KL, in the working copy's dtype
     if args.algo == "aapo" or args.beta > 0:
-        ref_model = load_model(args.model, device)[0].requires_grad_(False).to(sampler.dtype)
+        ref_model = load_model(args.model, device)[0].requires_grad_(False).to(net.dtype)
     if args.grad_checkpointing:
-        model.activation_checkpointing_enable()
+        net.activation_checkpointing_enable()
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0, fused=True)  # 3x faster on CPU
     reward_fn = load_reward(args.reward)
     state = algo_state(args)
@@ -291,8 +293,7 @@ def train(args: Args, run_dir: Path, stop_requested: Sequence = ()) -> dict | No
                      else load_problems(args.dataset, "test", args.seed))[: args.eval_size]
 
     def run_eval(step: int) -> float:
-        with autocast:
-            result = evaluate(sampler, tokenizer, eval_problems, max_new_tokens=args.max_new_tokens, reward_fn=reward_fn)
+        result = evaluate(net, tokenizer, eval_problems, max_new_tokens=args.max_new_tokens, reward_fn=reward_fn)
         append_jsonl(run_dir / "evals.jsonl", {"step": step, "eval_accuracy": result["accuracy"],
                                                "eval_accuracy_by_level": result["accuracy_by_level"]})
         write_jsonl(run_dir / "eval_records.jsonl", result["records"])  # the latest evaluation, problem by problem
@@ -313,9 +314,9 @@ def train(args: Args, run_dir: Path, stop_requested: Sequence = ()) -> dict | No
         draw_problems = partial(step_problems, train_problems, args, step)  # round -> the B prompts to sample
         timer = {"generate": 0.0, "score": 0.0, "gen_tokens": 0}
         rollout_and_score = partial(generate_and_score, tokenizer=tokenizer, args=args, reward_fn=reward_fn,
-                                    autocast=autocast, timer=timer)
+                                    timer=timer)
         # ---- sample G completions for each prompt and score them: rewards [B, G] of the whole batch
-        rollout, rewards, resampled = sample_batch(args, partial(rollout_and_score, sampler), draw_problems, mine,
+        rollout, rewards, resampled = sample_batch(args, partial(rollout_and_score, net), draw_problems, mine,
                                                    tokenizer.pad_token_id)
         # ---- advantages [B, G]: ALGO LOGIC (AAPO samples the reference model here)
         sample_reference = partial(rollout_and_score, ref_model, draw_problems(0)[mine])
@@ -325,9 +326,7 @@ def train(args: Args, run_dir: Path, stop_requested: Sequence = ()) -> dict | No
         for group in optimizer.param_groups:
             group["lr"] = lr
         start = time.perf_counter()
-        stats = update_policy(model, optimizer, rollout, advantages[mine].flatten().to(device), ref_model, args,
-                              autocast)
-        sampling_copy(model, into=sampler)  # the bf16 sampler follows the update (nothing to do in fp32)
+        stats = update_policy(model, net, optimizer, rollout, advantages[mine].flatten().to(device), ref_model, args)
         release_freed_memory()  # the update's activations, before the evaluation and the next rollout
         timer["train"] = time.perf_counter() - start
         # ---- log, save, evaluate

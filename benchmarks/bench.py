@@ -1,7 +1,7 @@
 """Speed and memory of one training step: ours vs TRL's GRPOTrainer, GRPO vs AVSPO vs AAPO, and the verifier.
 
     python benchmarks/bench.py           # reference config: SmolLM2-135M, fp32, B=2 prompts x G=8, 64 new tokens
-    python benchmarks/bench.py --precision both  # also bf16 autocast
+    python benchmarks/bench.py --precision both  # also bf16 (TRL: bf16 autocast)
     python benchmarks/bench.py --quick   # tiny random Qwen2, 2 steps, 200 verifier cases per check: seconds
     python benchmarks/bench.py --rounds 3  # every config 3 times, interleaved: ratios robust to the machine's drift
 
@@ -466,7 +466,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=4, help="timed steps per config (median reported)")
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps before them")
     parser.add_argument("--precision", choices=("fp32", "bf16", "both"), default="fp32",
-                        help="bf16 is autocast (train.py --precision bf16); AVSPO/AAPO use the first")
+                        help="bf16: train.py --precision bf16 (TRL: bf16=True); AVSPO/AAPO use the first")
     parser.add_argument("--micro-batch", type=int, default=train.Args.micro_batch,
                         help="completions per forward/backward, ours and TRL's")
     parser.add_argument("--rounds", type=int, default=1, help="run every config this many times, interleaved; "

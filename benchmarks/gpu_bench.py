@@ -4,7 +4,7 @@
     python benchmarks/gpu_bench.py --tiny --out /tmp/gpu_bench.json  # CPU smoke test of the same code, seconds
 
 Models are Qwen2ForCausalLM with the real Qwen2.5-0.5B / 1.5B dimensions and random weights (no download),
-fp32 weights with bf16 autocast as train.py uses on CUDA, with and without gradient checkpointing. Each
+bf16 working weights with float32 master weights as train.py uses on CUDA, with and without gradient checkpointing. Each
 step is train.py's: model.sample, train.score, train.compute_advantages, train.update_policy. Caveats:
   - The byte tokenizer of model.byte_tokenizer() writes the prompts (ids < 259), the vocabulary is
     Qwen's 151,936, so the embedding and LM head cost what they cost in the real models.
@@ -35,7 +35,7 @@ sys.path.insert(0, str(ROOT))
 
 import train  # noqa: E402
 from data.tasks import load_problems  # noqa: E402
-from model import byte_tokenizer, sample  # noqa: E402
+from model import byte_tokenizer, sample, working_copy  # noqa: E402
 from eval import score_groups  # noqa: E402
 from verifier import verify  # noqa: E402
 
@@ -92,22 +92,21 @@ def mixed_rewards(prompts: int, group_size: int) -> torch.Tensor:
     return (torch.arange(group_size) % 2).float().repeat(prompts, 1)
 
 
-def run_step(model, tokenizer, optimizer, args: train.Args, problems, step: int, autocast) -> dict:
+def run_step(model, net, tokenizer, optimizer, args: train.Args, problems, step: int) -> dict:
     """One train.py step (sample, verify, advantages, update) with each phase timed and its tokens counted."""
     device = model.device
     batch = train.step_problems(problems, args, step)
     sync(device)
     t0 = time.perf_counter()
-    with autocast:
-        rollout = sample(model, tokenizer, [p.question for p in batch], args.group_size, args.max_new_tokens,
-                         args.temperature, args.top_p)
+    rollout = sample(net, tokenizer, [p.question for p in batch], args.group_size, args.max_new_tokens,
+                     args.temperature, args.top_p)
     sync(device)
     t1 = time.perf_counter()
     score_groups(rollout.texts, [p.answer for p in batch], verify)  # timed as in train.py; the rewards are replaced below
     t2 = time.perf_counter()
     rewards = mixed_rewards(len(batch), args.group_size)
     advantages, _ = train.compute_advantages(args, rewards, train.algo_state(args), sample_reference=None)
-    stats = train.update_policy(model, optimizer, rollout, advantages.flatten().to(device), None, args, autocast)
+    stats = train.update_policy(model, net, optimizer, rollout, advantages.flatten().to(device), None, args)
     sync(device)
     t3 = time.perf_counter()
     rows, total_len = rollout.input_ids.shape
@@ -134,18 +133,18 @@ def bench_config(size: str, checkpointing: bool, device: torch.device, opts, pro
     tokenizer = byte_tokenizer()
     tokenizer.padding_side = "left"  # as model.load_model sets it: generation appends on the right
     model = build_model(size, device, tokenizer)
+    net = working_copy(model, "bf16")
     if checkpointing:
-        model.activation_checkpointing_enable()
+        net.activation_checkpointing_enable()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, weight_decay=0.0, fused=True)
     args = train.Args(algo="grpo", prompts_per_step=opts.prompts, group_size=opts.group_size,
                       max_new_tokens=opts.max_new_tokens, micro_batch=opts.micro_batch, lr=1e-5, beta=0.0,
                       grad_checkpointing=checkpointing, precision="bf16")
-    autocast = torch.autocast(device.type, dtype=torch.bfloat16)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     steps = []
     for step in range(1, opts.warmup + opts.steps + 1):
-        s = run_step(model, tokenizer, optimizer, args, problems, step, autocast)
+        s = run_step(model, net, tokenizer, optimizer, args, problems, step)
         print(f"  {size} ckpt={checkpointing} step {step}: generate {s['generate_s']:.2f}s "
               f"train {s['train_s']:.2f}s", flush=True)
         if step > opts.warmup:
@@ -238,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
             report["total_s"] = time.perf_counter() - start
             opts.out.write_text(json.dumps(report, indent=2))
     w = report["workload"]
-    print(f"\n## {name}, bf16 autocast, B={w['prompts']} x G={w['group_size']}, {w['max_new_tokens']} new tokens, "
+    print(f"\n## {name}, bf16 + fp32 master weights, B={w['prompts']} x G={w['group_size']}, {w['max_new_tokens']} new tokens, "
           f"micro-batch {w['micro_batch']}, median of {w['steps']} steps after {w['warmup']} warm-up; "
           f"matmul peak {peak:.0f} TFLOP/s\n")
     print(markdown(report["results"]))

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import model as model_module  # noqa: E402
-from model import cpu_features, load_model, sample, sampling_copy  # noqa: E402
+from model import cpu_features, load_model, sample, working_copy  # noqa: E402
 
 QUESTIONS = ["What is 37 * 8?", "Compute 12 * 9."]
 
@@ -39,7 +39,7 @@ def main() -> None:
              "decode fp32 F.linear": (model, False, nullcontext(), plain),
              "decode fp32 packed": (model, False, nullcontext(), packed)}
     if bf16:
-        copy = sampling_copy(model)
+        copy = working_copy(model, "bf16")
         paths |= {"generate bf16 autocast": (model, True, autocast, packed),
                   "decode bf16 copy F.linear": (copy, False, nullcontext(), plain),
                   "decode bf16 copy packed": (copy, False, nullcontext(), packed)}

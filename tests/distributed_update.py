@@ -9,7 +9,6 @@ for two advantage vectors. tests/test_train.py checks that N processes and one g
 """
 
 import sys
-from contextlib import nullcontext
 from pathlib import Path
 
 import torch
@@ -44,7 +43,7 @@ def main(out: str) -> None:
         before = [p.detach().clone() for p in model.parameters()]
         sgd = torch.optim.SGD(model.parameters(), lr=1.0)
         args = train.Args(micro_batch=3, max_grad_norm=1e9)
-        stats = train.update_policy(model, sgd, rows_of(rollout, mine), advantages[mine], None, args, nullcontext())
+        stats = train.update_policy(model, model, sgd, rows_of(rollout, mine), advantages[mine], None, args)
         results[case] = {"delta": [b - p.detach() for b, p in zip(before, model.parameters())], "stats": stats}
     if rank == 0:
         torch.save(results, out)

@@ -7,8 +7,9 @@ import torch
 import model as model_module
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
-from model import (DecodeCache, TokenLogProbs, byte_tokenizer, completion_logprobs, decode, decode_step, decode_weights, hf_generate,
-                   load_model, next_tokens, packed_linear, resolve_precision, sample, sampling_copy, tiny_qwen2)
+from model import (DecodeCache, TokenLogProbs, accumulate_gradients, byte_tokenizer, completion_logprobs, copy_weights,
+                   decode, decode_step, decode_weights, hf_generate, load_model, next_tokens, packed_linear,
+                   resolve_precision, sample, tiny_qwen2, working_copy)
 
 QUESTIONS = ["2+3?", "What is 17 * 4?", "hi", "a"]  # different lengths: left padding is exercised
 
@@ -132,8 +133,7 @@ def test_packed_linear_computes_what_f_linear_computes(dtype, rows):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_packed_linear_under_autocast_computes_what_f_linear_computes(dtype):
-    """Under bf16 autocast: a float32 model (gpu_bench's CPU smoke test samples one) and train.py's bf16 sampling
-    copy, both given bf16 inputs."""
+    """Under bf16 autocast, which a user may sample in: a float32 model and a bf16 one, both given bf16 inputs."""
     torch.manual_seed(0)
     weight, x = torch.randn(96, 64).to(dtype), torch.randn(3, 64).bfloat16()
     with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -231,25 +231,48 @@ def test_hf_generate_reference_path_still_runs(tiny):
     assert ids.shape[0] == 3 and ids.shape[1] <= 5
 
 
-def test_sampling_copy_is_bf16_tracks_updates_and_matches_autocast_logprobs(tiny):
+def test_working_copy_is_bf16_follows_steps_and_matches_autocast_logprobs(tiny):
     model, tokenizer = tiny
     model = model_module.copy.deepcopy(model)
-    copy = sampling_copy(model)
-    assert all(p.dtype == torch.bfloat16 and not p.requires_grad for p in copy.parameters())
+    assert working_copy(model, "fp32") is model
+    copy = working_copy(model, "bf16")
+    assert all(p.dtype == torch.bfloat16 and p.requires_grad for p in copy.parameters())  # it trains
+    assert copy.lm_head.weight is copy.model.embed_tokens.weight  # tied as in the model
     with torch.no_grad():
         for p in model.parameters():
             p.add_(0.01)  # an optimizer step
     assert not torch.equal(copy.lm_head.weight, model.lm_head.weight.bfloat16())
-    assert sampling_copy(model, into=copy) is copy
+    copy_weights(model, into=copy)
     for p, q in zip(copy.parameters(), model.parameters()):
         assert torch.equal(p, q.bfloat16())
     torch.manual_seed(0)
     rollout = sample(model, tokenizer, QUESTIONS, 2, 8)
     args = (rollout.input_ids, rollout.attention_mask, rollout.completion_len)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        autocast_logp = completion_logprobs(model, *args)
-    copy_logp = completion_logprobs(copy, *args)
+    with torch.no_grad():
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            autocast_logp = completion_logprobs(model, *args)
+        copy_logp = completion_logprobs(copy, *args)
     assert (copy_logp - autocast_logp).abs().max() < 0.05  # bf16 rounding of activations, not a different model
+
+
+def test_accumulate_gradients_sums_micro_batches_in_float32_and_frees_the_copys(tiny):
+    model, tokenizer = tiny
+    model = model_module.copy.deepcopy(model)
+    copy = working_copy(model, "bf16")
+    torch.manual_seed(0)
+    rollout = sample(copy, tokenizer, QUESTIONS, 2, 8)
+    grads = []
+    for rows in (slice(0, 3), slice(3, None)):  # two micro-batches
+        logp = completion_logprobs(copy, rollout.input_ids[rows], rollout.attention_mask[rows], rollout.completion_len)
+        (logp * rollout.completion_mask[rows]).sum().backward()
+        grads.append([p.grad.clone() for p in copy.parameters()])
+        accumulate_gradients(copy, into=model)
+        assert all(p.grad is None for p in copy.parameters())
+    for p, first, second in zip(model.parameters(), *grads):
+        assert p.grad.dtype == torch.float32
+        assert torch.equal(p.grad, first.float() + second.float())  # not rounded to bf16 in between
+    accumulate_gradients(model, into=model)  # fp32: the model is its own working copy; nothing moves
+    assert all(p.grad is not None for p in model.parameters())
 
 
 @pytest.mark.parametrize("flags,expected", [({"avx2"}, "fp32"), ({"avx2", "avx512f"}, "fp32"),
@@ -326,17 +349,20 @@ def test_packed_logprobs_with_gradient_checkpointing_equal_the_plain_pass(tiny, 
             torch.testing.assert_close(b, a, atol=1e-6, rtol=1e-5)
 
 
-def test_packed_logprobs_under_bf16_autocast_are_as_close_to_fp32_as_the_plain_pass(tiny):
-    """bf16 rounds differently along the two paths; each stays as close to the float32 log-probs as the other."""
+@pytest.mark.parametrize("bf16", ["working copy", "autocast"])
+def test_packed_logprobs_in_bf16_are_as_close_to_fp32_as_the_plain_pass(tiny, bf16):
+    """bf16 rounds differently along the two paths; each stays as close to the float32 log-probs as the other. On
+    train.py's bf16 working copy, and under autocast (a user's float32 model)."""
     model, tokenizer = tiny
     torch.manual_seed(4)
     rollout = sample(model, tokenizer, QUESTIONS[:2], 4, 10)
     args = (rollout.input_ids, rollout.attention_mask, rollout.completion_len)
     mask = rollout.completion_mask.bool()
+    net = working_copy(model, "bf16") if bf16 == "working copy" else model
     with torch.no_grad():
         exact = completion_logprobs(model, *args, packed=False)[mask]
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            errors = [(completion_logprobs(model, *args, packed=packed)[mask] - exact).abs().max() for packed in
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16 == "autocast"):
+            errors = [(completion_logprobs(net, *args, packed=packed)[mask] - exact).abs().max() for packed in
                       (False, True)]
     assert 0 < errors[1] < 2 * errors[0] + 1e-3, errors
 

@@ -15,7 +15,7 @@ import torch
 import train
 from advantage import avspo_advantages
 from data.tasks import Problem
-from model import completion_logprobs, completion_mask_from_eos, load_model, sample
+from model import completion_logprobs, completion_mask_from_eos, load_model, sample, working_copy
 
 TINY = ["--model", "tiny-qwen2", "--max-new-tokens", "8", "--group-size", "4", "--eval-size", "4"]
 ROOT = Path(__file__).resolve().parent.parent
@@ -40,7 +40,7 @@ def run_update(tiny, rollout, advantages, fused=True, **overrides):
     args = train.Args(**{"micro_batch": 3, **overrides})  # 3 does not divide 8 rows: uneven micro-batches
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.0, fused=fused)  # fused: as train.py
     before = [p.detach().clone() for p in model.parameters()]
-    stats = train.update_policy(model, optimizer, rollout, advantages, None, args, torch.autocast("cpu", enabled=False))
+    stats = train.update_policy(model, model, optimizer, rollout, advantages, None, args)
     return stats, before, [p.detach() for p in model.parameters()]
 
 
@@ -107,11 +107,30 @@ def test_skipping_zero_advantage_rows_keeps_the_gradient(tiny, rollout):
     expected = torch.autograd.grad(loss, list(model.parameters()))  # every row, no skipping, no trimming
     before = [p.detach().clone() for p in model.parameters()]
     sgd = torch.optim.SGD(model.parameters(), lr=1.0)  # weight change = -gradient
-    stats = train.update_policy(model, sgd, rollout, advantages, None, train.Args(micro_batch=3, max_grad_norm=1e9),
-                                torch.autocast("cpu", enabled=False))
+    stats = train.update_policy(model, model, sgd, rollout, advantages, None, train.Args(micro_batch=3, max_grad_norm=1e9))
     assert stats["rows_trained"] == 4
     for b, a, g in zip(before, model.parameters(), expected):
         torch.testing.assert_close(b - a.detach(), g, atol=1e-6, rtol=1e-4)
+
+
+def test_bf16_update_steps_the_float32_weights_and_the_working_copy_follows(rollout):
+    """--precision bf16: forward and backward on the bf16 copy, the step on the float32 weights, which move as the
+    float32 update moves them up to bf16 rounding; then the copy holds them, rounded."""
+    advantages = torch.tensor([1.0, -1.0, 0.5, -0.5, 1.5, -0.5, -0.5, -0.5])
+    deltas = {}
+    for precision in ("fp32", "bf16"):
+        model, _ = load_model("tiny-qwen2", torch.device("cpu"))
+        net = working_copy(model, precision)
+        before = [p.detach().clone() for p in model.parameters()]
+        sgd = torch.optim.SGD(model.parameters(), lr=1.0)  # weight change = -gradient
+        train.update_policy(model, net, sgd, rollout, advantages, None, train.Args(micro_batch=3, max_grad_norm=1e9))
+        deltas[precision] = torch.cat([(b - a.detach()).flatten() for b, a in zip(before, model.parameters())])
+        assert all(p.dtype == torch.float32 for p in model.parameters())
+        assert all(p.grad is None for p in net.parameters())
+        for p, q in zip(net.parameters(), model.parameters()):
+            assert torch.equal(p, q.to(p.dtype))
+    exact, bf16 = deltas["fp32"], deltas["bf16"]
+    assert (bf16 - exact).norm() < 0.05 * exact.norm()  # all three micro-batches, not the last one alone
 
 
 def rollout_cut_at(prompt_ids: torch.Tensor, lengths: list[int], width: int = 5) -> train.Rollout:
@@ -209,9 +228,9 @@ def test_resume_reproduces_the_next_step(tmp_path, algo):
 def test_the_optimizer_steps_with_the_scheduled_lr(tmp_path, monkeypatch, decay, expected):
     real_update, seen = train.update_policy, []
 
-    def update(model, optimizer, *args, **kwargs):
+    def update(model, net, optimizer, *args, **kwargs):
         seen.append(optimizer.param_groups[0]["lr"])
-        return real_update(model, optimizer, *args, **kwargs)
+        return real_update(model, net, optimizer, *args, **kwargs)
 
     monkeypatch.setattr(train, "update_policy", update)
     train.main(TINY + ["--steps", "4", "--lr", "1e-3", "--lr-decay", decay, "--eval-every", "0",
