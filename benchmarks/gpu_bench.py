@@ -237,9 +237,9 @@ def main(argv: list[str] | None = None) -> int:
             report["total_s"] = time.perf_counter() - start
             opts.out.write_text(json.dumps(report, indent=2))
     w = report["workload"]
-    print(f"\n## {name}, bf16 + fp32 master weights, B={w['prompts']} x G={w['group_size']}, {w['max_new_tokens']} new tokens, "
-          f"micro-batch {w['micro_batch']}, median of {w['steps']} steps after {w['warmup']} warm-up; "
-          f"matmul peak {peak:.0f} TFLOP/s\n")
+    print(f"\n## {name}, bf16 + fp32 master weights, B={w['prompts']} x G={w['group_size']}, "
+          f"{w['max_new_tokens']} new tokens, micro-batch {w['micro_batch']}, median of {w['steps']} steps after "
+          f"{w['warmup']} warm-up; matmul peak {peak:.0f} TFLOP/s\n")
     print(markdown(report["results"]))
     for s in report["skipped"]:
         print(f"- skipped {s['config']}: {s['reason']}")

@@ -1,7 +1,9 @@
-"""The benchmark scripts on tiny settings: benchmarks/bench.py's table and sections, gpu_bench.py's CPU smoke mode."""
+"""The benchmark scripts on tiny settings: benchmarks/bench.py's table and sections, gpu_bench.py's CPU smoke mode,
+update_parts.py."""
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -102,3 +104,13 @@ def test_gpu_bench_tiny_runs_on_cpu(tmp_path):
         assert r["completion_len"] == 8 and r["rows_trained"] == 4  # runs to max_new_tokens, every row trains
         assert r["generate_s"] > 0 and r["train_s"] > 0 and 0 < r["mfu_step"] < 1
     assert report["skipped"] == [] and "| size | grad ckpt |" in proc.stdout
+
+
+def test_update_parts_prints_each_part_against_the_floor():
+    proc = subprocess.run([sys.executable, "benchmarks/update_parts.py", "--model", "tiny-qwen2", "--rows", "32"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    for precision in ("fp32", "bf16"):
+        block = proc.stdout.split(f"{precision}: kernel floor")[1]
+        ratios = [float(r) for r in re.findall(r"= (\d+\.\d+)x the floor", block)[:2]]
+        assert len(ratios) == 2 and all(r > 0 for r in ratios), proc.stdout
