@@ -650,7 +650,9 @@ def completion_logprobs(
     """
     if packed and writes_out_block(model.config):
         rows = pack_rows(input_ids, attention_mask, completion_len)
-        logits = model.lm_head(packed_states(model, rows)[rows.predictors])  # [M, V]
+        # index_select, not [rows.predictors]: the G rows of a group share their prompt's last token as predictor,
+        # and the backward of indexing with repeated indices adds into it in a thread-dependent order on CPU
+        logits = model.lm_head(packed_states(model, rows).index_select(0, rows.predictors))  # [M, V]
         picked = TokenLogProbs.apply(logits, rows.targets, temperature)[: rows.num_targets]  # row by row
         real = attention_mask[:, -completion_len:].bool()  # [N, C]: completion tokens up to and including EOS
         return picked.new_zeros(real.shape).masked_scatter(real, picked)

@@ -423,6 +423,26 @@ def test_completion_logprobs_packs_written_out_blocks_only(tiny, monkeypatch):
     torch.testing.assert_close(packed, plain, atol=1e-5, rtol=1e-5)
 
 
+def test_packed_gradients_are_the_same_every_time():
+    """Bitwise, over repeated backward passes: the G rows of a group share one predictor (their prompt's last
+    token), and gathering it with tensor indexing made CPU backward add the G gradients into it in a thread-dependent
+    order (fp32 runs of train.py parted after a few steps). One group, as in a micro-batch of train.py: its rows
+    then lie in both halves of the stream that two threads split; sizes large enough for the backward to thread."""
+    config = LlamaConfig(vocab_size=320, hidden_size=256, intermediate_size=512, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config)
+    prompts = torch.randint(0, 320, (1, 12)).repeat_interleave(8, dim=0)  # one prompt x G=8 rows
+    input_ids = torch.cat([prompts, torch.randint(0, 320, (8, 40))], dim=1)
+    attention_mask = torch.ones_like(input_ids)
+    grads = []
+    for _ in range(12):
+        model.zero_grad(set_to_none=True)
+        completion_logprobs(model, input_ids, attention_mask, 40).sum().backward()
+        grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
+    assert all(torch.equal(grads[0], g) for g in grads[1:])
+
+
 def test_packed_rows_tell_prompts_apart_by_mask_too(tiny):
     """Same ids but a different mask (pad == EOS can make this happen) are different prompts."""
     model, tokenizer = tiny
