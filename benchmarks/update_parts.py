@@ -14,23 +14,13 @@ alone are from the floor, part 2 what the rest of the step adds even if every ot
 
 import argparse
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchmarks.bench import best_seconds  # noqa: E402
 from model import copy_weights, load_model, working_copy  # noqa: E402
-
-
-def best_seconds(fn, reps: int = 5) -> float:
-    fn()  # warm-up
-    best = float("inf")
-    for _ in range(reps):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return best
 
 
 def main() -> None:
@@ -45,9 +35,9 @@ def main() -> None:
         weights = [torch.randn(o, i).to(dtype) for o, i in shapes]
         x = {i: torch.randn(args.rows, i).to(dtype) for _, i in shapes}
         dy = {o: torch.randn(args.rows, o).to(dtype) for o, _ in shapes}
-        forward = best_seconds(lambda: [torch.nn.functional.linear(x[w.shape[1]], w) for w in weights])
-        input_grad = best_seconds(lambda: [dy[w.shape[0]] @ w for w in weights])
-        weight_grad = best_seconds(lambda: [dy[w.shape[0]].t() @ x[w.shape[1]] for w in weights])
+        forward = best_seconds(lambda: [torch.nn.functional.linear(x[w.shape[1]], w) for w in weights], reps=5)
+        input_grad = best_seconds(lambda: [dy[w.shape[0]] @ w for w in weights], reps=5)
+        weight_grad = best_seconds(lambda: [dy[w.shape[0]].t() @ x[w.shape[1]] for w in weights], reps=5)
         floor = 3 * forward * args.micro_batches
         products = (forward + input_grad + weight_grad) * args.micro_batches
 
@@ -55,9 +45,9 @@ def main() -> None:
         for p in model.parameters():
             p.grad = torch.randn_like(p) * 1e-3
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-9, weight_decay=0.0, fused=True)
-        clip = best_seconds(lambda: torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0))
-        adamw = best_seconds(optimizer.step)
-        copy = best_seconds(lambda: copy_weights(model, into=net))
+        clip = best_seconds(lambda: torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0), reps=5)
+        adamw = best_seconds(optimizer.step, reps=5)
+        copy = best_seconds(lambda: copy_weights(model, into=net), reps=5)
         rest = clip + adamw + copy
         name = "bf16" if dtype == torch.bfloat16 else "fp32"
         print(f"{name}: kernel floor (3 x forward products, {args.micro_batches} x {args.rows} rows) {floor:.3f} s")
