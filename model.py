@@ -69,7 +69,7 @@ def working_copy(model: PreTrainedModel, precision: str = "auto") -> PreTrainedM
     bf16 mixed precision with float32 master weights, as Megatron-LM and DeepSpeed do it: forward and backward run
     on the bf16 copy, `accumulate_gradients` adds each micro-batch's gradients to the float32 ones the optimizer
     steps, and `copy_weights` rounds the new weights back into the copy. Autocast instead re-casts every float32
-    weight at every forward (decoding, which streams all weights once per token, got no faster than fp32) and casts
+    weight at every forward (decoding, which streams all weights once per token, ran slower than in fp32) and casts
     every weight gradient back per micro-batch; with the copy, forward and backward took 0.84x autocast's time and
     the whole bf16 update 0.90x (SmolLM2 rollouts, alternating in one process). Sampling and training use the same
     bf16 network, so the log-probs a gradient follows are the sampled policy's own.

@@ -255,7 +255,7 @@ def test_working_copy_is_bf16_follows_steps_and_matches_autocast_logprobs(tiny):
     assert (copy_logp - autocast_logp).abs().max() < 0.05  # bf16 rounding of activations, not a different model
 
 
-def test_accumulate_gradients_sums_micro_batches_in_float32_and_frees_the_copys(tiny):
+def test_accumulate_gradients_sums_micro_batches_in_float32_and_frees_the_bf16_ones(tiny):
     model, tokenizer = tiny
     model = model_module.copy.deepcopy(model)
     copy = working_copy(model, "bf16")

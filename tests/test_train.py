@@ -107,7 +107,8 @@ def test_skipping_zero_advantage_rows_keeps_the_gradient(tiny, rollout):
     expected = torch.autograd.grad(loss, list(model.parameters()))  # every row, no skipping, no trimming
     before = [p.detach().clone() for p in model.parameters()]
     sgd = torch.optim.SGD(model.parameters(), lr=1.0)  # weight change = -gradient
-    stats = train.update_policy(model, model, sgd, rollout, advantages, None, train.Args(micro_batch=3, max_grad_norm=1e9))
+    args = train.Args(micro_batch=3, max_grad_norm=1e9)
+    stats = train.update_policy(model, model, sgd, rollout, advantages, None, args)
     assert stats["rows_trained"] == 4
     for b, a, g in zip(before, model.parameters(), expected):
         torch.testing.assert_close(b - a.detach(), g, atol=1e-6, rtol=1e-4)
