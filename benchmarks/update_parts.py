@@ -3,9 +3,10 @@ SmolLM2-135M must run, with the same product shapes and the same kernels train.p
 
     python benchmarks/update_parts.py [--rows 464] [--model smollm2-135m]
 
-  1. the matrix products of forward and backward for `rows` tokens per micro-batch: the forward-shaped product
-     (what the kernel floor times, counted 3 times: 6 x params x tokens), the input gradient and the weight
-     gradient, each weight a distinct tensor (read from memory);
+  1. the matrix products of forward and backward for `rows` tokens per micro-batch (`F.linear`, as the update's
+     forward runs them), the input gradient and the weight gradient, each weight a distinct tensor (read from
+     memory), against bench.py's kernel floor for those rows (`bench.kernel_seconds`, counted 3 times: 6 x params
+     x tokens);
   2. the per-step work outside the products: gradient clipping, torch's fused AdamW step on float32 weights,
      and, in bf16, rounding the new weights into the working copy (`model.copy_weights`).
 Printed as seconds and as multiples of the kernel floor for two micro-batches: part 1 shows how far the products
@@ -19,7 +20,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchmarks.bench import best_seconds  # noqa: E402
+from benchmarks.bench import best_seconds, kernel_seconds, linear_shapes  # noqa: E402
 from model import copy_weights, load_model, working_copy  # noqa: E402
 
 
@@ -30,18 +31,19 @@ def main() -> None:
     parser.add_argument("--micro-batches", type=int, default=2)
     args = parser.parse_args()
     model = load_model(args.model, torch.device("cpu"))[0]
-    shapes = [tuple(m.weight.shape) for m in model.modules() if isinstance(m, torch.nn.Linear)]
-    for dtype in (torch.float32, torch.bfloat16):
+    body, head = linear_shapes(args.model)
+    shapes = body + (head,)
+    for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
         weights = [torch.randn(o, i).to(dtype) for o, i in shapes]
         x = {i: torch.randn(args.rows, i).to(dtype) for _, i in shapes}
         dy = {o: torch.randn(args.rows, o).to(dtype) for o, _ in shapes}
         forward = best_seconds(lambda: [torch.nn.functional.linear(x[w.shape[1]], w) for w in weights], reps=5)
         input_grad = best_seconds(lambda: [dy[w.shape[0]] @ w for w in weights], reps=5)
         weight_grad = best_seconds(lambda: [dy[w.shape[0]].t() @ x[w.shape[1]] for w in weights], reps=5)
-        floor = 3 * forward * args.micro_batches
+        floor = 3 * kernel_seconds(shapes, args.rows, dtype) * args.micro_batches
         products = (forward + input_grad + weight_grad) * args.micro_batches
 
-        net = working_copy(model, "bf16" if dtype == torch.bfloat16 else "fp32")
+        net = working_copy(model, name)
         for p in model.parameters():
             p.grad = torch.randn_like(p) * 1e-3
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-9, weight_decay=0.0, fused=True)
@@ -49,7 +51,6 @@ def main() -> None:
         adamw = best_seconds(optimizer.step, reps=5)
         copy = best_seconds(lambda: copy_weights(model, into=net), reps=5)
         rest = clip + adamw + copy
-        name = "bf16" if dtype == torch.bfloat16 else "fp32"
         print(f"{name}: kernel floor (3 x forward products, {args.micro_batches} x {args.rows} rows) {floor:.3f} s")
         print(f"  products of forward + input grad + weight grad {products:.3f} s = {products / floor:.2f}x the floor "
               f"(forward {forward * 1e3:.0f}, input grad {input_grad * 1e3:.0f}, weight grad {weight_grad * 1e3:.0f} ms"

@@ -112,5 +112,6 @@ def test_update_parts_prints_each_part_against_the_floor():
     assert proc.returncode == 0, proc.stderr[-2000:]
     for precision in ("fp32", "bf16"):
         block = proc.stdout.split(f"{precision}: kernel floor")[1]
-        ratios = [float(r) for r in re.findall(r"= (\d+\.\d+)x the floor", block)[:2]]
-        assert len(ratios) == 2 and all(r > 0 for r in ratios), proc.stdout
+        products, rest = (float(r) for r in re.findall(r"= (\d+\.\d+)x the floor", block)[:2])
+        total = float(re.search(r"nothing else: (\d+\.\d+)x", block).group(1))
+        assert products > 0 and rest > 0 and abs(total - (products + rest)) <= 0.011, proc.stdout  # parts add up
