@@ -115,3 +115,20 @@ def test_update_parts_prints_each_part_against_the_floor():
         products, rest = (float(r) for r in re.findall(r"= (\d+\.\d+)x the floor", block)[:2])
         total = float(re.search(r"nothing else: (\d+\.\d+)x", block).group(1))
         assert products > 0 and rest > 0 and abs(total - (products + rest)) <= 0.011, proc.stdout  # parts add up
+
+
+def test_compile_check_prints_eager_and_compiled_against_the_floor():
+    """The smoke run (dynamo's eager backend: no kernels built) times every path and checks compiled outputs."""
+    proc = subprocess.run([sys.executable, "benchmarks/compile_check.py", "--model", "tiny-qwen2", "--backend", "eager",
+                           "--reps", "1"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    decoding, update = proc.stdout.split("decoding step")[1].split("update:")
+    for block, paths in ((decoding, ["eager, packed weights (train.py)", "eager, F.linear", "compiled, F.linear"]),
+                         (update, ["eager (train.py)", "compiled"])):
+        floor = float(re.search(r"kernel floor (\d+\.\d+) ms", block).group(1))
+        rows = re.findall(r"^  (\S.*?) +(\d+\.\d+) ms = (\d+\.\d+)x the floor$", block, re.MULTILINE)
+        assert [name for name, _, _ in rows] == paths, proc.stdout
+        for _, ms, ratio in rows:  # each ratio is its time over the printed floor
+            assert float(ms) > 0 and abs(float(ratio) - float(ms) / floor) <= 0.01 * float(ratio) + 0.05 / floor
+        cold, warm = (float(s) for s in re.search(r"compile: (\d+\.\d+) s cold, (\d+\.\d+) s", block).groups())
+        assert cold > 0 and warm > 0
