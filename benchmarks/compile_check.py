@@ -22,16 +22,16 @@ import statistics
 import sys
 import tempfile
 import time
-
-COLD_CACHE = tempfile.TemporaryDirectory(prefix="compile_check_")  # removed at exit
-os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", COLD_CACHE.name)  # read when torch is imported: set before it
 from pathlib import Path
 from typing import Callable
 from unittest import mock
 
-import torch
-import torch.nn.functional as F
-from transformers import DynamicCache
+COLD_CACHE = tempfile.TemporaryDirectory(prefix="compile_check_")  # removed at exit
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", COLD_CACHE.name)  # read when torch is imported: set before it
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from transformers import DynamicCache  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import model as model_module  # noqa: E402
