@@ -63,6 +63,22 @@ def test_step_floors_count_passes_live_rows_and_real_tokens():
     assert floors["update_kernel"] == 6 * (8 * 9 / 2.0 + 6 * 4 / 3.0)
 
 
+@pytest.mark.parametrize("plain_s, packed_s", [(1.0, 0.5), (0.5, 1.0)])
+def test_machine_peak_is_the_faster_of_the_two_gemm_kernels(monkeypatch, plain_s, packed_s):
+    """The physical floor's peak must not be slower than a kernel the kernel floor may use (the packed one)."""
+    timed = []
+
+    def fake_best_seconds(fn, reps=3):
+        timed.append(fn)
+        return [plain_s, packed_s, 2.0][len(timed) - 1]  # a @ b, the packed product, the 512 MiB sum
+
+    monkeypatch.setattr(bench, "best_seconds", fake_best_seconds)
+    rates = bench.machine_rates([torch.float32])
+    assert rates[torch.float32] == 2 * 2048**3 / 0.5
+    assert rates["read_bytes_s"] == 2**27 * 4 / 2.0
+    torch.testing.assert_close(timed[1](), timed[0](), rtol=1e-4, atol=1e-3)  # the packed product is a @ b too
+
+
 def test_phase_floors_skip_a_step_with_nothing_to_train():
     """Two timed steps: the update floor comes from the one with a mixed group, generation's from both."""
     shapes = [bench.batch_shape([3, 1, 2, 2], [5, 7], [1.0, 0.0, 1.0, 1.0], 2),
