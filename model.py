@@ -354,8 +354,11 @@ def decode_step(model: PreTrainedModel, weights: tuple, tokens: torch.Tensor, po
         keys, values = cache.keys[layer.self_attn.layer_idx], cache.values[layer.self_attn.layer_idx]
         keys[:, :, column] = k
         values[:, :, column] = v.view(n, kv_heads, head_dim)
-        out = F.scaled_dot_product_attention(q[:, :, None], keys[:, :, : column + 1], values[:, :, : column + 1],
-                                             attn_mask=attend, scale=layer.self_attn.scaling, enable_gqa=True)
+        # GQA: the heads / kv_heads query heads that share a kv head attend as that many query positions of it (one
+        # new token: same keys, same mask); SDPA's enable_gqa path took ~1 ms a call in bf16 on an AMD EPYC, this ~0.2
+        q = q.reshape(n, kv_heads, heads // kv_heads, head_dim)
+        out = F.scaled_dot_product_attention(q, keys[:, :, : column + 1], values[:, :, : column + 1], attn_mask=attend,
+                                             scale=layer.self_attn.scaling)  # [n, kv_heads, heads / kv_heads, D]
         h = h + o_proj(out.reshape(n, heads * head_dim))
         gate, up = gate_up_proj(rms_norm(h, layer.post_attention_layernorm)).chunk(2, dim=-1)
         h = h + down_proj(F.silu(gate) * up)
