@@ -5,7 +5,6 @@ dataclasses, and is rebuilt with the same classes on resume.
 """
 
 import argparse
-import ctypes
 import dataclasses
 import json
 import os
@@ -55,17 +54,6 @@ def dataclass_parser(config_class, description: str) -> argparse.ArgumentParser:
         else:
             parser.add_argument(flag, **{"type": f.type, "default": f.default, **options}, help=f"{help} (default: {f.default})")
     return parser
-
-
-def release_freed_memory() -> None:
-    """Hand the memory of freed tensors back to the OS (glibc's malloc_trim; a no-op with other C libraries).
-    glibc keeps what an update frees (its activations) for reuse, so the evaluation and the next rollout that
-    follow it added their own peak on top: with this after each update, the default run's peak RSS went from
-    5.11 to 4.45 GB in the same wall time (2 min 26 s)."""
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):  # no glibc (macOS, musl)
-        pass
 
 
 # ------------------------------------------------------------------------------ processes (torchrun)

@@ -38,9 +38,8 @@ from tqdm import tqdm
 from advantage import (AdaptiveThreshold, aapo_advantages, aapo_margin, avspo_advantages, collapsed_groups,
                        grpo_advantages)
 from common import (all_sum, append_jsonl, arg, at_least, close_processes, ctrl_c_stops_after_the_step,
-                    dataclass_parser, find_checkpoint, fraction, gather_groups, init_processes, release_freed_memory,
-                    restore_checkpoint, save_checkpoint, start_logs, step_metrics, sum_gradients, summarise_run,
-                    write_jsonl)
+                    dataclass_parser, find_checkpoint, fraction, gather_groups, init_processes, restore_checkpoint,
+                    save_checkpoint, start_logs, step_metrics, sum_gradients, summarise_run, write_jsonl)
 from data.tasks import Problem, load_eval_problems, load_problems
 from eval import evaluate, score_groups
 from model import (Rollout, accumulate_gradients, completion_logprobs, copy_weights, load_model, replace_groups, sample,
@@ -327,7 +326,6 @@ def train(args: Args, run_dir: Path, stop_requested: Sequence = ()) -> dict | No
             group["lr"] = lr
         start = time.perf_counter()
         stats = update_policy(model, net, optimizer, rollout, advantages[mine].flatten().to(device), ref_model, args)
-        release_freed_memory()  # the update's activations, before the evaluation and the next rollout
         timer["train"] = time.perf_counter() - start
         # ---- log, save, evaluate
         record = {"step": step, **step_metrics(rewards, advantages, rollout, timer, device), **extra, **stats,

@@ -293,6 +293,11 @@ def machine_rates(dtypes: list[torch.dtype]) -> dict:
     return rates
 
 
+def unpacked_linear(weight: torch.Tensor, bias: torch.Tensor | None, rows: int) -> Callable[[torch.Tensor], torch.Tensor]:
+    """`model.packed_linear` without the packing (plain `F.linear`): what the benchmarks hold packing against."""
+    return lambda x: torch.nn.functional.linear(x, weight, bias)
+
+
 @functools.cache
 def kernel_seconds(shapes: tuple[tuple[int, int], ...], rows: int, dtype: torch.dtype) -> float:
     """Seconds for x[rows, in] @ W.T over every weight in `shapes`, each a distinct tensor (read from memory, as in

@@ -30,12 +30,11 @@ COLD_CACHE = tempfile.TemporaryDirectory(prefix="compile_check_")  # removed at 
 os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", COLD_CACHE.name)  # read when torch is imported: set before it
 
 import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
 from transformers import DynamicCache  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import model as model_module  # noqa: E402
-from benchmarks.bench import kernel_seconds, linear_shapes  # noqa: E402
+from benchmarks.bench import kernel_seconds, linear_shapes, unpacked_linear  # noqa: E402
 from model import (DecodeCache, TokenLogProbs, decode_step, decode_weights, load_model, pack_rows,  # noqa: E402
                    packed_states, resolve_precision, sample, trim_padding, working_copy)
 
@@ -89,8 +88,7 @@ def check_decoding(net, tokenizer, shapes, rows: int, column: int, reps: int, ba
     tokens, positions = ids[0, :rows], torch.full((rows,), column)
     mask = torch.ones(rows, column + 1, dtype=torch.bool)
     packed = decode_weights(net, rows)  # oneDNN-packed, as train.py decodes
-    unpacked = lambda weight, bias, rows: lambda x: F.linear(x, weight, bias)  # noqa: E731
-    with mock.patch.object(model_module, "packed_linear", unpacked):
+    with mock.patch.object(model_module, "packed_linear", unpacked_linear):
         plain = decode_weights(net, rows)  # what dynamo can trace
 
     def step(fn: Callable, weights) -> Callable[[], torch.Tensor]:

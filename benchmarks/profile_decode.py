@@ -15,10 +15,10 @@ from contextlib import nullcontext
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import model as model_module  # noqa: E402
+from benchmarks.bench import unpacked_linear  # noqa: E402
 from model import cpu_features, load_model, sample, working_copy  # noqa: E402
 
 QUESTIONS = ["What is 37 * 8?", "Compute 12 * 9."]
@@ -34,7 +34,7 @@ def main() -> None:
     model.eval()
     bf16 = {"avx512_bf16", "amx_bf16"} & cpu_features()
     autocast = torch.autocast("cpu", dtype=torch.bfloat16)
-    packed, plain = model_module.packed_linear, lambda weight, bias, rows: lambda x: F.linear(x, weight, bias)
+    packed, plain = model_module.packed_linear, unpacked_linear
     paths = {"generate fp32": (model, True, nullcontext(), packed),
              "decode fp32 F.linear": (model, False, nullcontext(), plain),
              "decode fp32 packed": (model, False, nullcontext(), packed)}
