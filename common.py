@@ -175,16 +175,15 @@ def write_jsonl(path: Path, records: list[dict]) -> None:
 
 
 def start_logs(run_dir: Path, config: dict, last_step: int) -> dict:
-    """A fresh run: config.json and empty logs. A resumed one: drop what was logged after its checkpoint.
-    Returns the last metrics record kept ({} for a fresh run)."""
+    """A fresh run (last_step 0): config.json and empty logs, whatever an earlier run left in run_dir. A resumed
+    one: drop what was logged after its checkpoint. Returns the last metrics record kept ({} for a fresh run)."""
     run_dir.mkdir(parents=True, exist_ok=True)
     if last_step == 0:
         (run_dir / "config.json").write_text(json.dumps(config, indent=2))
     for name in ("metrics.jsonl", "evals.jsonl"):
-        kept = [r for r in read_jsonl(run_dir / name) if r["step"] <= last_step]
+        kept = [r for r in read_jsonl(run_dir / name) if 0 < last_step and r["step"] <= last_step]
         write_jsonl(run_dir / name, kept)
     return (read_jsonl(run_dir / "metrics.jsonl") or [{}])[-1]
-
 
 
 def summarise_run(run_dir: Path, algo: str) -> dict:

@@ -13,6 +13,7 @@ import torch
 
 import train
 from advantage import avspo_advantages
+from common import read_jsonl, start_logs, write_jsonl
 from data.tasks import Problem
 from model import completion_logprobs, completion_mask_from_eos, load_model, sample, working_copy
 
@@ -221,6 +222,19 @@ def test_resume_reproduces_the_next_step(tmp_path, algo):
     assert len(rows["resumed"]) == len(rows["straight"])
     for resumed, straight in zip(rows["resumed"], rows["straight"]):
         assert resumed == pytest.approx(straight)
+
+
+@pytest.mark.parametrize("last_step, kept_evals, kept_steps", [(0, [], []), (1, [0], [1]), (2, [0, 2], [1, 2])])
+def test_logs_keep_what_the_checkpoint_covers_and_a_fresh_run_keeps_nothing(tmp_path, last_step, kept_evals,
+                                                                             kept_steps):
+    """A fresh run in the folder of an earlier one must not inherit its step-0 evaluation: the summary's
+    accuracy before training is the first record of evals.jsonl."""
+    write_jsonl(tmp_path / "evals.jsonl", [{"step": s, "eval_accuracy": 0.5} for s in (0, 2, 4)])
+    write_jsonl(tmp_path / "metrics.jsonl", [{"step": s} for s in (1, 2, 3, 4)])
+    last = start_logs(tmp_path, {"seed": 1}, last_step)
+    assert [r["step"] for r in read_jsonl(tmp_path / "evals.jsonl")] == kept_evals
+    assert [r["step"] for r in read_jsonl(tmp_path / "metrics.jsonl")] == kept_steps
+    assert last == ({"step": kept_steps[-1]} if kept_steps else {})
 
 
 @pytest.mark.parametrize("decay, expected", [("0.5", [1.0, 1.0, 1.0, 0.5]), ("1", [1.0, 0.75, 0.5, 0.25]),
