@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import model as model_module
-from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from model import (DecodeCache, TokenLogProbs, accumulate_gradients, byte_tokenizer, completion_logprobs, copy_weights,
                    decode, decode_step, decode_weights, hf_generate, load_model, next_tokens, packed_linear,
@@ -324,6 +324,31 @@ def test_packed_logprobs_and_gradients_equal_the_plain_pass(block_model, micro_r
         assert torch.allclose(g_plain, g_packed, atol=1e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("tied", [True, False])
+def test_packed_embedding_gradient_is_dense_and_skips_the_padding_token(tied):
+    """SmolLM2's pad token is its EOS, <|im_end|>, which the chat template puts in every prompt: nn.Embedding gives
+    that row no gradient from the input side (padding_idx), and the packed pass must not either. Tied to the output
+    layer or not, the embedding's gradient reaches the optimizer dense (fused AdamW takes no sparse one)."""
+    tokenizer = byte_tokenizer()
+    config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=tied,
+                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.eos_token_id)
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(config).train()
+    tokenizer.padding_side = "left"
+    rollout = sample(model, tokenizer, QUESTIONS[:2], 4, 6)
+    ids, attn = rollout.input_ids, rollout.attention_mask
+    assert (ids[:, :-6][attn[:, :-6].bool()] == tokenizer.eos_token_id).any()  # EOS is a real input token
+    (plain, plain_grads), (packed, packed_grads) = packed_and_plain(model, ids, attn, rollout.completion_len)
+    assert torch.allclose(plain, packed, atol=1e-5)
+    for g_plain, g_packed in zip(plain_grads, packed_grads):
+        assert g_packed.layout == torch.strided and torch.allclose(g_plain, g_packed, atol=1e-5, rtol=1e-4)
+    embedding_grad = packed_grads[0]  # the first parameter: embed_tokens.weight
+    assert embedding_grad.abs().sum(1).count_nonzero() > 10
+    if not tied:  # the input side alone: nothing for the padding token
+        assert not embedding_grad[tokenizer.eos_token_id].any()
+
+
 def test_packed_logprobs_with_gradient_checkpointing_equal_the_plain_pass(tiny, monkeypatch):
     """--grad-checkpointing wraps each packed block in torch's checkpoint (recomputed in backward): same log-probs and
     gradients as without it, and as the plain path."""
@@ -423,13 +448,14 @@ def test_completion_logprobs_packs_written_out_blocks_only(tiny, monkeypatch):
     torch.testing.assert_close(packed, plain, atol=1e-5, rtol=1e-5)
 
 
-def test_packed_gradients_are_the_same_every_time():
+@pytest.mark.parametrize("tied", [False, True])  # tied: the embedding's sparse gradient is added into the dense one
+def test_packed_gradients_are_the_same_every_time(tied):
     """Bitwise, over repeated backward passes: the G rows of a group share one predictor (their prompt's last
     token), and gathering it with tensor indexing made CPU backward add the G gradients into it in a thread-dependent
     order (fp32 runs of train.py parted after a few steps). One group, as in a micro-batch of train.py: its rows
     then lie in both halves of the stream that two threads split; sizes large enough for the backward to thread."""
     config = LlamaConfig(vocab_size=320, hidden_size=256, intermediate_size=512, num_hidden_layers=1,
-                         num_attention_heads=4, num_key_value_heads=2)
+                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=tied)
     torch.manual_seed(0)
     model = LlamaForCausalLM(config)
     prompts = torch.randint(0, 320, (1, 12)).repeat_interleave(8, dim=0)  # one prompt x G=8 rows
