@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import model as model_module
-from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, Qwen2ForCausalLM
 
 from model import (DecodeCache, TokenLogProbs, accumulate_gradients, byte_tokenizer, completion_logprobs, copy_weights,
                    decode, decode_step, decode_weights, hf_generate, load_model, next_tokens, packed_linear,
@@ -329,16 +329,14 @@ def test_packed_embedding_gradient_is_dense_and_skips_the_padding_token(tied):
     """SmolLM2's pad token is its EOS, <|im_end|>, which the chat template puts in every prompt: nn.Embedding gives
     that row no gradient from the input side (padding_idx), and the packed pass must not either. Tied to the output
     layer or not, the embedding's gradient reaches the optimizer dense (fused AdamW takes no sparse one)."""
-    tokenizer = byte_tokenizer()
-    config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=tied,
-                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.eos_token_id)
+    model, tokenizer = tiny_qwen2()
+    model.config.tie_word_embeddings, model.config.pad_token_id = tied, tokenizer.eos_token_id
     torch.manual_seed(0)
-    model = Qwen2ForCausalLM(config).train()
+    model = Qwen2ForCausalLM(model.config).train()  # its embedding built with padding_idx = EOS
     tokenizer.padding_side = "left"
     rollout = sample(model, tokenizer, QUESTIONS[:2], 4, 6)
-    ids, attn = rollout.input_ids, rollout.attention_mask
-    assert (ids[:, :-6][attn[:, :-6].bool()] == tokenizer.eos_token_id).any()  # EOS is a real input token
+    ids, attn, prompt_len = rollout.input_ids, rollout.attention_mask, -rollout.completion_len
+    assert (ids[:, :prompt_len][attn[:, :prompt_len].bool()] == tokenizer.eos_token_id).any()  # a real input token
     (plain, plain_grads), (packed, packed_grads) = packed_and_plain(model, ids, attn, rollout.completion_len)
     assert torch.allclose(plain, packed, atol=1e-5)
     for g_plain, g_packed in zip(plain_grads, packed_grads):
