@@ -1,7 +1,7 @@
 """Evidence that can tell the methods apart, at small scale: figures in docs/, every number in results.json.
 
     python experiments.py                          # every part: 133 min measured on 2 CPU cores (SmolLM2, --jobs 2)
-    python experiments.py --only compare           # one or more parts: difficulty, compare, scatter
+    python experiments.py --only compare           # one or more parts: difficulty, compare, scatter, precision
     python experiments.py --dry-run --step-seconds 20  # the estimate only, from your measured s/step at B=8, G=8
     python experiments.py --quick                  # tiny model, 2 steps: the whole pipeline in ~30 s (a CI test)
 
@@ -19,6 +19,10 @@
 3. scatter:    the AVSPO paper's Figure 1: early raw ACR (mean over the first 10% of steps) against final held-out
    accuracy (train.py's last eval, on that level's test split) over a grid of levels x group sizes x seeds of
    short GRPO runs; slope and R^2 with bootstrap CIs over runs.
+4. precision:  the default run (`python train.py`: GRPO on arith-mul1, train.py's own settings) in bf16 and in fp32
+   on the same seeds: does bf16, what `--precision auto` picks where the CPU has native bf16, learn as well as
+   fp32? Held-out accuracy, batch reward and seconds per step against steps. Only with --only precision: where
+   bf16 is emulated (a CPU with AVX2 alone) its runs take many times longer.
 
 Runs whose summary.json exists are skipped, so a rerun (after Ctrl-C, or with more --seeds) only fills gaps.
 Time: steps x step_seconds x (B*G / 64) + evaluations x eval_seconds, summed over runs (`estimate`, printed first).
@@ -43,8 +47,9 @@ from advantage import advantage_collapse_rate
 from common import read_jsonl
 from data.tasks import LEVELS, load_problems
 from eval import evaluate, score_groups
-from model import load_model, sample, working_copy
-from plots import plot_accuracy_vs_compute, plot_compare_curves, plot_difficulty, plot_early_acr_scatter
+from model import load_model, pick_device, resolve_precision, sample, working_copy
+from plots import (plot_accuracy_vs_compute, plot_compare_curves, plot_difficulty, plot_early_acr_scatter,
+                   plot_precision_curves)
 from verifier import verify
 
 DOCS = Path(__file__).resolve().parent / "docs"
@@ -52,6 +57,7 @@ METHODS = {"grpo": ("grpo", []), "avspo": ("avspo", []),  # name: (train.py --al
            "avspo-k1": ("avspo", ["--num-virtual", "1", "--acr-threshold", "0", "--fixed-threshold"]),
            "aapo": ("aapo", []), "dapo": ("dapo", [])}
 BASELINE = "grpo"
+PRECISIONS = ("bf16", "fp32")
 
 
 def acr_by_difficulty(model_name: str, prompts: int, group_size: int, max_new_tokens: int, batch: int = 8) -> dict:
@@ -277,6 +283,22 @@ def scatter(out: Path, levels: list[str], group_sizes: list[int], seeds: list[in
     return early_acr_scatter(runs, resamples)
 
 
+def precision(out: Path, seeds: list[int], flags: list[str], jobs: int) -> dict:
+    """The same GRPO run in bf16 and in fp32 on each seed: held-out accuracy before and after, and the costs."""
+    if resolve_precision("auto", pick_device()) != "bf16":
+        print("warning: this machine has no native bf16 (avx512_bf16, amx_bf16 or CUDA): the bf16 runs are emulated")
+    folder = lambda name, seed: out / "precision" / f"seed{seed}-{name}"  # noqa: E731
+    run_all([(run_training, folder(name, seed), seed, ["grpo"], flags + ["--precision", name])
+             for name in ("fp32", "bf16") for seed in seeds], jobs)  # the slower precision first: balances the jobs
+    result = {}
+    for name in PRECISIONS:
+        runs = [folder(name, seed) / "grpo" for seed in seeds]
+        evals = [read_jsonl(run / "evals.jsonl") for run in runs]
+        result[name] = {"runs": [str(run) for run in runs], "acc_before": [e[0]["eval_accuracy"] for e in evals],
+                        "acc_after": [e[-1]["eval_accuracy"] for e in evals], "cost": compute_cost(runs)}
+    return result
+
+
 def estimate(args, parts: list[str]) -> tuple[int, int, float, float]:
     """(runs, training steps, step units, eval units), before skipping finished runs. Time in seconds is about
     step_units x step_seconds + eval_units x eval_seconds: a step of B prompts x G completions is B*G/64 step
@@ -296,6 +318,11 @@ def estimate(args, parts: list[str]) -> tuple[int, int, float, float]:
         eval_units += n * len(gs) * 2 * args.scatter_eval_size / 336
     if "difficulty" in parts:
         step_units += len(LEVELS) * args.difficulty_prompts * 8 / 64 / 2
+    if "precision" in parts:  # train.py's B=2 x G=8, evaluated every 10 steps and at the end
+        n = len(PRECISIONS) * len(args.precision_seeds.split(","))
+        runs, steps = runs + n, steps + n * args.precision_steps
+        step_units += n * args.precision_steps * 2 * 8 / 64
+        eval_units += n * (args.precision_steps // 10 + 2) * min(args.eval_size, 336) / 336
     return runs, steps, step_units, eval_units
 
 
@@ -325,6 +352,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--scatter-prompts", type=int, default=2, help="scatter: B")
     p.add_argument("--scatter-eval-size", type=int, default=32, help="scatter: held-out problems per run")
     p.add_argument("--difficulty-prompts", type=int, default=32)
+    p.add_argument("--precision-seeds", default="0,1,2,3")
+    p.add_argument("--precision-steps", type=int, default=train.Args.steps, help="precision: steps per run")
     p.add_argument("--step-seconds", type=float, default=21.0,
                    help="estimate: wall seconds per B=8 x G=8 step (21: measured here with 2 jobs on 2 cores)")
     p.add_argument("--eval-seconds", type=float, default=72.0, help="estimate: wall seconds per 336-problem eval")
@@ -338,8 +367,8 @@ def main(argv: list[str] | None = None) -> dict:
                              "--prompts-per-step", "2", "--group-size", "4", "--max-new-tokens", "8",
                              "--eval-size", "4", "--per-level", "2", "--resamples", "500", "--scatter-levels",
                              "add1,mul1", "--scatter-g", "2,4", "--scatter-seeds", "0", "--scatter-steps", "2",
-                             "--scatter-eval-size", "4", "--difficulty-prompts", "4", "--jobs", "1",
-                             *argv])  # flags given still win
+                             "--scatter-eval-size", "4", "--difficulty-prompts", "4", "--precision-seeds", "0,1",
+                             "--precision-steps", "2", "--jobs", "1", *argv])  # flags given still win
     out, parts = Path(args.out), args.only.split(",")
     methods, seeds = args.methods.split(","), [int(s) for s in args.seeds.split(",")]
     figures = Path(args.figures) if args.figures else (out / "figures" if args.quick else DOCS)
@@ -382,9 +411,20 @@ def main(argv: list[str] | None = None) -> dict:
         results["scatter"] = scatter(out, args.scatter_levels.split(","), group_sizes, [int(s) for s in scatter_seeds],
                                      flags, args.resamples, args.jobs)
         plot_early_acr_scatter(results["scatter"], figures / "early_acr_vs_accuracy.png")
+    if "precision" in parts:
+        flags = ["--model", args.model, "--max-new-tokens", str(args.max_new_tokens), "--steps",
+                 str(args.precision_steps), "--eval-size", str(args.eval_size), "--save-every", "0"]
+        precision_seeds = [int(s) for s in args.precision_seeds.split(",")]
+        results["precision"] = precision(out, precision_seeds, flags, args.jobs)
+        plot_precision_curves({name: [Path(run) for run in results["precision"][name]["runs"]] for name in PRECISIONS},
+                              figures / "precision.png", f"{args.model}, the default run, seeds {precision_seeds}")
     results_path.write_text(json.dumps(results, indent=2))
     if "compare" in results:
         print("\n" + results["compare_table"])
+    if "precision" in results:
+        for name, row in results["precision"].items():
+            print(f"\n{name}: held-out accuracy {np.mean(row['acc_before']):.3f} -> {np.mean(row['acc_after']):.3f} "
+                  f"(per seed {row['acc_after']}), {row['cost']['seconds']['mean']:.0f} s of steps a run")
     if "scatter" in results:
         s = results["scatter"]
         print(f"\nearly ACR vs accuracy over {len(s['runs'])} runs: slope {s['slope']:.2f} {s['slope_ci']}, "

@@ -105,6 +105,31 @@ def plot_compare_curves(runs: dict[str, list[Path]], path: Path, title: str) -> 
     save_figure(fig, path, dpi=80, title=title)
 
 
+def plot_precision_curves(runs: dict[str, list[Path]], path: Path, title: str) -> None:
+    """Held-out accuracy, batch reward and seconds per step against steps for each precision: every seed thin,
+    the mean over seeds thick."""
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    for (name, dirs), color in zip(runs.items(), ("tab:blue", "tab:gray")):
+        evals, rows = [read_jsonl(d / "evals.jsonl") for d in dirs], [read_jsonl(d / "metrics.jsonl") for d in dirs]
+        curves = [([e["step"] for e in evals[0]], [[e["eval_accuracy"] for e in run] for run in evals]),
+                  ([r["step"] for r in rows[0]], [smooth([r["reward_mean"] for r in run]) for run in rows]),
+                  ([r["step"] for r in rows[0]],
+                   [smooth([r["time_generate"] + r["time_score"] + r["time_train"] for r in run]) for run in rows])]
+        for ax, (steps, per_seed) in zip(axes, curves):
+            for seed_curve in per_seed:
+                ax.plot(steps, seed_curve, color=color, alpha=0.25, lw=0.8)
+            ax.plot(steps, np.mean(per_seed, axis=0), color=color, lw=2, label=f"{name}, mean of {len(dirs)} seeds")
+    for ax, label in zip(axes, ("held-out accuracy (greedy)", "batch reward (5-step mean)",
+                                "seconds per step (5-step mean)")):
+        ax.set(title=label, xlabel="step")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    axes[0].set_ylim(-0.05, 1.05)
+    axes[1].set_ylim(-0.05, 1.05)
+    axes[2].set_ylim(bottom=0)
+    save_figure(fig, path, title=title)
+
+
 def plot_accuracy_vs_compute(table: dict, path: Path, title: str) -> None:
     """Final accuracy against total generated tokens; Δ vs GRPO; accuracy per level: all with 95% CIs."""
     fig, (ax_cost, ax_delta, ax_level) = plt.subplots(1, 3, figsize=(16, 4.2))

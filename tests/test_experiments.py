@@ -1,13 +1,16 @@
 """experiments.py: the bootstrap and the scatter fit on synthetic data (no model), then the whole --quick
 pipeline on the tiny model: every part runs and writes its numbers and figures."""
 
+import json
 import math
 import operator
 import os
+from pathlib import Path
 
 import numpy as np
 import torch
 
+import common
 import experiments
 
 LEVELS = np.array(["easy"] * 20 + ["hard"] * 30)
@@ -105,3 +108,16 @@ def test_run_all_in_parallel_processes_keeps_the_task_order():
     tasks = [(operator.add, 1, 2), (operator.mul, 3, 4), (torch.get_num_threads,)]
     assert experiments.run_all(tasks, jobs=1)[:2] == experiments.run_all(tasks, jobs=2)[:2] == [3, 12]
     assert experiments.run_all(tasks, jobs=2)[2] == max(1, (os.cpu_count() or 1) // 2)  # the cores are split
+
+
+def test_quick_precision_part_trains_each_seed_in_both_precisions(tmp_path):
+    results = experiments.main(["--quick", "--out", str(tmp_path), "--only", "precision"])
+    assert list(results["precision"]) == ["bf16", "fp32"]
+    for name, row in results["precision"].items():
+        assert len(row["acc_before"]) == len(row["acc_after"]) == 2  # two seeds
+        for run, seed in zip(row["runs"], (0, 1)):
+            config = json.loads((Path(run) / "config.json").read_text())
+            assert (config["precision"], config["seed"], config["algo"]) == (name, seed, "grpo")
+            assert len(common.read_jsonl(Path(run) / "metrics.jsonl")) == 2  # --precision-steps 2
+        assert row["cost"]["seconds"]["mean"] > 0
+    assert (tmp_path / "figures" / "precision.png").stat().st_size > 5_000
