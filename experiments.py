@@ -318,11 +318,12 @@ def estimate(args, parts: list[str]) -> tuple[int, int, float, float]:
         eval_units += n * len(gs) * 2 * args.scatter_eval_size / 336
     if "difficulty" in parts:
         step_units += len(LEVELS) * args.difficulty_prompts * 8 / 64 / 2
-    if "precision" in parts:  # train.py's B=2 x G=8, evaluated every 10 steps and at the end
+    if "precision" in parts:  # train.py's B=2 x G=8 and evaluations
         n = len(PRECISIONS) * len(args.precision_seeds.split(","))
         runs, steps = runs + n, steps + n * args.precision_steps
         step_units += n * args.precision_steps * 2 * 8 / 64
-        eval_units += n * (args.precision_steps // 10 + 2) * min(args.eval_size, 336) / 336
+        evals = args.precision_steps // 10 + 1 + (args.precision_steps % 10 > 0)  # before, every 10th, the last
+        eval_units += n * evals * min(args.eval_size, 336) / 336
     return runs, steps, step_units, eval_units
 
 
@@ -352,7 +353,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--scatter-prompts", type=int, default=2, help="scatter: B")
     p.add_argument("--scatter-eval-size", type=int, default=32, help="scatter: held-out problems per run")
     p.add_argument("--difficulty-prompts", type=int, default=32)
-    p.add_argument("--precision-seeds", default="0,1,2,3")
+    p.add_argument("--precision-seeds", default="0,1,2,3", help="precision: seeds, each run in bf16 and fp32")
     p.add_argument("--precision-steps", type=int, default=train.Args.steps, help="precision: steps per run")
     p.add_argument("--step-seconds", type=float, default=21.0,
                    help="estimate: wall seconds per B=8 x G=8 step (21: measured here with 2 jobs on 2 cores)")
