@@ -181,7 +181,7 @@ def start_logs(run_dir: Path, config: dict, last_step: int) -> dict:
     if last_step == 0:
         (run_dir / "config.json").write_text(json.dumps(config, indent=2))
     for name in ("metrics.jsonl", "evals.jsonl"):
-        kept = [r for r in read_jsonl(run_dir / name) if 0 < last_step and r["step"] <= last_step]
+        kept = [r for r in read_jsonl(run_dir / name) if r["step"] <= last_step] if last_step else []
         write_jsonl(run_dir / name, kept)
     return (read_jsonl(run_dir / "metrics.jsonl") or [{}])[-1]
 
