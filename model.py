@@ -699,6 +699,15 @@ def trim_padding(input_ids: torch.Tensor, attention_mask: torch.Tensor, completi
     return input_ids[:, start:end], attention_mask[:, start:end], completion_mask[:, :completion_len]
 
 
+def real_tokens(input_ids: torch.Tensor, attention_mask: torch.Tensor, completion_len: int) -> int:
+    """Tokens rows [n, P + C] hold without padding, each distinct prompt counted once: what a forward pass over them
+    must process (`pack_rows` runs just these, up to its rounding; the plain path runs the padded rectangle)."""
+    prompt_len = input_ids.shape[1] - completion_len
+    prompts = {tuple(ids[mask.bool()].tolist())
+               for ids, mask in zip(input_ids[:, :prompt_len], attention_mask[:, :prompt_len])}
+    return sum(map(len, prompts)) + int(attention_mask[:, prompt_len:].sum())
+
+
 def replace_groups(rollout: Rollout, groups: list[int], new: Rollout, group_size: int, pad_token_id: int) -> Rollout:
     """`rollout` with its groups `groups` (G rows each) replaced, in order, by the groups of `new`; both are
     first padded to the wider prompt (on the left, as sampled) and the longer completion (on the right)."""

@@ -42,8 +42,8 @@ from common import (all_sum, append_jsonl, arg, at_least, close_processes, ctrl_
                     save_checkpoint, start_logs, step_metrics, sum_gradients, summarise_run, write_jsonl)
 from data.tasks import Problem, load_eval_problems, load_problems
 from eval import evaluate, score_groups
-from model import (Rollout, accumulate_gradients, completion_logprobs, copy_weights, load_model, replace_groups, sample,
-                   trim_padding, working_copy)
+from model import (Rollout, accumulate_gradients, completion_logprobs, copy_weights, load_model, real_tokens,
+                   replace_groups, sample, trim_padding, working_copy)
 from verifier import load_reward
 
 ALGOS = ("grpo", "avspo", "aapo", "dapo")
@@ -258,8 +258,8 @@ def update_policy(model, net, optimizer, rollout: Rollout, b_advantages, ref_mod
             skipped += 1
         optimizer.zero_grad(set_to_none=True)
     net.eval()
-    loss_sum, kl_sum, rows_trained, train_tokens = all_sum(
-        [loss_sum, kl_sum, len(rows), sum(ids.numel() for _, ids, _, _ in micro)], device)
+    tokens = sum(real_tokens(ids, attn, mask.shape[1]) for _, ids, attn, mask in micro)  # prompts once, no padding
+    loss_sum, kl_sum, rows_trained, train_tokens = all_sum([loss_sum, kl_sum, len(rows), tokens], device)
     return {"loss": loss_sum, "kl": kl_sum if args.beta > 0 else None, "grad_norm": grad_norm, "skipped": skipped,
             "rows_trained": int(rows_trained), "train_tokens": int(train_tokens)}
 

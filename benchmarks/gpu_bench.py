@@ -14,7 +14,8 @@ step is train.py's: model.sample, train.score, train.compute_advantages, train.u
 MFU = model FLOPs / time / the bf16 matmul rate measured on this card first (not the datasheet peak).
 Model FLOPs: 2 per parameter per token forward, x3 with backward (recomputation under gradient
 checkpointing is not counted, as usual for MFU), plus the LM head on the positions that get logits;
-attention's own FLOPs are left out (a few % at these lengths).
+attention's own FLOPs are left out (a few % at these lengths). Each distinct prompt counts once, as
+model.decode prefills it and the update streams it (train.py's `train_tokens`), not once per completion.
 Results go to stdout (markdown) and to --out (JSON, rewritten after every config); configs that would
 start after --budget-s are skipped and listed.
 """
@@ -110,8 +111,10 @@ def run_step(model, net, tokenizer, optimizer, args: train.Args, problems, step:
     sync(device)
     t3 = time.perf_counter()
     rows, total_len = rollout.input_ids.shape
-    return {"generate_s": t1 - t0, "score_s": t2 - t1, "train_s": t3 - t2, "rows": rows,
-            "prompt_len": total_len - rollout.completion_len, "completion_len": rollout.completion_len,
+    prompt_len = total_len - rollout.completion_len
+    return {"generate_s": t1 - t0, "score_s": t2 - t1, "train_s": t3 - t2, "rows": rows, "prompt_len": prompt_len,
+            "prompt_tokens": int(rollout.attention_mask[:: args.group_size, :prompt_len].sum()),  # each prompt once
+            "completion_len": rollout.completion_len,
             "gen_tokens": int(rollout.completion_mask.sum()), "train_tokens": stats["train_tokens"],
             "rows_trained": stats.get("rows_trained", rows)}
 
@@ -121,8 +124,8 @@ def model_flops(model, s: dict) -> tuple[float, float]:
     config = model.config
     body = sum(p.numel() for p in model.parameters()) - config.vocab_size * config.hidden_size  # all but embedding
     head = 2 * config.hidden_size * config.vocab_size  # FLOPs per position that gets logits
-    rows, prompt, completion = s["rows"], s["prompt_len"], s["completion_len"]
-    generate = 2 * body * rows * (prompt + completion) + head * rows * completion  # prefill + decode, logits per token
+    rows, completion = s["rows"], s["completion_len"]
+    generate = 2 * body * (s["prompt_tokens"] + rows * completion) + head * rows * completion  # prefill + decode
     forward = 2 * body * s["train_tokens"] + head * s["rows_trained"] * completion  # logits at all C (no EOS)
     return generate, 3 * forward
 

@@ -118,6 +118,8 @@ def test_gpu_bench_tiny_runs_on_cpu(tmp_path):
     assert [(r["size"], r["grad_checkpointing"]) for r in report["results"]] == [("tiny", False), ("tiny", True)]
     for r in report["results"]:
         assert r["completion_len"] == 8 and r["rows_trained"] == 4  # runs to max_new_tokens, every row trains
+        assert 0 < r["prompt_tokens"] <= r["prompt_len"]  # the one prompt's real tokens
+        assert r["train_tokens"] == 2 * r["prompt_tokens"] + 4 * 8  # 2 micro-batches of 2 rows, each its prompt once
         assert r["generate_s"] > 0 and r["train_s"] > 0 and 0 < r["mfu_step"] < 1
     assert report["skipped"] == [] and "| size | grad ckpt |" in proc.stdout
 

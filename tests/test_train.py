@@ -143,13 +143,29 @@ def rollout_cut_at(prompt_ids: torch.Tensor, lengths: list[int], width: int = 5)
     return train.Rollout(input_ids, attention_mask, completion_mask, [""] * n, torch.zeros(n, dtype=torch.bool))
 
 
-def test_micro_batches_hold_rows_of_similar_length(tiny):
+def test_micro_batches_hold_rows_of_similar_length(tiny, monkeypatch):
     """Completion lengths 1, 5, 1, 5 in micro-batches of 2: the short rows go together, so one micro-batch is
-    1 token wide instead of both 5 (`train_tokens` counts the padded tokens that went through the passes)."""
-    prompt_len = 6
-    rollout = rollout_cut_at(torch.randint(3, 200, (4, prompt_len)), [1, 5, 1, 5])
-    stats, _, _ = run_update(tiny, rollout, torch.tensor([1.0, -1.0, 0.5, -0.5]), micro_batch=2)
-    assert stats["train_tokens"] == 2 * (prompt_len + 1) + 2 * (prompt_len + 5)
+    1 token wide instead of both 5."""
+    rollout = rollout_cut_at(torch.randint(3, 200, (4, 6)), [1, 5, 1, 5])
+    widths, logprobs = [], train.completion_logprobs
+
+    def recording_logprobs(net, ids, attn, completion_len, *args, **kwargs):
+        widths.append(completion_len)
+        return logprobs(net, ids, attn, completion_len, *args, **kwargs)
+
+    monkeypatch.setattr(train, "completion_logprobs", recording_logprobs)
+    run_update(tiny, rollout, torch.tensor([1.0, -1.0, 0.5, -0.5]), micro_batch=2)
+    assert sorted(widths) == [1, 5]
+
+
+def test_train_tokens_count_each_prompt_once_and_no_padding(tiny):
+    """Two prompts (6 and 4 real tokens, the second left-padded) x G=2, completions of 1, 5 | 2, 3 tokens, in one
+    micro-batch: trained tokens = 6 + 4 prompt tokens + 11 completion tokens, not the padded rectangle."""
+    rollout = rollout_cut_at(torch.tensor([[10] * 6, [10] * 6, [0, 0, 20, 21, 22, 23], [0, 0, 20, 21, 22, 23]]),
+                             [1, 5, 2, 3])
+    rollout.attention_mask[2:, :2] = 0  # the second prompt's left padding
+    stats, _, _ = run_update(tiny, rollout, torch.tensor([1.0, -1.0, 0.5, -0.5]), micro_batch=4, group_size=2)
+    assert stats["train_tokens"] == 6 + 4 + (1 + 5 + 2 + 3)
 
 
 def test_micro_batches_hold_one_prompts_rows(tiny, monkeypatch):
@@ -378,7 +394,7 @@ def test_two_processes_give_the_single_process_gradient(tmp_path):
         assert sum(d.abs().sum() for d in one["delta"]) > 0  # the check compares a real update
         for a, b in zip(one["delta"], two["delta"]):
             torch.testing.assert_close(b, a, atol=1e-6, rtol=1e-4, msg=case)
-        for key in ("loss", "grad_norm", "rows_trained"):  # not train_tokens: padding depends on the split
+        for key in ("loss", "grad_norm", "rows_trained"):  # not train_tokens: rows share other micro-batches
             assert two["stats"][key] == pytest.approx(one["stats"][key], rel=1e-4, abs=1e-7), (case, key)
 
 
