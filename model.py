@@ -701,7 +701,8 @@ def trim_padding(input_ids: torch.Tensor, attention_mask: torch.Tensor, completi
 
 def real_tokens(input_ids: torch.Tensor, attention_mask: torch.Tensor, completion_len: int) -> int:
     """Tokens rows [n, P + C] hold without padding, each distinct prompt counted once: what a forward pass over them
-    must process (`pack_rows` runs just these, up to its rounding; the plain path runs the padded rectangle)."""
+    must process (`pack_rows` streams these less each row's last token, plus its rounding up to a multiple of 16;
+    the plain path runs the padded rectangle)."""
     prompt_len = input_ids.shape[1] - completion_len
     prompts = {tuple(ids[mask.bool()].tolist())
                for ids, mask in zip(input_ids[:, :prompt_len], attention_mask[:, :prompt_len])}

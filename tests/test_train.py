@@ -394,7 +394,7 @@ def test_two_processes_give_the_single_process_gradient(tmp_path):
         assert sum(d.abs().sum() for d in one["delta"]) > 0  # the check compares a real update
         for a, b in zip(one["delta"], two["delta"]):
             torch.testing.assert_close(b, a, atol=1e-6, rtol=1e-4, msg=case)
-        for key in ("loss", "grad_norm", "rows_trained"):  # not train_tokens: rows share other micro-batches
+        for key in ("loss", "grad_norm", "rows_trained"):  # not train_tokens: split, rows share other micro-batches
             assert two["stats"][key] == pytest.approx(one["stats"][key], rel=1e-4, abs=1e-7), (case, key)
 
 
