@@ -192,12 +192,14 @@ def test_next_tokens_top_p_keeps_the_nucleus_renormalised():
     assert torch.equal(next_tokens(logits[None], 1.0, 0.01), torch.tensor([0]))  # at least the top token
 
 
-def test_next_tokens_greedy_and_never_a_zero_probability_token():
+def test_next_tokens_greedy_and_never_a_zero_probability_token(monkeypatch):
     logits = torch.tensor([[0.0, 5.0, 1.0], [3.0, -1.0, 2.0]])
     assert torch.equal(next_tokens(logits, 0.0, 1.0), torch.tensor([1, 0]))
     torch.manual_seed(0)
     masked = torch.tensor([-float("inf"), 0.0, -float("inf"), 0.0]).expand(10_000, -1)
     assert set(next_tokens(masked, 1.0, 1.0).tolist()) == {1, 3}
+    monkeypatch.setattr(torch, "rand", lambda *shape, device=None: torch.zeros(*shape, device=device))
+    assert next_tokens(masked[:1], 1.0, 1.0).item() == 1  # a uniform draw of exactly 0 (rare, possible): not token 0
 
 
 def test_decode_samples_first_tokens_from_the_models_distribution(tiny):

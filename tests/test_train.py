@@ -66,6 +66,18 @@ def test_kl_is_zero_against_itself_and_positive_otherwise():
     assert kl_same.item() == 0.0 and kl_diff.item() > 0
 
 
+def test_kl_is_k3_whose_mean_over_the_policys_samples_is_kl_to_the_reference():
+    """k3 = r - 1 - log r, r = pi_ref / pi (Schulman, 2020), per token: weighted by the policy's probabilities of
+    sampling each token, it sums to KL(pi || pi_ref) exactly; with r = pi / pi_ref it would not."""
+    torch.manual_seed(0)
+    logp, ref_logp = torch.log_softmax(torch.randn(6), 0), torch.log_softmax(torch.randn(6), 0)  # pi, pi_ref [V]
+    loss_args = dict(clip_low=0.2, clip_high=0.2, beta=0.1, num_tokens=1)
+    k3 = [train.policy_loss(logp[v].view(1, 1), logp[v].view(1, 1), ref_logp[v].view(1, 1), torch.zeros(1),
+                            torch.ones(1, 1), **loss_args)[1] for v in range(6)]  # one sampled token each
+    expected = (logp.exp() * (logp - ref_logp)).sum()  # KL(pi || pi_ref)
+    assert sum(p * k for p, k in zip(logp.exp(), k3)).item() == pytest.approx(expected.item(), rel=1e-5)
+
+
 def test_eos_mask_by_position_when_pad_equals_eos():
     eos = 2
     ids = torch.tensor([[5, 7, eos, eos, eos], [5, 6, 7, 8, 9], [eos, eos, eos, eos, eos]])
