@@ -44,6 +44,19 @@ def test_evaluate_scores_known_completions(monkeypatch):
     assert [r["correct"] for r in result["records"]] == [True, True, False, False, True, True, True, False]
 
 
+def test_evaluate_counts_only_full_reward_as_correct_and_reports_pass_at_every_n(monkeypatch):
+    """Rewards 1, 0.5, 0 for 3 samples: one correct (partial credit is not), pass@k for k = 1, 2 and n = 3."""
+    def fake_sample(model, tokenizer, questions, group_size, max_new_tokens, temperature):
+        return Rollout(torch.zeros(3, 1), torch.ones(3, 1), torch.ones(3, 1), ["a", "b", "c"],
+                       torch.zeros(3, dtype=torch.bool))
+
+    monkeypatch.setattr(evaluation, "sample", fake_sample)
+    result = evaluate(None, None, [Problem("q", "g", "")], max_new_tokens=8, samples=3, temperature=1.0,
+                      reward_fn=lambda text, gold: {"a": 1.0, "b": 0.5, "c": 0.0}[text])
+    assert result["accuracy"] == pytest.approx(1 / 3)
+    assert result["pass_at_k"] == pytest.approx({1: 1 / 3, 2: 1 - comb(2, 2) / comb(3, 2), 3: 1.0})
+
+
 def test_cli_on_tiny_model_writes_outputs(tmp_path, capsys):
     summary = evaluation.main(["--model", "tiny-qwen2", "tiny-qwen2", "--dataset", "arith-add1", "--limit", "3",
                                "--samples", "2", "--max-new-tokens", "4", "--out", str(tmp_path)])

@@ -140,6 +140,29 @@ def test_packed_linear_under_autocast_computes_what_f_linear_computes(dtype):
         torch.testing.assert_close(packed_linear(weight, None, 16)(x), torch.nn.functional.linear(x, weight))
 
 
+@torch.no_grad()
+def test_every_decoding_step_samples_from_the_logits_of_a_full_forward(block_model, monkeypatch):
+    """The logits each token is drawn from = transformers' forward over the whole finished rows (left-padded prompt
+    + completion, positions counting real tokens), as completion_logprobs sees them: the loss's log-probs are those
+    of the distribution sampled from, at every step, not only the first."""
+    model, tokenizer = block_model
+    drawn_from, draw = [], model_module.next_tokens
+
+    def recording_next_tokens(logits, temperature, top_p):
+        drawn_from.append(logits.clone())
+        return draw(logits, temperature, top_p)
+
+    monkeypatch.setattr(model_module, "next_tokens", recording_next_tokens)
+    torch.manual_seed(0)
+    rollout = sample(model, tokenizer, QUESTIONS, 2, 6)  # a random model does not end within 6 tokens
+    assert rollout.completion_len == 6 and len(drawn_from) == 6 and rollout.truncated.all()
+    ids, attention = rollout.input_ids, rollout.attention_mask
+    full = model(input_ids=ids, attention_mask=attention, position_ids=(attention.cumsum(1) - 1).clamp(min=0)).logits
+    prompt_len = ids.shape[1] - rollout.completion_len
+    for t, logits in enumerate(drawn_from):  # token t was drawn from the output at the position before it
+        torch.testing.assert_close(logits, full[:, prompt_len + t - 1], atol=1e-4, rtol=1e-4)
+
+
 def test_decode_step_samples_what_the_transformers_forward_samples(block_model, monkeypatch):
     """Same seed, same tokens (float32), with and without decode_step; rows ending early included."""
     model, tokenizer = block_model

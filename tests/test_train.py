@@ -12,8 +12,8 @@ import pytest
 import torch
 
 import train
-from advantage import avspo_advantages
-from common import read_jsonl, start_logs, write_jsonl
+from advantage import avspo_advantages, grpo_advantages
+from common import read_jsonl, start_logs, step_metrics, write_jsonl
 from data.tasks import Problem
 from model import completion_logprobs, completion_mask_from_eos, load_model, sample, working_copy
 
@@ -76,6 +76,33 @@ def test_kl_is_k3_whose_mean_over_the_policys_samples_is_kl_to_the_reference():
                             torch.ones(1, 1), **loss_args)[1] for v in range(6)]  # one sampled token each
     expected = (logp.exp() * (logp - ref_logp)).sum()  # KL(pi || pi_ref)
     assert sum(p * k for p, k in zip(logp.exp(), k3)).item() == pytest.approx(expected.item(), rel=1e-5)
+
+
+def test_step_metrics_describe_the_whole_batch():
+    """Groups all-correct, mixed (partial credit 0.5 is not correct), all-wrong (G=2); completions of 1, 2, 3, 4, 1
+    and 1 tokens, two truncated."""
+    rewards = torch.tensor([[1.0, 1.0], [0.5, 1.0], [0.0, 0.0]])  # [B, G]
+    lengths = torch.tensor([1, 2, 3, 4, 1, 1])
+    completion_mask = (torch.arange(4)[None, :] < lengths[:, None]).long()  # [N, C]
+    rollout = train.Rollout(torch.zeros(6, 8, dtype=torch.long), torch.ones(6, 8), completion_mask, [""] * 6,
+                            torch.tensor([False, True, False, True, False, False]))
+    timer = {"generate": 2.0, "score": 0.5, "train": 4.0, "gen_tokens": 12}
+    m = step_metrics(rewards, grpo_advantages(rewards), rollout, timer, torch.device("cpu"))
+    assert (m["reward_mean"], m["accuracy"]) == (pytest.approx(3.5 / 6), 0.5)
+    assert m["acr"] == m["acr_effective"] == pytest.approx(2 / 3)
+    assert m["all_correct_frac"] == m["all_wrong_frac"] == pytest.approx(1 / 3)
+    assert (m["completion_len"], m["truncated_frac"]) == (2.0, pytest.approx(1 / 3))  # per completion, not per group
+    assert (m["gen_tokens"], m["gen_tokens_per_s"], m["time_train"]) == (12, 6.0, 4.0)
+
+
+def test_resampling_rounds_draw_other_prompts():
+    """DAPO's rounds of a step draw other prompts than its first round (and than each other), the same every time."""
+    problems = [Problem(f"What is {i} + 1?", str(i + 1), "add1") for i in range(50)]
+    args = train.Args(prompts_per_step=4)
+    for step in (1, 2, 3):
+        rounds = [[p.question for p in train.step_problems(problems, args, step, round)] for round in range(3)]
+        assert len({tuple(r) for r in rounds}) == 3
+        assert rounds[1] == [p.question for p in train.step_problems(problems, args, step, 1)]
 
 
 def test_eos_mask_by_position_when_pad_equals_eos():
