@@ -44,6 +44,8 @@ CASES = [  # (completion, gold, expected)
     ("\\boxed{\\frac{\\sqrt{3}}{2}}", "\\frac{\\sqrt3}{2}", 1.0),
     ("\\boxed{1} then \\boxed{2}", "2", 1.0),
     ("\\boxed{1} then \\boxed{2}", "1", 0.0),
+    ("\\boxed{1} then \\boxed 2", "2", 1.0),  # the last box wins, whichever its spelling
+    ("\\boxed 1 then \\boxed{2}", "2", 1.0),
     ("\\boxed{\\dfrac{1}{2}}", "\\frac12", 1.0),
     ("\\boxed{\\tfrac{9}{19}}", "\\frac9{19}", 1.0),
     ("\\boxed{\\frac{270}{7}}", "\\frac{270}7\\text{ degrees}", 1.0),  # unit text dropped
