@@ -13,7 +13,7 @@ import torch
 
 import train
 from advantage import avspo_advantages, grpo_advantages
-from common import read_jsonl, start_logs, step_metrics, write_jsonl
+from common import find_checkpoint, read_jsonl, start_logs, step_metrics, write_jsonl
 from data.tasks import Problem
 from model import completion_logprobs, completion_mask_from_eos, load_model, sample, working_copy
 
@@ -171,6 +171,36 @@ def test_bf16_update_steps_the_float32_weights_and_the_working_copy_follows(roll
             assert torch.equal(p, q.to(p.dtype))
     exact, bf16 = deltas["fp32"], deltas["bf16"]
     assert (bf16 - exact).norm() < 0.05 * exact.norm()  # all three micro-batches, not the last one alone
+
+
+def test_with_a_kl_penalty_no_row_is_skipped(tiny, rollout):
+    """beta > 0: a row with advantage 0 still has the KL's gradient, so every row goes through the passes."""
+    model, ref_model = (load_model("tiny-qwen2", torch.device("cpu"))[0] for _ in range(2))
+    advantages = torch.tensor([0.0, 0.0, 0.0, 0.0, 1.5, -0.5, -0.5, -0.5])  # first group collapsed
+    sgd = torch.optim.SGD(model.parameters(), lr=1e-3)
+    stats = train.update_policy(model, model, sgd, rollout, advantages, ref_model.requires_grad_(False),
+                                train.Args(beta=0.1, micro_batch=3))
+    assert stats["rows_trained"] == 8 and stats["kl"] is not None
+
+
+def test_avspo_threshold_moves_towards_the_batch_acr_as_the_reward_rises():
+    """Groups, not completions, make the ACR: 3 of 4 groups collapsed is 0.75, and the threshold moves from 0.5
+    towards it by lr = 0.01 once the batch reward has risen (the first step only records the reward)."""
+    args, state = train.Args(algo="avspo"), train.algo_state(train.Args(algo="avspo"))
+    train.compute_advantages(args, torch.tensor([[0.0, 0.0], [0.0, 0.0], [1.0, 0.0], [1.0, 0.0]]), state, None)
+    assert state["threshold"].value == 0.5
+    train.compute_advantages(args, torch.tensor([[1.0, 1.0], [0.0, 0.0], [0.0, 0.0], [1.0, 0.0]]), state, None)
+    assert state["threshold"].value == pytest.approx(0.5 + 0.01 * (0.75 - 0.5))
+
+
+def test_find_checkpoint_takes_the_old_one_when_a_save_stopped_between_renames(tmp_path):
+    assert find_checkpoint(tmp_path) is None
+    for name in ("checkpoint.tmp", "checkpoint.old"):  # a save that stopped after moving the last one aside
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "state.pt").write_bytes(b"")
+    assert find_checkpoint(tmp_path) == tmp_path / "checkpoint.old"
+    (tmp_path / "checkpoint.tmp").rename(tmp_path / "checkpoint")
+    assert find_checkpoint(tmp_path) == tmp_path / "checkpoint"
 
 
 def rollout_cut_at(prompt_ids: torch.Tensor, lengths: list[int], width: int = 5) -> train.Rollout:
