@@ -289,7 +289,7 @@ def precision(out: Path, seeds: list[int], flags: list[str], jobs: int) -> dict:
         print("warning: this machine has no native bf16 (avx512_bf16, amx_bf16 or CUDA): the bf16 runs are emulated")
     folder = lambda name, seed: out / "precision" / f"seed{seed}-{name}"  # noqa: E731
     run_all([(run_training, folder(name, seed), seed, ["grpo"], flags + ["--precision", name])
-             for name in ("fp32", "bf16") for seed in seeds], jobs)  # the slower precision first: balances the jobs
+             for name in reversed(PRECISIONS) for seed in seeds], jobs)  # fp32, the slower, first: balances the jobs
     result = {}
     for name in PRECISIONS:
         runs = [folder(name, seed) / "grpo" for seed in seeds]
@@ -318,11 +318,12 @@ def estimate(args, parts: list[str]) -> tuple[int, int, float, float]:
         eval_units += n * len(gs) * 2 * args.scatter_eval_size / 336
     if "difficulty" in parts:
         step_units += len(LEVELS) * args.difficulty_prompts * 8 / 64 / 2
-    if "precision" in parts:  # train.py's B=2 x G=8 and evaluations
-        n = len(PRECISIONS) * len(args.precision_seeds.split(","))
+    if "precision" in parts:  # train.py's own B, G and evaluation schedule
+        n, default = len(PRECISIONS) * len(args.precision_seeds.split(",")), train.Args
         runs, steps = runs + n, steps + n * args.precision_steps
-        step_units += n * args.precision_steps * 2 * 8 / 64
-        evals = args.precision_steps // 10 + 1 + (args.precision_steps % 10 > 0)  # before, every 10th, the last
+        step_units += n * args.precision_steps * default.prompts_per_step * default.group_size / 64
+        every = default.eval_every  # before training, every `every` steps, and after the last
+        evals = args.precision_steps // every + 1 + (args.precision_steps % every > 0)
         eval_units += n * evals * min(args.eval_size, 336) / 336
     return runs, steps, step_units, eval_units
 
