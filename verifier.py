@@ -47,7 +47,7 @@ import math
 import re
 from fractions import Fraction
 from functools import lru_cache
-from typing import Callable, Union
+from typing import Callable, NamedTuple, Union
 
 MAX_TEXT = 50_000  # final answers live at the end; scanning only the tail bounds the time
 MAX_BOX_TEXT = 10_000  # boxes are looked for in this tail: the brace scan is a Python loop
@@ -66,7 +66,6 @@ ABS_TOL = 1e-12  # \sin\pi vs 0
 
 _NUM = r"-?(?:\d+(?:,\d{3})*(?:\.\d+)?|\.\d+)"  # commas only in groups of 3: unambiguous
 _NUMBER = re.compile(rf"(?<![A-Za-z]){_NUM}(?:/\d+(?:\.\d+)?)?")  # "1/2" is one answer, not "2"
-_BRACE = re.compile(r"[{}]")
 _BOX_OR_BRACE = re.compile(r"\\(?:boxed|fbox)\s*\{|[{}]")
 _HASHES = re.compile(r"####[ \t]*([^\n]*)")
 # "the answer is", "final answer:", "Answer =", and the "Q: ... A: ..." convention.
@@ -74,7 +73,8 @@ _PHRASE = re.compile(r"(?i:answer)[ \t]*(?:(?i:is)\b[ \t]*:?|[:=])|\bA:")
 _LEAD_NUMBER = re.compile(rf"\$?\s*({_NUM})(?:\s*\\?%)?(?:\s+[A-Za-z].*)?")  # "18 dollars"
 # A word outside commands and \text{}: 3+ letters, or a common 2-letter one ("It is 54." is no product
 # I*t*i*s*54). Not "or": "1 or 2" is a list of answers.
-_PROSE = re.compile(r"(?<![\\A-Za-z])(?:[A-Za-z]{3,}|(?i:is|it|so|be|as|to|we|an|at|by|if|of|on|no|do|he|us)(?![A-Za-z]))")
+_PROSE = re.compile(r"(?<![\\A-Za-z])(?:[A-Za-z]{3,}"
+                    r"|(?i:is|it|so|be|as|to|we|an|at|by|if|of|on|no|do|he|us)(?![A-Za-z]))")
 _ENVIRONMENT = re.compile(r"\\(?:begin|end)\{\w+\*?\}")
 _DIGIT = re.compile(r"\d")
 
@@ -89,16 +89,8 @@ _THOUSANDS = re.compile(r"-?\d{1,3}(?:,\d{3})+(?:\.\d+)?")
 _LETTER_CHOICE = re.compile(r"\(([A-Z])\)")
 _DIGIT_SPACE = re.compile(r"(?<=\d)\s+(?=\d)")
 _SPACED_THOUSANDS = re.compile(r"(?<![\d.])\d{1,3}(?: \d{3})+(?![\d.])")
-
-
-def _braced(text: str, start: int) -> str | None:
-    """Content of the brace group opening at text[start], or None if never closed."""
-    depth = 0
-    for m in _BRACE.finditer(text, start):  # jump brace to brace: linear and fast
-        depth += 1 if m.group() == "{" else -1
-        if depth == 0:
-            return text[start + 1 : m.start()]
-    return None
+_SPELLINGS = (("\\dfrac", "\\frac"), ("\\tfrac", "\\frac"), ("\\cfrac", "\\frac"), ("{,}", ","),
+              ("\u2212", "-"))  # one spelling of each, in the normal form and for the parser alike
 
 
 def _boxes(text: str) -> list[tuple[int, str]]:
@@ -227,8 +219,8 @@ def normalise(answer: str) -> str:
     s = answer.strip()
     if len(s) > MAX_NORMALISE:
         return s
-    s = s.replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac").replace("\\cfrac", "\\frac")
-    s = s.replace("{,}", ",").replace("\u2212", "-")
+    for old, new in _SPELLINGS:
+        s = s.replace(old, new)
     without_units = _UNIT_TEXT.sub("", s).strip()
     s = without_units if without_units else s  # "\text{ cm}" alone is the answer itself
     s = _TEXT.sub(r"\1", s)
@@ -250,15 +242,15 @@ def normalise(answer: str) -> str:
 
 
 # ------------------------------------------------------------------ cleaning for the parser
-_REPLACEMENTS = (
-    ("\\dfrac", "\\frac"), ("\\tfrac", "\\frac"), ("\\cfrac", "\\frac"), ("\\dbinom", "\\binom"),
-    ("\\tbinom", "\\binom"), ("{,}", ","), ("\u2212", "-"), ("\u00b7", "\\cdot"),
-    ("\u00d7", "\\times"), ("\u00f7", "\\div"), ("\u2264", "\\le "), ("\u2265", "\\ge "),
+_REPLACEMENTS = _SPELLINGS + (
+    ("\\dbinom", "\\binom"), ("\\tbinom", "\\binom"), ("\u00b7", "\\cdot"), ("\u00d7", "\\times"),
+    ("\u00f7", "\\div"), ("\u2264", "\\le "), ("\u2265", "\\ge "),
     ("\u221e", "\\infty"), ("\u03c0", "\\pi"), ("\\leqslant", "\\le"), ("\\geqslant", "\\ge"),
     ("\\leq", "\\le"), ("\\geq", "\\ge"), ("<=", "\\le "), (">=", "\\ge "), ("\\lt", "<"),
     ("\\gt", ">"), ("\\lbrace", "\\{"), ("\\rbrace", "\\}"), ("\\lvert", "|"), ("\\rvert", "|"),
     ("\\vert", "|"), ("\\langle", "("), ("\\rangle", ")"), ("\\displaystyle", ""),
-    ("\\!", ""), ("\\neq", "\\ne "), ("!=", "\\ne "), ("\\approx", "="), ("\\$", ""), ("$", ""), ("\\infin", "\\infty"), ("\u00b0", "^\\circ"),
+    ("\\!", ""), ("\\neq", "\\ne "), ("!=", "\\ne "), ("\\approx", "="), ("\\$", ""), ("$", ""),
+    ("\\infin", "\\infty"), ("\u00b0", "^\\circ"),
 )
 _DELIMITER = re.compile(r"(?<!\\)\\[()\[\]]")  # \( x \) and \[ x \] around a formula
 _SIZING = re.compile(r"\\(?:left|right|[bB]igg?[lr]?)(?![A-Za-z])\.?")
@@ -271,16 +263,17 @@ _UNIT = re.compile(r"(?<=[\d})\]])\s*\\(?:text|textnormal|mbox|mathrm|textrm|tex
 _WRAPPER = re.compile(
     r"\\(?:text|textnormal|textbf|textit|textrm|mbox|mathrm|mathbf|mathit|operatorname|boxed)"
     r"\s*\{([^{}]*)\}")
-_COMMA_THOUSANDS = re.compile(r"-?\d{1,3}(?:,\d{3})+(?:\.\d+)?")
 _PERCENT = re.compile(r"(?:\\?%|\s(?:percent|pct)\.?)\s*$")
 _CHOICE = re.compile(r"\(?([A-E])[).:]?")
 _PLAIN_FUNCTION = re.compile(r"(?<![\\A-Za-z])(sin|cos|tan|ln|log|exp|sqrt)(?![A-Za-z])")
 _WORD = re.compile(r"(?<![\\A-Za-z])[A-Za-z]{3,}|(?<![\\A-Za-z])(?i:no|yes)(?![A-Za-z])")
-_SIMPLE_LHS = re.compile(r"[A-Za-z](?:_\{?\w+\}?)?'*|\\[A-Za-z]+|[A-Za-z]\([A-Za-z](?:,[A-Za-z])*\)"
-                         r"|\([A-Za-z](?:,[A-Za-z])+\)")
+_NAME = r"[A-Za-z](?:_\{?\w+\}?)?"  # x, x_1, x_{12}
+_VARIABLE = re.compile(_NAME + r"|\\[A-Za-z]+")  # the middle of 1 < x < 4, or \theta
+_SIMPLE_LHS = re.compile(_NAME + r"'*|\\[A-Za-z]+|[A-Za-z]\([A-Za-z](?:,[A-Za-z])*\)"
+                         r"|\([A-Za-z](?:,[A-Za-z])+\)")  # x, f'', \theta, f(x), (x, y): names a value
 _IN_PREFIX = re.compile(r"^[A-Za-z]\s*\\in(?![A-Za-z])")
-_MATRIX = re.compile(r"\\begin\{(?:[pbBvV]?matrix|array|smallmatrix)\}(?:\{[^{}]*\})?(.*)"
-                     r"\\end\{(?:[pbBvV]?matrix|array|smallmatrix)\}", re.S)
+_MATRIX_ENV = r"\{(?:[pbBvV]?matrix|array|smallmatrix)\}"
+_MATRIX = re.compile(r"\\begin" + _MATRIX_ENV + r"(?:\{[^{}]*\})?(.*)\\end" + _MATRIX_ENV, re.S)
 _RELATION = re.compile(r"\\le(?![A-Za-z])|\\ge(?![A-Za-z])|<|>")
 
 
@@ -302,7 +295,7 @@ def _clean(answer: str) -> str:
         s = _WRAPPER.sub(r"\1", s)
     s = _PLAIN_FUNCTION.sub(r"\\\1", s)
     s = _SPACED_THOUSANDS.sub(lambda m: m.group().replace(" ", ""), s.strip())
-    if _COMMA_THOUSANDS.fullmatch(s):  # a bare "1,000" is a number, "(1,000)" is not
+    if _THOUSANDS.fullmatch(s):  # a bare "1,000" is a number, "(1,000)" is not
         s = s.replace(",", "")
     return s.strip()
 
@@ -657,38 +650,71 @@ def _close(a: Value, b: Value) -> bool:
     return abs(za - zb) <= max(tol * max(abs(za), abs(zb)), ABS_TOL)
 
 
-def _formula_equal(a: tuple, b: tuple) -> bool:
+# ------------------------------------------------------------------ structured answers
+class Formula(NamedTuple):
+    ast: Node
+    names: frozenset[str]  # its variables
+    value: Value | None  # computed once when read, if it has no variables
+
+
+class Seq(NamedTuple):
+    """A tuple or interval (ordered), or a set or bare list (order-free)."""
+    ordered: bool
+    opener: str  # "(", "[", "{", or "" for a bare list
+    closer: str
+    items: list[Answer]
+
+
+class Matrix(NamedTuple):
+    rows: list[list[Answer]]
+
+
+class Equation(NamedTuple):
+    lhs: Answer | None  # None when the parser does not read it
+    rhs: Answer
+    names_value: bool  # "x = 5", "a = b = 5": the right side is the answer
+
+
+class Text(NamedTuple):
+    key: str  # lower case, letters and digits only: "Evelyn" and "\text{evelyn}" agree
+
+
+class AnyOf(NamedTuple):
+    options: list[Answer]  # readings that are all right: 50% is 50 and 0.5
+
+
+class Raw(NamedTuple):
+    form: str  # the normal form of an answer nothing above reads
+
+
+Answer = Union[Formula, Seq, Matrix, Equation, Text, AnyOf, Raw]
+
+
+def _formula_equal(a: Formula, b: Formula) -> bool:
     """Same value, or for formulas with variables, the same value at three fixed points."""
-    if a[3] is not None and b[3] is not None:  # constants: evaluated once when read
-        return _close(a[3], b[3])
-    names = sorted(a[2] | b[2])
+    if a.value is not None and b.value is not None:
+        return _close(a.value, b.value)
+    names = sorted(a.names | b.names)
     if len(names) > MAX_VARS:
         return False
     try:
         for k in range(3):
             env = {n: _POINTS[(j + 3 * k) % len(_POINTS)] for j, n in enumerate(names)}
-            if not _close(_eval(a[1], env), _eval(b[1], env)):
+            if not _close(_eval(a.ast, env), _eval(b.ast, env)):
                 return False
     except (_Refused, ArithmeticError, ValueError, TypeError, KeyError):
         return False
     return True
 
 
-# ------------------------------------------------------------------ structured answers
-# An answer is one of: ("formula", ast, variables, value or None), ("seq", kind, open, close,
-# items) with kind "tuple" (ordered) or "set" (order-free), ("matrix", rows), ("eq", lhs, rhs),
-# ("text", key), ("any", alternatives), ("raw", normal form).
-Answer = tuple
-
-
 def _split_top(s: str, sep: str) -> list[str]:
     """Split on `sep` outside (), [], {}, \\{\\} (any closer closes any opener: [1, 4) is balanced)."""
-    parts, depth, start, i = [], 0, 0, 0
+    parts, depth, start, i, n = [], 0, 0, 0, len(sep)
     word = sep[-1].isalpha()  # "\\cup" must not split "\\cupcake"
     while i < len(s):
-        if depth == 0 and s.startswith(sep, i) and not (word and s[i + len(sep) : i + len(sep) + 1].isalpha()):
+        if depth == 0 and s.startswith(sep, i) and not (word and s[i + n : i + n + 1].isalpha()):
             parts.append(s[start:i])
-            i += len(sep)
+            i += n
             start = i
             continue
         ch = s[i]
@@ -727,8 +753,7 @@ def _inequality(s: str, depth: int) -> Answer | None:
     pieces = _RELATION.split(s)
     ops = _RELATION.findall(s)
     strip = [p.strip() for p in pieces]
-    is_var = [bool(re.fullmatch(r"[A-Za-z](?:_\{?\w+\}?)?|\\[A-Za-z]+", p)) and p not in (
-        "\\infty", "\\pi") for p in strip]
+    is_var = [bool(_VARIABLE.fullmatch(p)) and p not in ("\\infty", "\\pi") for p in strip]
     less = [op in ("<", "\\le") for op in ops]
     closed = [op in ("\\le", "\\ge") for op in ops]
     if len(ops) == 2 and is_var[1] and less[0] == less[1]:
@@ -745,7 +770,7 @@ def _inequality(s: str, depth: int) -> Answer | None:
     ends = _items([lo, hi], depth)
     if ends is None:
         return None
-    return ("seq", "tuple", "[" if lo_closed else "(", "]" if hi_closed else ")", ends)
+    return Seq(True, "[" if lo_closed else "(", "]" if hi_closed else ")", ends)
 
 
 def _formula(s: str) -> Answer | None:
@@ -760,7 +785,7 @@ def _formula(s: str) -> Answer | None:
             value = _eval(ast, {})
         except (_Refused, ArithmeticError, ValueError, TypeError):
             return None
-    return ("formula", ast, names, value)
+    return Formula(ast, names, value)
 
 
 def _matrix(body: str, depth: int) -> Answer | None:
@@ -770,7 +795,7 @@ def _matrix(body: str, depth: int) -> Answer | None:
     cells = [_items(_split_top(r, "&"), depth) for r in rows]
     if any(c is None for c in cells) or len({len(c) for c in cells}) != 1:
         return None
-    return ("matrix", cells)
+    return Matrix(cells)
 
 
 def _structure(s: str, depth: int) -> Answer | None:
@@ -787,40 +812,40 @@ def _structure(s: str, depth: int) -> Answer | None:
         if sign in s:
             plus, minus = s.replace(sign, "+", 1), s.replace(sign, "-", 1)
             items = _items([plus, minus], depth)
-            return ("seq", "set", "", "", items) if items else None
+            return Seq(False, "", "", items) if items else None
     for sep in ("\\cup", ","):
         parts = _split_top(s, sep)
         if len(parts) > 1 and all(p.strip() for p in parts):
             if sep == "," and s[0] in "([" and _closing(s, 0) == len(s) - 1:
                 break  # a tuple or interval, read below
             items = _items(parts, depth)
-            return ("seq", "set", "", "", items) if items else None
+            return Seq(False, "", "", items) if items else None
     if s.startswith("\\{") and s.endswith("\\}"):
         items = _items(_split_top(s[2:-2], ","), depth)
-        return ("seq", "set", "{", "}", items) if items else None
+        return Seq(False, "{", "}", items) if items else None
     if _IN_PREFIX.match(s):
         return _structure(_IN_PREFIX.sub("", s), depth)
     sides = _split_top(s, "=")
-    if len(sides) > 1:  # ("eq", lhs, rhs, names a value): x = 5, f(x) = ..., a = b = 5
+    if len(sides) > 1:  # x = 5, f(x) = ..., a = b = 5
         lhs, rhs = _structure(sides[0], depth + 1), _structure(sides[-1], depth + 1)
         value = bool(_SIMPLE_LHS.fullmatch(re.sub(r"\s", "", sides[0]))) or len(sides) > 2
-        return ("eq", lhs, rhs, value) if rhs and (lhs or value) else None
+        return Equation(lhs, rhs, value) if rhs and (lhs or value) else None
     if _RELATION.search(s):
         return _inequality(s, depth)
     if s[0] in "([" and _closing(s, 0) == len(s) - 1 and len(_split_top(s[1:-1], ",")) > 1:
         items = _items(_split_top(s[1:-1], ","), depth)
-        return ("seq", "tuple", s[0], s[-1], items) if items else None
+        return Seq(True, s[0], s[-1], items) if items else None
     if _PERCENT.search(s):
         base = _PERCENT.sub("", s).strip()
         options = [x for x in (_structure(base, depth + 1),
                                _formula(f"({base})/100")) if x is not None]
-        return ("any", options) if options else None
+        return AnyOf(options) if options else None
     choice = _CHOICE.fullmatch(s)
     if choice:
         return _formula(choice.group(1))
     if _WORD.search(s):  # a word, not a product of letters: "odd", "Evelyn"
-        return ("text", re.sub(r"[^a-z0-9]", "", s.lower()))
-    return _formula(s) or ("raw", normalise(s))
+        return Text(re.sub(r"[^a-z0-9]", "", s.lower()))
+    return _formula(s) or Raw(normalise(s))
 
 
 @lru_cache(maxsize=8192)  # golds repeat across a group; completions are short
@@ -830,12 +855,12 @@ def _interpret(answer: str) -> Answer | None:
     return _structure(_clean(answer), 0)
 
 
-def _proportional(a: Answer, b: Answer) -> bool:
+def _proportional(a: Equation, b: Equation) -> bool:
     """Equations with the same solutions up to scale: 2x + 4y - 3 = 0 and y = -x/2 + 3/4."""
-    if any(side is None or side[0] != "formula" for side in (a[1], a[2], b[1], b[2])):
+    if not all(isinstance(side, Formula) for side in (a.lhs, a.rhs, b.lhs, b.rhs)):
         return False
-    da, db = ("sub", a[1][1], a[2][1]), ("sub", b[1][1], b[2][1])
-    names = sorted(a[1][2] | a[2][2] | b[1][2] | b[2][2])
+    da, db = ("sub", a.lhs.ast, a.rhs.ast), ("sub", b.lhs.ast, b.rhs.ast)
+    names = sorted(a.lhs.names | a.rhs.names | b.lhs.names | b.rhs.names)
     if not names or len(names) > MAX_VARS:
         return False
     try:
@@ -866,38 +891,40 @@ def _same(a: Answer | None, b: Answer | None) -> bool:
     """Structural equality of two interpreted answers."""
     if a is None or b is None:
         return False
-    if a[0] == "any":
-        return any(_same(x, b) for x in a[1])
-    if b[0] == "any":
-        return any(_same(a, y) for y in b[1])
+    if isinstance(a, AnyOf):
+        return any(_same(x, b) for x in a.options)
+    if isinstance(b, AnyOf):
+        return any(_same(a, y) for y in b.options)
     # Equations; `a` is always the completion's side. A stated "... = 5" matches the gold 5;
     # the gold "7 = 11a + c" is an equation, so "11a + c" does not match it, but "x = 5" does.
-    if a[0] == "eq" and (b[0] != "eq" or (a[3] and b[3] and _same(a[2], b[2]))):
-        return _same(a[2], b)
-    if b[0] == "eq" and a[0] != "eq":
-        return b[3] and _same(a, b[2])
-    if a[0] == "seq" and b[0] == "seq":
-        if a[1] == "tuple" and b[1] == "tuple":  # brackets agree: (1, 4] is not [1, 4]
-            return a[2:4] == b[2:4] and len(a[4]) == len(b[4]) and all(
-                _same(x, y) for x, y in zip(a[4], b[4]))
-        if sorted((a[2], b[2])) == ["", "("]:  # a bare list 3, 5 vs (3, 5): order-free
-            return _multiset_equal(a[4], b[4])
-        return a[1] == b[1] == "set" and _multiset_equal(a[4], b[4])
-    if a[0] == "seq" and a[1] == "set" and len(a[4]) == 1:  # \{2\} is the answer 2
-        return _same(a[4][0], b)
-    if b[0] == "seq" and b[1] == "set" and len(b[4]) == 1:
-        return _same(a, b[4][0])
-    if a[0] != b[0]:
+    a_eq, b_eq = isinstance(a, Equation), isinstance(b, Equation)
+    if a_eq and (not b_eq or (a.names_value and b.names_value and _same(a.rhs, b.rhs))):
+        return _same(a.rhs, b)
+    if b_eq and not a_eq:
+        return b.names_value and _same(a, b.rhs)
+    if isinstance(a, Seq) and isinstance(b, Seq):
+        if a.ordered and b.ordered:  # brackets agree: (1, 4] is not [1, 4]
+            same_ends = (a.opener, a.closer) == (b.opener, b.closer)
+            return same_ends and len(a.items) == len(b.items) and all(
+                _same(x, y) for x, y in zip(a.items, b.items))
+        if sorted((a.opener, b.opener)) == ["", "("]:  # a bare list 3, 5 vs (3, 5): order-free
+            return _multiset_equal(a.items, b.items)
+        return not a.ordered and not b.ordered and _multiset_equal(a.items, b.items)
+    if isinstance(a, Seq) and not a.ordered and len(a.items) == 1:  # \{2\} is the answer 2
+        return _same(a.items[0], b)
+    if isinstance(b, Seq) and not b.ordered and len(b.items) == 1:
+        return _same(a, b.items[0])
+    if type(a) is not type(b):  # a Text and a Raw of the same string still differ
         return False
-    if a[0] == "formula":
+    if isinstance(a, Formula):
         return _formula_equal(a, b)
-    if a[0] == "matrix":
-        return len(a[1]) == len(b[1]) and all(
-            len(r) == len(s) and all(_same(x, y) for x, y in zip(r, s)) for r, s in zip(a[1], b[1]))
-    if a[0] == "eq":
-        return (_same(a[1], b[1]) and _same(a[2], b[2])) or (
-            _same(a[1], b[2]) and _same(a[2], b[1])) or _proportional(a, b)
-    return a[1] == b[1]  # text and raw forms
+    if isinstance(a, Matrix):
+        return len(a.rows) == len(b.rows) and all(len(r) == len(s) and all(
+            _same(x, y) for x, y in zip(r, s)) for r, s in zip(a.rows, b.rows))
+    if isinstance(a, Equation):
+        return (_same(a.lhs, b.lhs) and _same(a.rhs, b.rhs)) or (
+            _same(a.lhs, b.rhs) and _same(a.rhs, b.lhs)) or _proportional(a, b)
+    return a == b  # Text and Raw: the same key or normal form
 
 
 def _matches(predicted: str, gold: str) -> bool:
@@ -923,7 +950,7 @@ def verify(completion: str, answer: str) -> float:
             return 1.0
         if 1 < len(boxes) <= MAX_BOXES:  # "\boxed{3} and \boxed{5}" for the gold "3, 5"
             g = _interpret(gold)
-            if g is not None and g[0] == "seq" and len(g[4]) == len(boxes):
+            if isinstance(g, Seq) and len(g.items) == len(boxes):
                 return 1.0 if _matches(", ".join(boxes), gold) else 0.0
         return 0.0
     except Exception:  # a reward function must not crash a training run

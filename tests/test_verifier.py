@@ -195,14 +195,14 @@ def test_hostile_powers_are_refused_fast() -> None:
 
 
 def test_formula_parser_and_values() -> None:
-    value = verifier._interpret("\\frac{1}{2} + \\sqrt{4} \\cdot 3")[3]
+    value = verifier._interpret("\\frac{1}{2} + \\sqrt{4} \\cdot 3").value
     assert value == verifier.Fraction(13, 2)  # exact arithmetic where possible
-    assert verifier._interpret("\\frac12")[3] == verifier.Fraction(1, 2)
-    assert verifier._interpret("\\sqrt{\\frac{9}{4}}")[3] == verifier.Fraction(3, 2)  # exact roots
-    assert verifier._interpret("\\sqrt[3]{27}")[3] == 3 and verifier._interpret("8^{2/3}")[3] == 4
-    assert verifier._interpret("2x")[2] == frozenset({"x"})
-    assert verifier._interpret("x_1 + \\alpha")[2] == frozenset({"x_1", "\\alpha"})
-    assert verifier._interpret("52_8")[0] == "raw"  # a base subscript is not a product
+    assert verifier._interpret("\\frac12").value == verifier.Fraction(1, 2)
+    assert verifier._interpret("\\sqrt{\\frac{9}{4}}").value == verifier.Fraction(3, 2)  # exact roots
+    assert verifier._interpret("\\sqrt[3]{27}").value == 3 and verifier._interpret("8^{2/3}").value == 4
+    assert verifier._interpret("2x").names == frozenset({"x"})
+    assert verifier._interpret("x_1 + \\alpha").names == frozenset({"x_1", "\\alpha"})
+    assert verifier._interpret("52_8") == verifier.Raw("52_8")  # a base subscript is not a product
 
 
 # ------------------------------------------------------------------ pluggable rewards
