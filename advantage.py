@@ -9,16 +9,25 @@ No model, no I/O: this file can be read, tested and reused on its own.
            groups are normalised together with K virtual rewards       He et al., arXiv 2605.21125
     AAPO   GRPO + clip(r_i - r_ref_i, -delta_low, delta_high)          Xiong et al., arXiv 2505.14264
 
-Sources (../shared/papers/ has summaries of both papers and facts from their released code; neither
-gives equation numbers, so none are cited here). From the papers: the GRPO advantage; ACR as the
-share of groups with reward std below tau; AVSPO's virtual rewards, which enter the mean and std of a
-collapsed group but get no advantage, lie slightly below the maximum for an all-correct group and are a
-small positive anchor for an all-wrong one, and are used only when ACR is above a threshold that adapts
-during training; K = max(1, min(G, ceil(G * ACR^alpha))), alpha = 0.5; the AAPO advantage A*.
-From the released code: unbiased std, eps = 1e-4, tau = 1e-6, one virtual reward (0.0 or 1.0) per
-collapsed group, threshold start 0.5, step 0.01, bounds [0.1, 0.9], AAPO's clamp(-0.2, 0.28) and
-pairing r_ref_i with r_i by sample index. Ours: the virtual-reward ladder (`virtual_rewards`), the
-threshold update rule (`AdaptiveThreshold`), the strict `ACR > threshold` trigger.
+Sources. AVSPO has no released code: its repository holds a licence and an empty README. What we
+know of it comes from a summary of the paper (../shared/papers/), which gives no equation numbers,
+so none are cited here. Each choice below is one of four kinds:
+  paper (via the summary): the GRPO advantage; ACR as the share of groups with reward std below tau;
+      virtual rewards that join a collapsed group's mean and std but get no advantage ("stratified":
+      slightly below the maximum for an all-correct group, a small positive anchor for an all-wrong
+      one); a trigger from the live ACR and training progress whose threshold adapts so that stable
+      phases are not over-corrected; AAPO's A* = GRPO advantage + clipped margin.
+  code (TRL's GRPOTrainer, AAPO's released trainers): unbiased std, eps = 1e-4, AAPO's
+      clamp(-0.2, 0.28), r_ref_i paired with r_i by sample index.
+  ours: delta = 0.1 (`virtual_rewards`); the threshold's rule and constants (`AdaptiveThreshold`);
+      the strict `ACR > threshold` trigger; ACR per step's batch.
+  unverified (in an earlier version of our notes, in no source we can check): tau = 1e-6 and
+      K = max(1, min(G, ceil(G * ACR^alpha))) with alpha = 0.5 (`num_virtual_samples`).
+
+AAPO's code departs from its paper in three places; we take the paper's reading in each: it divides
+by the std only with `scale_rewards` on (its open-r1 launcher turns it off; we divide), its vLLM path
+samples r_ref from the engine holding the current policy (we sample the frozen reference model), and
+its configs set a KL `beta` the loss never uses (ours is train.py's separate --beta, 0 by default).
 
 Exactness: a group whose rewards are all equal gets advantage exactly 0 from GRPO, from AVSPO when it
 does not intervene and from AAPO's GRPO part, for any value and dtype (the rewards are centred on the
@@ -39,9 +48,9 @@ import torch
 def _as_float_groups(rewards: torch.Tensor) -> torch.Tensor:
     """Check the [B, G] shape and return the rewards in a dtype at least as precise as float32."""
     if rewards.ndim != 2:
-        raise ValueError(f"rewards must be shaped [B, G] (prompts, samples); got shape {tuple(rewards.shape)}")
+        raise ValueError(f"rewards must be shaped [B, G] (prompts, samples); got {tuple(rewards.shape)}")
     if rewards.shape[1] < 2:
-        raise ValueError(f"group size G must be >= 2 to compare samples within a group; got G={rewards.shape[1]}")
+        raise ValueError(f"group size G must be >= 2 to compare samples in a group; got G={rewards.shape[1]}")
     if rewards.shape[0] < 1:
         raise ValueError(f"rewards must hold at least one group (B >= 1); got shape {tuple(rewards.shape)}")
     return rewards.to(torch.promote_types(rewards.dtype, torch.float32))
@@ -61,7 +70,7 @@ def grpo_advantages(rewards: torch.Tensor, *, scale: bool = True, eps: float = 1
     d = r - r[:, :1]  # shift by the first reward (r_i - mean is shift invariant): equal groups become exact 0
     centred = d - d.mean(dim=1, keepdim=True)  # r_i - mean_G, [B, G]
     if scale:
-        centred = centred / (centred.std(dim=1, keepdim=True) + eps)  # GRPO (Shao et al.), unbiased std [B, 1]
+        centred = centred / (centred.std(dim=1, keepdim=True) + eps)  # GRPO (Shao et al.), unbiased std
     return centred.to(_output_dtype(rewards))
 
 
@@ -86,7 +95,9 @@ def effective_collapse_rate(advantages: torch.Tensor, *, tau: float = 1e-6) -> f
 
 
 def num_virtual_samples(group_size: int, num_collapsed: int, num_groups: int, alpha: float = 0.5) -> int:
-    """K = max(1, min(G, ceil(G * ACR^alpha))), ACR = num_collapsed / num_groups (AVSPO's adaptive K).
+    """K = max(1, min(G, ceil(G * ACR^alpha))), ACR = num_collapsed / num_groups: more virtual rewards
+    (larger advantages, see `avspo_advantages`) the more of the batch has collapsed. Unverified: the
+    formula and alpha = 0.5 are in no source we can check; `num_virtual=` in `avspo_advantages` fixes K.
 
     Exact, in integers: alpha is read as the fraction p/q (q <= 1000) it stands for (0.5 -> 1/2,
     0.3 -> 3/10; any other alpha is moved by < 1e-6), and ceil(G * (c/n)^(p/q)) is the smallest k with
@@ -104,28 +115,30 @@ def num_virtual_samples(group_size: int, num_collapsed: int, num_groups: int, al
     p, q, g, c, n = a.numerator, a.denominator, group_size, num_collapsed, num_groups
     target = g**q * c**p  # G^q * c^p; k = G always satisfies k^q * n^p >= target, as c <= n
     ceil_k = next(k for k in range(g + 1) if k**q * n**p >= target)  # = ceil(G * (c/n)^(p/q))
-    return max(1, min(g, ceil_k))  # AVSPO (He et al.): K = max(1, min(G, ceil(G * ACR^alpha)))
+    return max(1, min(g, ceil_k))  # unverified: K = max(1, min(G, ceil(G * ACR^alpha)))
 
 
-def virtual_rewards(values: torch.Tensor, num_virtual: int, reward_range: tuple[float, float]) -> torch.Tensor:
+def virtual_rewards(values: torch.Tensor, num_virtual: int, delta: float,
+                    reward_range: tuple[float, float]) -> torch.Tensor:
     """K virtual rewards [C, K] for C collapsed groups whose common reward is values [C].
 
-    From the paper (as summarised): an all-correct group gets virtual rewards slightly below the
-    maximum, an all-wrong group a small positive anchor; it gives no formula we could check. From the
-    released code: K = 1, 0.0 for an all-correct group and 1.0 for an all-wrong one. Ours: a ladder from
-    v towards the far end of [lo, hi], v + (target - v) * k / K for k = 1..K, target = lo if
-    v - lo >= hi - v else hi; with K = 1 it is the released code.
+    Stratified assignment (AVSPO, He et al., as summarised): an all-correct group gets K values
+    slightly below its reward, v - delta; an all-wrong group a small positive anchor, v + delta. A
+    collapsed group at another value goes down if it lies in the upper half of reward_range, else up.
+    delta = 0.1 is ours (see `avspo_advantages` for why its size hardly matters).
 
-    >>> virtual_rewards(torch.tensor([1.0, 0.0]), 2, (0.0, 1.0))
-    tensor([[0.5000, 0.0000],
-            [0.5000, 1.0000]])
+    >>> virtual_rewards(torch.tensor([1.0, 0.0]), 2, 0.1, (0.0, 1.0))
+    tensor([[0.9000, 0.9000],
+            [0.1000, 0.1000]])
     """
     lo, hi = reward_range
     if not lo < hi:
         raise ValueError(f"reward_range must be (lo, hi) with lo < hi; got {reward_range}")
-    target = torch.where(values - lo >= hi - values, lo, hi)  # [C], ours: the far end of the range
-    steps = torch.arange(1, num_virtual + 1, dtype=values.dtype, device=values.device) / num_virtual  # [K]
-    return values[:, None] + (target - values)[:, None] * steps[None, :]  # [C, K], ours: the ladder
+    if not 0 < delta <= hi - lo:
+        raise ValueError(f"delta must lie in (0, hi - lo] = (0, {hi - lo}]; got {delta}")
+    at_top = values - lo >= hi - values  # [C]: the all-correct end
+    virtual = torch.where(at_top, values - delta, values + delta)  # [C], AVSPO: stratified
+    return virtual[:, None].expand(-1, num_virtual)  # [C, K]
 
 
 class AvspoInfo(NamedTuple):
@@ -142,6 +155,7 @@ def avspo_advantages(
     acr_threshold: float = 0.5,
     alpha: float = 0.5,
     num_virtual: int | None = None,
+    delta: float = 0.1,
     reward_range: tuple[float, float] = (0.0, 1.0),
     tau: float = 1e-6,
     eps: float = 1e-4,
@@ -151,8 +165,17 @@ def avspo_advantages(
     together with K virtual rewards V: A_i = (r_i - mean(R u V)) / (std(R u V) + eps).
 
     Virtual samples only shift the statistics: they get no advantage and carry no gradient. K is
-    `num_virtual` if given, else `num_virtual_samples`. `num_virtual=1, acr_threshold=0.0` reproduces
-    the released code. With return_info=True, returns (advantages, AvspoInfo).
+    `num_virtual` if given, else `num_virtual_samples`; V is `virtual_rewards`. With return_info=True,
+    returns (advantages, AvspoInfo).
+
+    Only K sets the size, delta only the sign. The G real rewards all equal v and the K virtual ones
+    v -+ delta, so each real reward lies K delta / (G + K) from the mean of the G + K, on the side
+    away from V; their unbiased std is delta sqrt(K G / ((G + K)(G + K - 1))). Hence
+
+        A_i = +-sqrt(K (G + K - 1) / (G (G + K)))     (+ all-correct, - all-wrong)
+
+    whatever delta is, as long as delta >> eps. With G = 8: K = 1 gives 1/3, K = 8 gives 0.97. An
+    all-correct group's completions are pushed up, an all-wrong group's down.
 
     The trigger compares ACR = c / B, a correctly rounded Python float, with the threshold: an ACR equal
     to a threshold written as a fraction (0.5, 0.3, 0.57) rounds to the same float and does not
@@ -171,9 +194,9 @@ def avspo_advantages(
     triggered = num_collapsed / num_groups > acr_threshold  # ours: strict ACR > threshold (see above)
     k = 0
     if triggered:
-        k = num_virtual if num_virtual is not None else num_virtual_samples(group_size, num_collapsed, num_groups, alpha)
+        k = num_virtual or num_virtual_samples(group_size, num_collapsed, num_groups, alpha)
         real = r[collapsed]  # [C, G]
-        virtual = virtual_rewards(real[:, 0], k, reward_range)  # [C, K]
+        virtual = virtual_rewards(real[:, 0], k, delta, reward_range)  # [C, K]
         augmented = torch.cat([real, virtual], dim=1)  # [C, G + K]
         mean = augmented.mean(dim=1, keepdim=True)  # [C, 1]
         std = augmented.std(dim=1, keepdim=True)  # [C, 1], unbiased over G + K values
@@ -184,35 +207,48 @@ def avspo_advantages(
 
 @dataclass
 class AdaptiveThreshold:
-    """The ACR level above which AVSPO intervenes, adapted every step. The paper adapts it to ACR and
-    training progress; its constants (value 0.5, lr 0.01, bounds [0.1, 0.9]) are the released code's.
-    The update rule is ours (the sources give none):
+    """The ACR level above which AVSPO intervenes: it falls while training stalls and rises while it improves.
 
-        tau <- clip(tau + lr * sign(reward_mean - prev_reward) * (acr - tau), low, high)
+    The paper (as summarised) triggers from the live ACR and training progress, with a threshold that adapts
+    so that stable phases are not over-corrected; it gives no rule. Ours reads "progress" as a new best of
+    the smoothed batch reward, so that one noisy batch (with B = 8, ACR moves in steps of 1/8) moves the
+    threshold by one `step` at most:
 
-    While the batch mean reward rises the threshold follows the live ACR, while it falls it moves away.
-    The first update only records the reward. A checkpoint saves `dataclasses.asdict(threshold)` and
-    restores `AdaptiveThreshold(**saved)`.
+        ema   <- smoothing * ema + (1 - smoothing) * reward_mean
+        value <- clip(value + step if ema > best else value - step, low, high),  best <- max(best, ema)
+
+    So while the smoothed reward keeps setting new bests the trigger fires less, and while it is flat or
+    falling, more: from the middle, 8 steps of either reach a bound, 16 cross the whole range. A step with
+    no collapsed group (acr = 0) leaves the value: there was nothing to intervene on. The first update only
+    starts the average. All constants are ours. `benchmarks/trigger_table.py` simulates how often it fires.
+    A checkpoint saves `dataclasses.asdict(threshold)` and restores `AdaptiveThreshold(**saved)`.
     """
 
     value: float = 0.5
-    lr: float = 0.01
+    step: float = 0.05
     low: float = 0.1
     high: float = 0.9
-    prev_reward: float | None = None  # batch mean reward at the previous update; None before the first
+    smoothing: float = 0.8  # weight of the past in the reward average: about the last 5 steps count
+    reward_ema: float | None = None  # smoothed batch mean reward; None before the first update
+    best_ema: float | None = None  # the highest reward_ema so far
 
     def __post_init__(self) -> None:
         if not self.low <= self.value <= self.high:
             raise ValueError(f"value={self.value} must lie in [low, high] = [{self.low}, {self.high}]")
+        if not (self.step > 0 and 0 <= self.smoothing < 1):
+            raise ValueError(f"need step > 0 and 0 <= smoothing < 1; got {self.step}, {self.smoothing}")
 
     def update(self, acr: float, reward_mean: float) -> float:
-        """Record this step's batch mean reward; from the second call on, move the threshold. Returns it."""
-        if self.prev_reward is not None:
-            delta = reward_mean - self.prev_reward
-            sign = (delta > 0) - (delta < 0)
-            moved = self.value + self.lr * sign * (acr - self.value)  # ours, see the class docstring
+        """Fold this step's ACR and batch mean reward in; returns the threshold for the next step."""
+        if self.reward_ema is None:
+            self.reward_ema = self.best_ema = reward_mean
+            return self.value
+        self.reward_ema = self.smoothing * self.reward_ema + (1 - self.smoothing) * reward_mean
+        improving = self.reward_ema > self.best_ema
+        self.best_ema = max(self.best_ema, self.reward_ema)
+        if acr > 0:  # ours: the threshold adapts on the steps it could act on
+            moved = self.value + (self.step if improving else -self.step)
             self.value = min(self.high, max(self.low, moved))
-        self.prev_reward = reward_mean
         return self.value
 
 
@@ -222,7 +258,7 @@ def aapo_margin(
     """Advantage margin clip(r_i - r_ref_i, -delta_low, delta_high), paired by sample index as in the
     AAPO code; r_ref_i is the reward of the i-th of G completions from the frozen reference model."""
     if rewards.shape != ref_rewards.shape:
-        raise ValueError(f"rewards {tuple(rewards.shape)} and ref_rewards {tuple(ref_rewards.shape)} must match")
+        raise ValueError(f"rewards {tuple(rewards.shape)} and ref_rewards {tuple(ref_rewards.shape)} differ")
     if delta_low < 0 or delta_high < 0:
         raise ValueError(f"delta_low, delta_high are magnitudes >= 0 (clip to [-delta_low, delta_high]); "
                          f"got {delta_low}, {delta_high}")
@@ -249,5 +285,5 @@ def aapo_advantages(
     """
     r = _as_float_groups(rewards)  # both terms in >= float32, rounded to the output dtype once
     margin = aapo_margin(r, ref_rewards, delta_low=delta_low, delta_high=delta_high)  # [B, G]
-    advantages = grpo_advantages(r, scale=scale, eps=eps) + margin  # AAPO (Xiong et al.): A* = A_GRPO + margin
+    advantages = grpo_advantages(r, scale=scale, eps=eps) + margin  # AAPO (Xiong et al.): A* = A + margin
     return advantages.to(_output_dtype(rewards))

@@ -272,20 +272,33 @@ def test_avspo_all_correct_positive_all_wrong_negative(rewards, num_virtual):
     assert effective_collapse_rate(adv) == 0.0
 
 
-@given(st.lists(st.floats(0.0, 1.0, width=32), min_size=1, max_size=6), st.integers(1, 8))
-def test_virtual_rewards_ladder(values, k):
-    v = torch.tensor(values)
-    ladder = virtual_rewards(v, k, (0.0, 1.0))
-    assert ladder.shape == (len(values), k) and torch.all((ladder >= 0.0) & (ladder <= 1.0))
-    far_end = torch.where(v >= 0.5, 0.0, 1.0)  # towards the end of [0, 1] farther from v; at 0.5, down
-    torch.testing.assert_close(ladder[:, -1], far_end)  # the K-th rung is the far end itself
-    steps = ladder.diff(dim=1, prepend=v[:, None])  # even steps of (far_end - v) / K
-    torch.testing.assert_close(steps, ((far_end - v) / k)[:, None].expand(-1, k))
+def test_virtual_rewards_are_stratified():
+    values = torch.tensor([1.0, 0.0, 0.75, 0.5, 0.25])
+    virtual = virtual_rewards(values, 3, 0.1, (0.0, 1.0))  # [5, 3]
+    expected = torch.tensor([0.9, 0.1, 0.65, 0.4, 0.35])  # below the top half, above the bottom half
+    torch.testing.assert_close(virtual, expected[:, None].expand(-1, 3))
+    torch.testing.assert_close(virtual_rewards(torch.tensor([3.0, 1.0]), 1, 0.5, (1.0, 3.0)),
+                               torch.tensor([[2.5], [1.5]]))
+    for delta in (0.0, -0.1, 1.5):
+        with pytest.raises(ValueError):
+            virtual_rewards(values, 1, delta, (0.0, 1.0))
 
 
-def test_virtual_rewards_at_the_midpoint_go_down():
-    torch.testing.assert_close(virtual_rewards(torch.tensor([0.5, 3.0]), 1, (0.0, 1.0)), torch.tensor([[0.0], [0.0]]))
-    torch.testing.assert_close(virtual_rewards(torch.tensor([2.0]), 2, (1.0, 3.0)), torch.tensor([[1.5, 1.0]]))
+def closed_form(g: int, k: int) -> float:
+    """|A| of a collapsed group's real samples next to K virtual rewards at v -+ delta, eps = 0."""
+    return math.sqrt(k * (g + k - 1) / (g * (g + k)))
+
+
+@given(st.integers(2, 16), st.integers(1, 16), st.floats(0.01, 1.0), st.floats(0.01, 1.0))
+def test_avspo_advantage_depends_on_k_not_on_delta(g, k, delta_a, delta_b):
+    rewards = torch.tensor([[1.0] * g, [0.0] * g], dtype=torch.float64)  # all-correct, all-wrong
+    a = avspo_advantages(rewards, acr_threshold=0.0, num_virtual=k, delta=delta_a, eps=0.0)
+    b = avspo_advantages(rewards, acr_threshold=0.0, num_virtual=k, delta=delta_b, eps=0.0)
+    torch.testing.assert_close(a, b)  # exact in float64 (float32 rounds v - delta, blurring it by ~1e-5)
+    size = torch.full((g,), closed_form(g, k), dtype=torch.float64)
+    torch.testing.assert_close(a, torch.stack([size, -size]))  # all-correct pushed up, all-wrong down
+    default = avspo_advantages(rewards, acr_threshold=0.0, num_virtual=k)  # delta = 0.1, eps = 1e-4
+    torch.testing.assert_close(default, a, rtol=0.01, atol=0.0)  # eps << the std: it hardly counts
 
 
 @given(reward_groups())
@@ -337,46 +350,73 @@ def test_aapo_gives_signal_to_collapsed_groups_that_beat_the_reference(rewards):
 # ---------------------------------------------------------------- adaptive threshold
 
 
-@given(st.lists(st.tuples(st.floats(0.0, 1.0), st.floats(0.0, 1.0)), max_size=50))
-def test_adaptive_threshold_stays_in_bounds_and_moves_by_the_rule(history):
+@given(st.lists(st.tuples(st.sampled_from([0.0, 0.125, 0.5, 1.0]), st.floats(0.0, 1.0)), max_size=50))
+def test_adaptive_threshold_moves_one_step_by_the_rule(history):
     threshold = AdaptiveThreshold()
     for acr, reward in history:
-        old, prev = threshold.value, threshold.prev_reward
+        old, best = threshold.value, threshold.best_ema
         value = threshold.update(acr, reward)
-        assert 0.1 <= value <= 0.9 and value == threshold.value and threshold.prev_reward == reward
-        if prev is None or reward == prev:
-            assert value == old  # first call only records; an unchanged reward leaves the threshold
-        elif reward > prev:
-            assert abs(value - acr) <= abs(old - acr)  # towards ACR (or clipped)
-        else:
-            assert abs(value - acr) >= abs(old - acr) or value in (0.1, 0.9)  # away from ACR
+        assert 0.1 <= value <= 0.9 and value == threshold.value
+        if best is None or acr == 0:
+            assert value == old  # the first update starts the average; no collapse, nothing to adapt
+        elif threshold.reward_ema > best:  # a new best of the smoothed reward: training improves
+            assert value == pytest.approx(min(0.9, old + 0.05))  # intervene less
+        else:  # flat or falling
+            assert value == pytest.approx(max(0.1, old - 0.05))  # intervene more
+
+
+@given(st.floats(0.1, 0.9), st.lists(st.floats(0.001, 0.05), min_size=40, max_size=40))
+def test_adaptive_threshold_rises_to_high_while_reward_improves(start, gains):
+    threshold, reward = AdaptiveThreshold(value=start), 0.0
+    for gain in gains[:17]:  # 16 updates cross [0.1, 0.9]; the first one only starts the average
+        reward += gain
+        threshold.update(0.5, reward)
+    assert threshold.value == pytest.approx(0.9)
+
+
+@given(st.floats(0.1, 0.9), st.lists(st.floats(0.0, 0.05), min_size=40, max_size=40), st.booleans())
+def test_adaptive_threshold_falls_to_low_while_reward_stalls(start, drops, flat):
+    threshold, reward = AdaptiveThreshold(value=start), 0.9
+    for drop in drops[:17]:
+        reward -= 0.0 if flat else drop
+        threshold.update(0.5, reward)
+    assert threshold.value == pytest.approx(0.1)
+
+
+def test_adaptive_threshold_fires_more_when_noisy_training_stalls():
+    """Batch noise (B = 8: ACR in steps of 1/8, reward +- 0.08) does not hide the trend: at every ACR level the
+    trigger fires on more steps of a flat or falling run than of a rising one (fixed seeds: deterministic)."""
+    from benchmarks.trigger_table import fired_steps
+
+    for mean_acr in (0.25, 0.35, 0.45, 0.55):
+        rising, flat, falling = (fired_steps(AdaptiveThreshold, mean_acr, trend, runs=50)
+                                 for trend in ("rising", "flat", "falling"))
+        assert flat > rising + 10 and falling > rising + 10, (mean_acr, rising, flat, falling)
 
 
 def test_adaptive_threshold_hand_values():
-    t = AdaptiveThreshold(value=0.5, lr=0.1)
-    assert t.update(0.9, 0.3) == 0.5 and t.prev_reward == 0.3  # first call: records the reward only
-    assert t.update(0.9, 0.5) == pytest.approx(0.54)  # reward rose: move towards ACR
-    assert t.update(0.9, 0.3) == pytest.approx(0.504)  # reward fell: move away from ACR
-    assert t.update(0.9, 0.3) == pytest.approx(0.504)  # no change in reward: stay
-    t = AdaptiveThreshold(value=0.85, lr=1.0, prev_reward=0.0)
+    t = AdaptiveThreshold(value=0.5, step=0.1, smoothing=0.5)
+    assert t.update(0.5, 0.2) == 0.5 and t.reward_ema == t.best_ema == 0.2  # starts the average only
+    assert t.update(0.5, 0.6) == pytest.approx(0.6)  # ema 0.4: a new best, up
+    assert t.update(0.5, 0.4) == pytest.approx(0.5)  # ema 0.4: no new best (flat), down
+    assert t.update(0.0, 0.0) == pytest.approx(0.5) and t.reward_ema == 0.2  # no collapse: stays
+    assert t.update(1.0, 0.0) == pytest.approx(0.4)  # ema 0.1, falling: down
+    t = AdaptiveThreshold(value=0.85, step=1.0, reward_ema=0.0, best_ema=0.0)
     assert t.update(1.0, 1.0) == 0.9  # clipped at high
-    t = AdaptiveThreshold(value=0.15, lr=1.0, prev_reward=1.0)
-    assert t.update(0.9, 0.0) == 0.1  # 0.15 - (0.9 - 0.15) clipped at low
-    t = AdaptiveThreshold(value=0.3, lr=0.5, low=0.2, high=0.4, prev_reward=0.0)
-    assert t.update(0.34, 1.0) == pytest.approx(0.32)  # inside custom bounds: unclipped
+    t = AdaptiveThreshold(value=0.15, step=1.0, reward_ema=1.0, best_ema=1.0)
+    assert t.update(0.9, 0.0) == 0.1  # clipped at low
 
 
 def test_adaptive_threshold_validates_and_round_trips():
-    with pytest.raises(ValueError):
-        AdaptiveThreshold(value=0.95)
-    with pytest.raises(ValueError):
-        AdaptiveThreshold(value=0.3, low=0.4, high=0.9)
+    for bad in (dict(value=0.95), dict(value=0.3, low=0.4, high=0.9), dict(step=0.0), dict(smoothing=1.0)):
+        with pytest.raises(ValueError):
+            AdaptiveThreshold(**bad)
     t = AdaptiveThreshold()
     for acr, reward in [(0.7, 0.2), (0.8, 0.4), (0.6, 0.1)]:
         t.update(acr, reward)
     saved = json.loads(json.dumps(dataclasses.asdict(t)))  # what a checkpoint stores
     restored = AdaptiveThreshold(**saved)
-    assert restored == t and restored.prev_reward == 0.1
+    assert restored == t and restored.value == pytest.approx(0.5)
     assert restored.update(0.9, 0.5) == t.update(0.9, 0.5) != 0.5
 
 
@@ -393,20 +433,12 @@ def test_hand_computed_grpo_and_avspo():
     # ACR 2/3 > 0.5; K = ceil(4 * sqrt(2/3)) = ceil(3.27) = 4 virtual rewards per collapsed group.
     assert num_virtual_samples(4, 2, 3) == 4
     adv = avspo_advantages(rewards)
-    # all-correct: R u V = [1,1,1,1, .75,.5,.25,0]: mean 0.6875, unbiased std sqrt(1.09375 / 7) = 0.395285
-    assert adv[1, 0].item() == pytest.approx(0.3125 / (0.395285 + 1e-4), rel=1e-4)
+    # all-correct: R u V = [1, 1, 1, 1, .9, .9, .9, .9]: mean 0.95, unbiased std sqrt(8 * 0.05^2 / 7)
+    assert adv[1, 0].item() == pytest.approx(0.05 / (math.sqrt(8 * 0.05**2 / 7) + 1e-4), rel=1e-5)
     assert torch.all(adv[1] == adv[1, 0])
-    # all-wrong is the mirror image
+    # all-wrong is the mirror image: [0, 0, 0, 0, .1, .1, .1, .1]
     torch.testing.assert_close(adv[2], -adv[1])
     torch.testing.assert_close(adv[0], expected_mixed)
-
-
-def test_released_code_setting_adds_one_opposite_reward():
-    rewards = torch.tensor([[0.0, 0.0, 0.0], [1.0, 1.0, 1.0], [1.0, 0.0, 1.0]])
-    adv = avspo_advantages(rewards, num_virtual=1, acr_threshold=0.0, eps=0.5)
-    # all-wrong group + virtual 1.0: [0,0,0,1] mean .25, unbiased std .5 -> -.25 / (.5 + eps)
-    torch.testing.assert_close(adv[0], torch.full((3,), -0.25 / (0.5 + 0.5)))
-    torch.testing.assert_close(adv[1], torch.full((3,), 0.25 / (0.5 + 0.5)))
 
 
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES + [torch.int64, torch.int32, torch.bool])
@@ -439,5 +471,5 @@ def test_bad_shapes_raise_clear_errors(shape):
 
 
 def test_mismatched_reference_raises():
-    with pytest.raises(ValueError, match="must match"):
+    with pytest.raises(ValueError, match="differ"):
         aapo_advantages(torch.zeros(2, 4), torch.zeros(2, 3))
