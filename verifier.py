@@ -12,14 +12,16 @@ Order of checks in ``verify(completion, gold)``:
    when no digit follows it; the last number (or ``a/b``).
 2. Verbatim equality, then equality of Hendrycks MATH ``_strip_string``-style normal forms.
 3. Structural equality of both answers, read by the same rules (``_interpret``):
-   matrices cell by cell (same shape); ``\\pm`` as two answers; ``\\cup`` / "or" / "and" and bare
-   comma lists and ``\\{...\\}`` sets as multisets (order-free); ``(a, b]``-style tuples and
-   intervals element by element with equal brackets; one-variable inequalities as intervals
+   matrices cell by cell (same shape); sets (``\\{...\\}``, ``{...}``, ``\\pm``, ``\\cup``, "or")
+   as multisets (order-free); ``(a, b]``-style tuples and intervals element by element with equal
+   brackets; a bare list (``3, 5``, "and") as a set, or as the point ``(3, 5)`` in its order (a
+   tuple is not a set, and a list is no interval); one-variable inequalities as intervals
    (``1 \\le x < 4`` = ``[1, 4)``, ``x > 2`` = ``(2, \\infty)``); ``x =``, ``f(x) =``, ``x \\in``
    prefixes dropped; a completion's "... = 5" states 5; equations side by side or as the same
    equation up to scale (2x + 4y = 3 vs y = -x/2 + 3/4); text answers case-insensitively; anything
    else is a formula, parsed by a small recursive-descent parser and compared by value.
-4. If the completion boxes several answers and the gold has several, all boxes as one list.
+4. Several boxes, in the completion or in a gold solution, as one list (``\\boxed{1}\\boxed{2}`` is
+   ``1, 2``); a completion's last box alone still answers a gold of one answer.
 
 Conventions for formulas: ``\\frac \\dfrac \\tfrac \\cfrac`` (also ``\\frac12``), ``\\sqrt[n]{}``,
 ``^``, implicit products (``2\\sqrt{3}``, ``2x``), ``\\pi``, ``e``, ``i``, ``\\sin``..``\\exp``,
@@ -256,7 +258,7 @@ _DELIMITER = re.compile(r"(?<!\\)\\[()\[\]]")  # \( x \) and \[ x \] around a fo
 _SIZING = re.compile(r"\\(?:left|right|[bB]igg?[lr]?)(?![A-Za-z])\.?")
 _SPACE = re.compile(r"(?<!\\)\\[,;: ]|\\q?quad(?![A-Za-z])|~")
 _DEGREES = re.compile(r"\^\s*\{?\s*\\circ\s*\}?|\\circ(?![A-Za-z])|\\degree(?![A-Za-z])")
-_CONNECTOR = re.compile(r"\\(?:text|textnormal|mbox|textrm)\{\s*(?:and|or)\s*\}|\s(?:and|or)\s")
+_CONNECTOR = re.compile(r"\\(?:text|textnormal|mbox|textrm)\{\s*(and|or)\s*\}|\s(and|or)\s")
 _UNIT = re.compile(r"(?<=[\d})\]])\s*\\(?:text|textnormal|mbox|mathrm|textrm|textit|textbf)\{\s*"
                    r"[A-Za-z]{2,}[A-Za-z .]*\}(?:\s*\^\s*\{?\d\}?)?|(?<=[\d})])\s+[A-Za-z]{2,}"
                    r"(?:\s+[A-Za-z]{2,})*\.?(?:\s*\^\s*\{?\d\}?)?\s*$")
@@ -288,7 +290,7 @@ def _clean(answer: str) -> str:
     s = _SIZING.sub("", s)
     s = _SPACE.sub(" ", s)
     s = _DEGREES.sub("", s)
-    s = _CONNECTOR.sub(",", s)
+    s = _CONNECTOR.sub(lambda m: "," if "and" in m.groups() else " \\cup ", s)  # "or": a set
     without_units = _UNIT.sub("", s).strip()
     s = without_units or s  # "\text{cm}" alone is the answer itself
     for _ in range(3):  # \textbf{\text{(C)}}: unwrap a few levels
@@ -658,10 +660,11 @@ class Formula(NamedTuple):
 
 
 class Seq(NamedTuple):
-    """A tuple or interval (ordered), or a set or bare list (order-free)."""
-    ordered: bool
-    opener: str  # "(", "[", "{", or "" for a bare list
-    closer: str
+    """Several answers. A tuple, (1, 2) or the interval [1, 4), is ordered and its brackets count;
+    a set, \\{1, 2\\} or 1 \\pm 2 or x = 1 or x = 2, is not ordered. A bare list 1, 2 is either: a
+    set written without braces, or a point without its parentheses."""
+    kind: str  # "tuple", "set" or "list"
+    brackets: str  # a tuple's, "()" or "[)" ...; "" for a set or a list
     items: list[Answer]
 
 
@@ -770,7 +773,7 @@ def _inequality(s: str, depth: int) -> Answer | None:
     ends = _items([lo, hi], depth)
     if ends is None:
         return None
-    return Seq(True, "[" if lo_closed else "(", "]" if hi_closed else ")", ends)
+    return Seq("tuple", ("[" if lo_closed else "(") + ("]" if hi_closed else ")"), ends)
 
 
 def _formula(s: str) -> Answer | None:
@@ -803,8 +806,9 @@ def _structure(s: str, depth: int) -> Answer | None:
     s = s.strip().rstrip(".").strip()
     if not s or depth > 4:
         return None
+    braced = False  # {1, 3}: a set with its braces unescaped, not a list
     while s.startswith("{") and _closing(s, 0) == len(s) - 1:
-        s = s[1:-1].strip()
+        s, braced = s[1:-1].strip(), True
     m = _MATRIX.fullmatch(s) or (s[:1] in "([" and _MATRIX.fullmatch(s[1:-1].strip()))
     if m:
         return _matrix(m.group(1), depth)
@@ -812,17 +816,17 @@ def _structure(s: str, depth: int) -> Answer | None:
         if sign in s:
             plus, minus = s.replace(sign, "+", 1), s.replace(sign, "-", 1)
             items = _items([plus, minus], depth)
-            return Seq(False, "", "", items) if items else None
-    for sep in ("\\cup", ","):
+            return Seq("set", "", items) if items else None
+    for sep in ("\\cup", ","):  # _clean wrote "or" as \cup and "and" as a comma
         parts = _split_top(s, sep)
         if len(parts) > 1 and all(p.strip() for p in parts):
             if sep == "," and s[0] in "([" and _closing(s, 0) == len(s) - 1:
                 break  # a tuple or interval, read below
             items = _items(parts, depth)
-            return Seq(False, "", "", items) if items else None
+            return Seq("set" if sep == "\\cup" or braced else "list", "", items) if items else None
     if s.startswith("\\{") and s.endswith("\\}"):
         items = _items(_split_top(s[2:-2], ","), depth)
-        return Seq(False, "{", "}", items) if items else None
+        return Seq("set", "", items) if items else None
     if _IN_PREFIX.match(s):
         return _structure(_IN_PREFIX.sub("", s), depth)
     sides = _split_top(s, "=")
@@ -834,7 +838,7 @@ def _structure(s: str, depth: int) -> Answer | None:
         return _inequality(s, depth)
     if s[0] in "([" and _closing(s, 0) == len(s) - 1 and len(_split_top(s[1:-1], ",")) > 1:
         items = _items(_split_top(s[1:-1], ","), depth)
-        return Seq(True, s[0], s[-1], items) if items else None
+        return Seq("tuple", s[0] + s[-1], items) if items else None
     if _PERCENT.search(s):
         base = _PERCENT.sub("", s).strip()
         options = [x for x in (_structure(base, depth + 1),
@@ -903,16 +907,18 @@ def _same(a: Answer | None, b: Answer | None) -> bool:
     if b_eq and not a_eq:
         return b.names_value and _same(a, b.rhs)
     if isinstance(a, Seq) and isinstance(b, Seq):
-        if a.ordered and b.ordered:  # brackets agree: (1, 4] is not [1, 4]
-            same_ends = (a.opener, a.closer) == (b.opener, b.closer)
-            return same_ends and len(a.items) == len(b.items) and all(
-                _same(x, y) for x, y in zip(a.items, b.items))
-        if sorted((a.opener, b.opener)) == ["", "("]:  # a bare list 3, 5 vs (3, 5): order-free
+        kinds = {a.kind, b.kind}
+        if "tuple" not in kinds:  # sets and bare lists: any order
             return _multiset_equal(a.items, b.items)
-        return not a.ordered and not b.ordered and _multiset_equal(a.items, b.items)
-    if isinstance(a, Seq) and not a.ordered and len(a.items) == 1:  # \{2\} is the answer 2
+        if kinds == {"tuple"}:
+            in_order = a.brackets == b.brackets  # (1, 4] is not [1, 4]
+        else:  # a tuple is not a set; a bare list 3, 5 is the point (3, 5), in order, and no interval
+            in_order = kinds == {"tuple", "list"} and "()" in (a.brackets, b.brackets)
+        return in_order and len(a.items) == len(b.items) and all(
+            _same(x, y) for x, y in zip(a.items, b.items))
+    if isinstance(a, Seq) and a.kind == "set" and len(a.items) == 1:  # \{2\} is the answer 2
         return _same(a.items[0], b)
-    if isinstance(b, Seq) and not b.ordered and len(b.items) == 1:
+    if isinstance(b, Seq) and b.kind == "set" and len(b.items) == 1:
         return _same(a, b.items[0])
     if type(a) is not type(b):  # a Text and a Raw of the same string still differ
         return False
@@ -933,6 +939,11 @@ def _matches(predicted: str, gold: str) -> bool:
     return _same(_interpret(predicted), _interpret(gold))
 
 
+def _joined(boxes: list[str]) -> str | None:
+    """Several boxes as one list: each box is one answer of several."""
+    return ", ".join(boxes) if 1 < len(boxes) <= MAX_BOXES else None
+
+
 def verify(completion: str, answer: str) -> float:
     """1.0 if the completion's final answer matches the gold answer, else 0.0. Never raises."""
     try:
@@ -945,14 +956,12 @@ def verify(completion: str, answer: str) -> float:
             return 0.0
         gold = answer.strip()
         if "\\boxed" in gold or "\\fbox" in gold:  # a gold solution: read it like a completion
-            gold = _extract(gold)[0] or gold
+            boxed, gold_boxes = _extract(gold)
+            gold = _joined(gold_boxes) or boxed or gold
         if predicted == gold or _matches(predicted, gold):  # verbatim first: the common case
             return 1.0
-        if 1 < len(boxes) <= MAX_BOXES:  # "\boxed{3} and \boxed{5}" for the gold "3, 5"
-            g = _interpret(gold)
-            if isinstance(g, Seq) and len(g.items) == len(boxes):
-                return 1.0 if _matches(", ".join(boxes), gold) else 0.0
-        return 0.0
+        joined = _joined(boxes)  # "\boxed{3} and \boxed{5}" for the gold "3, 5"
+        return 1.0 if joined and _matches(joined, gold) else 0.0
     except Exception:  # a reward function must not crash a training run
         return 0.0
 

@@ -182,6 +182,17 @@ _ACCEPT = [
     ("boxed", "42", r"so the answer is $\boxed 42$."),
     ("boxed", r"\frac{\sqrt{3}}{2}", r"\boxed{\frac{\sqrt3}2}"),
     ("boxed", "7", r"first \boxed{3}, but correcting: \boxed{7}"),
+    # a set is any order, whatever its spelling; a bare list is a set, or a point without parentheses
+    ("tuple vs set", "{1, 3}", r"\boxed{\{3, 1\}}"),
+    ("tuple vs set", "{1, 3}", r"\boxed{3, 1}"),
+    ("tuple vs set", "(1, 3)", r"\boxed{1, 3}"),
+    ("tuple vs set", r"3 \pm 2", r"\boxed{\{5, 1\}}"),
+    ("tuple vs set", r"x = 1 \text{ or } x = 5", r"\boxed{5, 1}"),
+    # several boxes are one list, in the gold as in the completion
+    ("several boxes", r"\boxed{1}\boxed{2}", r"\boxed{1, 2}"),
+    ("several boxes", r"\boxed{1, 2}", r"\boxed{1}\boxed{2}"),
+    ("several boxes", r"\boxed{1} and \boxed{2}", r"\boxed{2} and \boxed{1}"),
+    ("several boxes", r"(1, 2), (3, 4)", r"\boxed{(3, 4)}, \boxed{(1, 2)}"),
 ]
 
 _REJECT = [
@@ -330,6 +341,19 @@ _REJECT = [
     ("number", "1.5e3", r"\boxed{150}"),
     ("number", r"-\sqrt{2}", r"\boxed{\sqrt 2}"),
     ("number", "2.5", r"\boxed{25}"),
+    # a tuple is not a set, and no set is a tuple
+    ("tuple vs set", "{1, 3}", r"\boxed{(3, 1)}"),
+    ("tuple vs set", "{1, 3}", r"\boxed{(1, 3)}"),
+    ("tuple vs set", "(1, 3)", r"\boxed{{1, 3}}"),
+    ("tuple vs set", "(1, 3)", r"\boxed{3, 1}"),
+    ("tuple vs set", "(1, 3)", r"\boxed{3} and \boxed{1}"),
+    ("tuple vs set", "(1, 4]", r"\boxed{1, 4}"),
+    ("tuple vs set", r"3 \pm 2", r"\boxed{(1, 5)}"),
+    ("tuple vs set", r"x = 1 \text{ or } x = 5", r"\boxed{(1, 5)}"),
+    # a gold of several boxes wants them all
+    ("several boxes", r"\boxed{1}\boxed{2}", r"\boxed{2}"),
+    ("several boxes", r"\boxed{1}\boxed{2}", r"\boxed{1, 3}"),
+    ("several boxes", r"(1, 2), (3, 4)", r"\boxed{(3, 4)}, \boxed{(2, 1)}"),
 ]
 
 CASES: list[Case] = [Case(t, g, c, True) for t, g, c in _ACCEPT] + [
