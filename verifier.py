@@ -29,9 +29,10 @@ Conventions for formulas: ``\\frac \\dfrac \\tfrac \\cfrac`` (also ``\\frac12``)
 formulas with variables are compared at three fixed rational points. Two exact values that
 include an integer must be equal exactly (999999 is not 1000000); other exact values may differ
 by a relative 1e-6 (a rounded 0.3333333 for 1/3); computed (irrational) values by 1e-9.
-Cosmetics: thousands separators (``1,000``, ``1\\,000``, ``1 000``), ``\\left``/``\\right``,
-units in ``\\text{}``/``\\mbox{}`` and trailing unit words, ``^\\circ``, ``\\$``, and ``%``
-(50% matches 50 and 0.5). Multiple-choice ``\\textbf{(C)}`` reads as ``C``.
+Cosmetics: thousands separators (``1,000``, ``1\\,000``, ``1 000``), a decimal comma where no
+thousands reading fits (``1,22`` is 1.22, or the list 1, 22; ``1,234`` stays 1234) with semicolons
+between items (``1,5; 2,5``), ``\\left``/``\\right``, units in ``\\text{}``/``\\mbox{}`` and
+trailing unit words, ``^\\circ``, ``\\$``, and ``%`` (50% matches 50 and 0.5). Multiple-choice ``\\textbf{(C)}`` reads as ``C``.
 
 Every path is bounded: length caps, a recursion-depth cap, exact powers capped by result size
 (``9^{9^{9}}`` is refused in microseconds), no nested regex quantifiers. ``verify`` never raises.
@@ -88,6 +89,7 @@ _FRAC_ARGS = re.compile(r"\\frac(\{[^{}]*\}|\w)(\{[^{}]*\}|\w)")  # \frac12, \fr
 _SQRT = re.compile(r"\\sqrt(\w)")
 _LEAD_DOT = re.compile(r"(?<!\d)\.(?=\d)")
 _THOUSANDS = re.compile(r"-?\d{1,3}(?:,\d{3})+(?:\.\d+)?")
+_COMMA_NUMBER = re.compile(r"-?\d+,\d+")
 _LETTER_CHOICE = re.compile(r"\(([A-Z])\)")
 _DIGIT_SPACE = re.compile(r"(?<=\d)\s+(?=\d)")
 _SPACED_THOUSANDS = re.compile(r"(?<![\d.])\d{1,3}(?: \d{3})+(?![\d.])")
@@ -744,6 +746,12 @@ def _closing(s: str, start: int) -> int:
     return -1
 
 
+def _list_parts(s: str) -> list[str]:
+    """The items of a list: split on semicolons if there are any (1,5; 2,5 has decimal commas)."""
+    parts = _split_top(s, ";")
+    return parts if len(parts) > 1 else _split_top(s, ",")
+
+
 def _items(parts: list[str], depth: int) -> list[Answer] | None:
     if len(parts) > MAX_ITEMS:
         return None
@@ -806,9 +814,9 @@ def _structure(s: str, depth: int) -> Answer | None:
     s = s.strip().rstrip(".").strip()
     if not s or depth > 4:
         return None
-    braced = False  # {1, 3}: a set with its braces unescaped, not a list
+    bare = "list"
     while s.startswith("{") and _closing(s, 0) == len(s) - 1:
-        s, braced = s[1:-1].strip(), True
+        s, bare = s[1:-1].strip(), "set"  # {1, 3}: a set with its braces unescaped, not a list
     m = _MATRIX.fullmatch(s) or (s[:1] in "([" and _MATRIX.fullmatch(s[1:-1].strip()))
     if m:
         return _matrix(m.group(1), depth)
@@ -817,15 +825,20 @@ def _structure(s: str, depth: int) -> Answer | None:
             plus, minus = s.replace(sign, "+", 1), s.replace(sign, "-", 1)
             items = _items([plus, minus], depth)
             return Seq("set", "", items) if items else None
-    for sep in ("\\cup", ","):  # _clean wrote "or" as \cup and "and" as a comma
+    if _COMMA_NUMBER.fullmatch(s):  # 1,22: a decimal comma (as in 1,5; 2,5), or the list 1, 22
+        if _THOUSANDS.fullmatch(s):  # 1,000 stays one thousand (_clean reads a bare one)
+            return _formula(s.replace(",", ""))
+        decimal = _formula(s.replace(",", "."))
+        return AnyOf([decimal, Seq(bare, "", _items(s.split(","), depth))])
+    for sep in ("\\cup", ";", ","):  # _clean wrote "or" as \cup and "and" as a comma
         parts = _split_top(s, sep)
         if len(parts) > 1 and all(p.strip() for p in parts):
-            if sep == "," and s[0] in "([" and _closing(s, 0) == len(s) - 1:
+            if sep != "\\cup" and s[0] in "([" and _closing(s, 0) == len(s) - 1:
                 break  # a tuple or interval, read below
             items = _items(parts, depth)
-            return Seq("set" if sep == "\\cup" or braced else "list", "", items) if items else None
+            return Seq("set" if sep == "\\cup" else bare, "", items) if items else None
     if s.startswith("\\{") and s.endswith("\\}"):
-        items = _items(_split_top(s[2:-2], ","), depth)
+        items = _items(_list_parts(s[2:-2]), depth)
         return Seq("set", "", items) if items else None
     if _IN_PREFIX.match(s):
         return _structure(_IN_PREFIX.sub("", s), depth)
@@ -836,8 +849,8 @@ def _structure(s: str, depth: int) -> Answer | None:
         return Equation(lhs, rhs, value) if rhs and (lhs or value) else None
     if _RELATION.search(s):
         return _inequality(s, depth)
-    if s[0] in "([" and _closing(s, 0) == len(s) - 1 and len(_split_top(s[1:-1], ",")) > 1:
-        items = _items(_split_top(s[1:-1], ","), depth)
+    if s[0] in "([" and _closing(s, 0) == len(s) - 1 and len(_list_parts(s[1:-1])) > 1:
+        items = _items(_list_parts(s[1:-1]), depth)
         return Seq("tuple", s[0] + s[-1], items) if items else None
     if _PERCENT.search(s):
         base = _PERCENT.sub("", s).strip()
@@ -940,8 +953,8 @@ def _matches(predicted: str, gold: str) -> bool:
 
 
 def _joined(boxes: list[str]) -> str | None:
-    """Several boxes as one list: each box is one answer of several."""
-    return ", ".join(boxes) if 1 < len(boxes) <= MAX_BOXES else None
+    """Several boxes as one list: each box is one answer of several (its commas may be decimal)."""
+    return "; ".join(boxes) if 1 < len(boxes) <= MAX_BOXES else None
 
 
 def verify(completion: str, answer: str) -> float:

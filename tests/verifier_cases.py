@@ -193,6 +193,15 @@ _ACCEPT = [
     ("several boxes", r"\boxed{1, 2}", r"\boxed{1}\boxed{2}"),
     ("several boxes", r"\boxed{1} and \boxed{2}", r"\boxed{2} and \boxed{1}"),
     ("several boxes", r"(1, 2), (3, 4)", r"\boxed{(3, 4)}, \boxed{(1, 2)}"),
+    # a decimal comma where no thousands reading fits; semicolons then separate the items
+    ("decimal comma", "1.22", r"\boxed{1,22}"),
+    ("decimal comma", "1,22", r"\boxed{1.22}"),
+    ("decimal comma", "0.5", r"\boxed{0,5}"),
+    ("decimal comma", r"\frac{5}{2}", "The answer is 2,5."),
+    ("decimal comma", "1,5; 2,5", r"\boxed{2.5, 1.5}"),
+    ("decimal comma", "(1,5; -0,5)", r"\boxed{(1.5, -0.5)}"),
+    ("decimal comma", "1000; 2000", r"\boxed{1,000; 2,000}"),
+    ("decimal comma", "3, 5", r"\boxed{3,5}"),
 ]
 
 _REJECT = [
@@ -354,6 +363,13 @@ _REJECT = [
     ("several boxes", r"\boxed{1}\boxed{2}", r"\boxed{2}"),
     ("several boxes", r"\boxed{1}\boxed{2}", r"\boxed{1, 3}"),
     ("several boxes", r"(1, 2), (3, 4)", r"\boxed{(3, 4)}, \boxed{(2, 1)}"),
+    # 1,000 and 1,234 stay thousands; a decimal comma does not loosen the value or the order
+    ("decimal comma", "1.000", r"\boxed{1,000}"),
+    ("decimal comma", "1.234", r"\boxed{1,234}"),
+    ("decimal comma", "1.22", r"\boxed{1,23}"),
+    ("decimal comma", "1.22", r"\boxed{12,2}"),
+    ("decimal comma", "(1,5; 2,5)", r"\boxed{(2.5, 1.5)}"),
+    ("decimal comma", "1,5; 2,5", r"\boxed{1, 5, 2, 5}"),
 ]
 
 CASES: list[Case] = [Case(t, g, c, True) for t, g, c in _ACCEPT] + [
