@@ -16,8 +16,10 @@ Order of checks in ``verify(completion, gold)``:
    as multisets (order-free); ``(a, b]``-style tuples and intervals element by element with equal
    brackets; a bare list (``3, 5``, "and") as a set, or as the point ``(3, 5)`` in its order (a
    tuple is not a set, and a list is no interval); one-variable inequalities as intervals
-   (``1 \\le x < 4`` = ``[1, 4)``, ``x > 2`` = ``(2, \\infty)``); ``x =``, ``f(x) =``, ``x \\in``
-   prefixes dropped; a completion's "... = 5" states 5; equations side by side or as the same
+   (``1 \\le x < 4`` = ``[1, 4)``, ``x > 2`` = ``(2, \\infty)``); labels dropped (``x =``,
+   ``f(x) =``, ``AB =``, ``|AB| =``, ``V_1:V_2 =``, ``x \\in``, ``(x, y) \\in``), except that values
+   under the same labels pair by label (``AB=4, CD=5`` is not ``AB=5, CD=4``; numbered roots
+   ``x_1, x_2`` come in any order); a completion's "... = 5" states 5; equations side by side or as the same
    equation up to scale (2x + 4y = 3 vs y = -x/2 + 3/4); text answers case-insensitively; anything
    else is a formula, parsed by a small recursive-descent parser and compared by value.
 4. Several boxes, in the completion or in a gold solution, as one list (``\\boxed{1}\\boxed{2}`` is
@@ -32,7 +34,8 @@ by a relative 1e-6 (a rounded 0.3333333 for 1/3); computed (irrational) values b
 Cosmetics: thousands separators (``1,000``, ``1\\,000``, ``1 000``), a decimal comma where no
 thousands reading fits (``1,22`` is 1.22, or the list 1, 22; ``1,234`` stays 1234) with semicolons
 between items (``1,5; 2,5``), ``\\left``/``\\right``, units in ``\\text{}``/``\\mbox{}`` and
-trailing unit words, ``^\\circ``, ``\\$``, and ``%`` (50% matches 50 and 0.5). Multiple-choice ``\\textbf{(C)}`` reads as ``C``.
+trailing unit words, ``^\\circ``, ``\\$``, and ``%`` (50% matches 50 and 0.5). Multiple-choice
+``\\textbf{(C)}`` reads as ``C``.
 
 Every path is bounded: length caps, a recursion-depth cap, exact powers capped by result size
 (``9^{9^{9}}`` is refused in microseconds), no nested regex quantifiers. ``verify`` never raises.
@@ -236,7 +239,7 @@ def normalise(answer: str) -> str:
         g if g.startswith("{") else "{" + g + "}" for g in m.groups()), s)
     s = _SQRT.sub(r"\\sqrt{\1}", s)
     s = _LEAD_DOT.sub("0.", s).rstrip(".")
-    if s.count("=") == 1 and _SIMPLE_LHS.fullmatch(s.split("=")[0]):  # "x=5" -> "5"
+    if s.count("=") == 1 and _LABEL.fullmatch(s.split("=")[0]):  # "x=5" -> "5"
         s = s.split("=")[1]
     if s.startswith(("x\\in", "k\\in")):  # "x \in [-2,7]" -> "[-2,7]"
         s = s[4:]
@@ -271,11 +274,14 @@ _PERCENT = re.compile(r"(?:\\?%|\s(?:percent|pct)\.?)\s*$")
 _CHOICE = re.compile(r"\(?([A-E])[).:]?")
 _PLAIN_FUNCTION = re.compile(r"(?<![\\A-Za-z])(sin|cos|tan|ln|log|exp|sqrt)(?![A-Za-z])")
 _WORD = re.compile(r"(?<![\\A-Za-z])[A-Za-z]{3,}|(?<![\\A-Za-z])(?i:no|yes)(?![A-Za-z])")
-_NAME = r"[A-Za-z](?:_\{?\w+\}?)?"  # x, x_1, x_{12}
+_NAME = r"[A-Za-z](?:_\{?[\w,]+\}?)?"  # x, x_1, x_{12}, x_{1,2}
 _VARIABLE = re.compile(_NAME + r"|\\[A-Za-z]+")  # the middle of 1 < x < 4, or \theta
-_SIMPLE_LHS = re.compile(_NAME + r"'*|\\[A-Za-z]+|[A-Za-z]\([A-Za-z](?:,[A-Za-z])*\)"
-                         r"|\([A-Za-z](?:,[A-Za-z])+\)")  # x, f'', \theta, f(x), (x, y): names a value
-_IN_PREFIX = re.compile(r"^[A-Za-z]\s*\\in(?![A-Za-z])")
+# The left side of "x = 5" when it only names the value: a name (x, f', \theta, \angle A, the segment
+# AB, f(x)), a ratio of names (V_1:V_2), a length or size (|AB|; not |x|, whose equation has two
+# solutions), or the names of a point, (x, y).
+_ONE_LABEL = _NAME + r"'*|\\[A-Za-z]+|[A-Z]{2,3}|[A-Za-z]\([A-Za-z](?:,[A-Za-z])*\)"
+_LABEL = re.compile(rf"(?:{_ONE_LABEL})(?::(?:{_ONE_LABEL}))*|\|[A-Z]{{1,3}}\||\([A-Za-z](?:,[A-Za-z])+\)")
+_IN_PREFIX = re.compile(r"^(?:[A-Za-z]|\(\s*[A-Za-z](?:\s*,\s*[A-Za-z])+\s*\))\s*\\in(?![A-Za-z])")
 _MATRIX_ENV = r"\{(?:[pbBvV]?matrix|array|smallmatrix)\}"
 _MATRIX = re.compile(r"\\begin" + _MATRIX_ENV + r"(?:\{[^{}]*\})?(.*)\\end" + _MATRIX_ENV, re.S)
 _RELATION = re.compile(r"\\le(?![A-Za-z])|\\ge(?![A-Za-z])|<|>")
@@ -845,7 +851,7 @@ def _structure(s: str, depth: int) -> Answer | None:
     sides = _split_top(s, "=")
     if len(sides) > 1:  # x = 5, f(x) = ..., a = b = 5
         lhs, rhs = _structure(sides[0], depth + 1), _structure(sides[-1], depth + 1)
-        value = bool(_SIMPLE_LHS.fullmatch(re.sub(r"\s", "", sides[0]))) or len(sides) > 2
+        value = bool(_LABEL.fullmatch(re.sub(r"\s", "", sides[0]))) or len(sides) > 2
         return Equation(lhs, rhs, value) if rhs and (lhs or value) else None
     if _RELATION.search(s):
         return _inequality(s, depth)
@@ -904,6 +910,22 @@ def _multiset_equal(xs: list[Answer], ys: list[Answer]) -> bool:
     return True
 
 
+def _numbered(labels: list[Answer | None]) -> bool:
+    """x_1, x_2, ...: the solutions of one unknown, numbered in no particular order."""
+    names = [x.ast[1] if isinstance(x, Formula) and x.ast[0] == "var" else "" for x in labels]
+    return all("_" in n for n in names) and len({n.partition("_")[0] for n in names}) == 1
+
+
+def _unordered_equal(xs: list[Answer], ys: list[Answer]) -> bool:
+    """Multisets. Values under the same labels pair by label: AB=5, CD=4 is not AB=4, CD=5 (but
+    AB=4, CD=5 is 4, 5; y = 5 is x = 5; and the roots x_1, x_2 may come in either order)."""
+    labels = [v.lhs for v in xs + ys if isinstance(v, Equation) and v.names_value]
+    if (len(labels) == len(xs) + len(ys) and not _numbered(labels)
+            and _multiset_equal(labels[: len(xs)], labels[len(xs) :])):
+        xs, ys = ([Seq("tuple", "()", [v.lhs, v.rhs]) for v in vs] for vs in (xs, ys))
+    return _multiset_equal(xs, ys)
+
+
 def _same(a: Answer | None, b: Answer | None) -> bool:
     """Structural equality of two interpreted answers."""
     if a is None or b is None:
@@ -922,7 +944,7 @@ def _same(a: Answer | None, b: Answer | None) -> bool:
     if isinstance(a, Seq) and isinstance(b, Seq):
         kinds = {a.kind, b.kind}
         if "tuple" not in kinds:  # sets and bare lists: any order
-            return _multiset_equal(a.items, b.items)
+            return _unordered_equal(a.items, b.items)
         if kinds == {"tuple"}:
             in_order = a.brackets == b.brackets  # (1, 4] is not [1, 4]
         else:  # a tuple is not a set; a bare list 3, 5 is the point (3, 5), in order, and no interval

@@ -202,6 +202,28 @@ _ACCEPT = [
     ("decimal comma", "(1,5; -0,5)", r"\boxed{(1.5, -0.5)}"),
     ("decimal comma", "1000; 2000", r"\boxed{1,000; 2,000}"),
     ("decimal comma", "3, 5", r"\boxed{3,5}"),
+    # labelled answers: only the values count
+    ("labelled", "4, 5", r"\boxed{AB=4, CD=5}"),
+    ("labelled", "AB=4, CD=5", r"\boxed{4, 5}"),
+    ("labelled", "AB=4, CD=5", r"\boxed{CD=5, AB=4}"),
+    ("labelled", "11:21", r"\boxed{V_1:V_2=11:21}"),
+    ("labelled", "V_1:V_2=11:21", r"\boxed{11:21}"),
+    ("labelled", "|AB|=1", r"\boxed{1}"),
+    ("labelled", "1", r"\boxed{|AB| = 1}"),
+    ("labelled", r"x_{1,2} = 1 \pm \sqrt{2}", r"\boxed{1-\sqrt2, 1+\sqrt2}"),
+    # several labelled solutions: a point each, the points in any order, numbered roots in any order
+    ("labelled solutions", "(5, 2), (7, 2)", r"\boxed{p=5, q=2; p=7, q=2}"),
+    ("labelled solutions", "p=5, q=2; p=7, q=2", r"\boxed{(7, 2), (5, 2)}"),
+    ("labelled solutions", "p=5, q=2; p=7, q=2", r"\boxed{p=7, q=2; q=2, p=5}"),
+    ("labelled solutions", r"x_1 = \frac{1}{2}, x_2 = -3", r"\boxed{x_1 = \frac12}, \boxed{x_2 = -3}"),
+    ("labelled solutions", r"x_1 = \frac{1}{2}, x_2 = -3", r"\boxed{-3} and \boxed{0.5}"),
+    ("labelled solutions", r"x_1 = \frac{1}{2}, x_2 = -3", r"\boxed{x_1 = -3}, \boxed{x_2 = \frac12}"),
+    ("labelled solutions", "(a, b, c) = (1, 2, 3)", r"\boxed{a=1, b=2, c=3}"),
+    # sets of tuples in any order, however the set is written
+    ("set of tuples", r"\{(1, 2), (3, 4)\}", r"\boxed{(x, y) \in \{(3, 4), (1, 2)\}}"),
+    ("set of tuples", r"\{(1, 2), (3, 4)\}", r"\boxed{(3, 4); (1, 2)}"),
+    ("set of tuples", r"(1, 2), (3, 4)", r"\boxed{\left\{(3,4),\ (1,2)\right\}}"),
+    ("set of tuples", r"\{(1, 2), (3, 4)\}", r"\boxed{(3, 4) \text{ and } (1, 2)}"),
 ]
 
 _REJECT = [
@@ -370,6 +392,25 @@ _REJECT = [
     ("decimal comma", "1.22", r"\boxed{12,2}"),
     ("decimal comma", "(1,5; 2,5)", r"\boxed{(2.5, 1.5)}"),
     ("decimal comma", "1,5; 2,5", r"\boxed{1, 5, 2, 5}"),
+    # a label's value, a ratio's order
+    ("labelled", "AB=4, CD=5", r"\boxed{AB=5, CD=4}"),
+    ("labelled", "AB=4, CD=5", r"\boxed{AB=4, CD=6}"),
+    ("labelled", "x=2, y=3", r"\boxed{y=2, x=3}"),
+    ("labelled", "V_1:V_2=11:21", r"\boxed{21:11}"),
+    ("labelled", "|AB|=1", r"\boxed{2}"),
+    ("labelled", "|x| = 3", r"\boxed{3}"),
+    ("labelled", "2x + 3 = 7", r"\boxed{7}"),
+    # each solution is a point: its coordinates keep their order and their labels
+    ("labelled solutions", "(5, 2), (7, 2)", r"\boxed{p=5, q=2; p=7, q=3}"),
+    ("labelled solutions", "(5, 2), (7, 2)", r"\boxed{p=2, q=5; p=2, q=7}"),
+    ("labelled solutions", "p=5, q=2; p=7, q=2", r"\boxed{p=2, q=5; p=2, q=7}"),
+    ("labelled solutions", "a=1, b=2, c=3", r"\boxed{(2, 1, 3)}"),
+    ("labelled solutions", r"x_1 = \frac{1}{2}, x_2 = -3", r"\boxed{\frac12}, \boxed{3}"),
+    # sets of tuples: every tuple, each in its order
+    ("set of tuples", r"\{(1, 2), (3, 4)\}", r"\boxed{\{(1, 2), (4, 3)\}}"),
+    ("set of tuples", r"\{(1, 2), (3, 4)\}", r"\boxed{\{1, 2, 3, 4\}}"),
+    ("set of tuples", r"\{(1, 2), (3, 4)\}", r"\boxed{(x, y) \in \{(1, 2)\}}"),
+    ("set of tuples", r"(1, 2), (3, 4)", r"\boxed{((1, 2), (3, 4), (5, 6))}"),
 ]
 
 CASES: list[Case] = [Case(t, g, c, True) for t, g, c in _ACCEPT] + [
