@@ -13,15 +13,18 @@ Order of checks in ``verify(completion, gold)``:
 2. Verbatim equality, then equality of Hendrycks MATH ``_strip_string``-style normal forms.
 3. Structural equality of both answers, read by the same rules (``_interpret``):
    matrices cell by cell (same shape); sets (``\\{...\\}``, ``{...}``, ``\\pm``, ``\\cup``, "or")
-   as multisets (order-free); ``(a, b]``-style tuples and intervals element by element with equal
-   brackets; a bare list (``3, 5``, "and") as a set, or as the point ``(3, 5)`` in its order (a
-   tuple is not a set, and a list is no interval); one-variable inequalities as intervals
-   (``1 \\le x < 4`` = ``[1, 4)``, ``x > 2`` = ``(2, \\infty)``); labels dropped (``x =``,
-   ``f(x) =``, ``AB =``, ``|AB| =``, ``V_1:V_2 =``, ``x \\in``, ``(x, y) \\in``), except that values
-   under the same labels pair by label (``AB=4, CD=5`` is not ``AB=5, CD=4``; numbered roots
-   ``x_1, x_2`` come in any order); a completion's "... = 5" states 5; equations side by side or as the same
-   equation up to scale (2x + 4y = 3 vs y = -x/2 + 3/4); text answers case-insensitively; anything
-   else is a formula, parsed by a small recursive-descent parser and compared by value.
+   as multisets (order-free), sets of tuples too; ``(a, b]``-style tuples and intervals element by
+   element with equal brackets; a bare list (``3, 5``, "and") as a set, or as the point ``(3, 5)``
+   in its order (a tuple is not a set, and a list is no interval); one-variable inequalities as
+   intervals (``1 \\le x < 4`` = ``[1, 4)``, ``x > 2`` = ``(2, \\infty)``), also the bounds of a
+   named quantity (``0 < f(x) < 1`` = ``(0, 1)``) and set-builder ``\\{x \\mid -2 \\le x \\le 7\\}``;
+   labels dropped (``x =``, ``f(x) =``, ``AB =``, ``|AB| =``, ``V_1:V_2 =``, ``x \\in``,
+   ``(x, y) \\in``), except that values under the same labels pair by label (``AB=4, CD=5`` is
+   not ``AB=5, CD=4``; numbered roots ``x_1, x_2`` come in any order), and several labelled
+   solutions are points (``p=5, q=2; p=7, q=2`` = ``(5, 2), (7, 2)``); a completion's "... = 5"
+   states 5; equations side by side or as the same equation up to scale (2x + 4y = 3 vs
+   y = -x/2 + 3/4); text answers case-insensitively; anything else is a formula, parsed by a small
+   recursive-descent parser and compared by value.
 4. Several boxes, in the completion or in a gold solution, as one list (``\\boxed{1}\\boxed{2}`` is
    ``1, 2``); a completion's last box alone still answers a gold of one answer.
 
@@ -254,10 +257,10 @@ _REPLACEMENTS = _SPELLINGS + (
     ("\u00f7", "\\div"), ("\u2264", "\\le "), ("\u2265", "\\ge "),
     ("\u221e", "\\infty"), ("\u03c0", "\\pi"), ("\\leqslant", "\\le"), ("\\geqslant", "\\ge"),
     ("\\leq", "\\le"), ("\\geq", "\\ge"), ("<=", "\\le "), (">=", "\\ge "), ("\\lt", "<"),
-    ("\\gt", ">"), ("\\lbrace", "\\{"), ("\\rbrace", "\\}"), ("\\lvert", "|"), ("\\rvert", "|"),
-    ("\\vert", "|"), ("\\langle", "("), ("\\rangle", ")"), ("\\displaystyle", ""),
-    ("\\!", ""), ("\\neq", "\\ne "), ("!=", "\\ne "), ("\\approx", "="), ("\\$", ""), ("$", ""),
-    ("\\infin", "\\infty"), ("\u00b0", "^\\circ"),
+    ("\\gt", ">"), ("\\lbrace", "\\{"), ("\\rbrace", "\\}"), ("\\lbrack", "["), ("\\rbrack", "]"),
+    ("\\lvert", "|"), ("\\rvert", "|"), ("\\vert", "|"), ("\\langle", "("), ("\\rangle", ")"),
+    ("\\displaystyle", ""), ("\\!", ""), ("\\neq", "\\ne "), ("!=", "\\ne "), ("\\approx", "="),
+    ("\\$", ""), ("$", ""), ("\\infin", "\\infty"), ("\u00b0", "^\\circ"),
 )
 _DELIMITER = re.compile(r"(?<!\\)\\[()\[\]]")  # \( x \) and \[ x \] around a formula
 _SIZING = re.compile(r"\\(?:left|right|[bB]igg?[lr]?)(?![A-Za-z])\.?")
@@ -275,12 +278,13 @@ _CHOICE = re.compile(r"\(?([A-E])[).:]?")
 _PLAIN_FUNCTION = re.compile(r"(?<![\\A-Za-z])(sin|cos|tan|ln|log|exp|sqrt)(?![A-Za-z])")
 _WORD = re.compile(r"(?<![\\A-Za-z])[A-Za-z]{3,}|(?<![\\A-Za-z])(?i:no|yes)(?![A-Za-z])")
 _NAME = r"[A-Za-z](?:_\{?[\w,]+\}?)?"  # x, x_1, x_{12}, x_{1,2}
-_VARIABLE = re.compile(_NAME + r"|\\[A-Za-z]+")  # the middle of 1 < x < 4, or \theta
+_VARIABLE = re.compile(_NAME + r"(?:\([^()]*\))?|\\[A-Za-z]+")  # bounded in 1 < x < 4, 0 < f(x) < 1
 # The left side of "x = 5" when it only names the value: a name (x, f', \theta, \angle A, the segment
 # AB, f(x)), a ratio of names (V_1:V_2), a length or size (|AB|; not |x|, whose equation has two
 # solutions), or the names of a point, (x, y).
 _ONE_LABEL = _NAME + r"'*|\\[A-Za-z]+|[A-Z]{2,3}|[A-Za-z]\([A-Za-z](?:,[A-Za-z])*\)"
 _LABEL = re.compile(rf"(?:{_ONE_LABEL})(?::(?:{_ONE_LABEL}))*|\|[A-Z]{{1,3}}\||\([A-Za-z](?:,[A-Za-z])+\)")
+_SET_BUILDER = re.compile(r"[A-Za-z]\s*(?:\\mid|\||:)(.+)", re.S)
 _IN_PREFIX = re.compile(r"^(?:[A-Za-z]|\(\s*[A-Za-z](?:\s*,\s*[A-Za-z])+\s*\))\s*\\in(?![A-Za-z])")
 _MATRIX_ENV = r"\{(?:[pbBvV]?matrix|array|smallmatrix)\}"
 _MATRIX = re.compile(r"\\begin" + _MATRIX_ENV + r"(?:\{[^{}]*\})?(.*)\\end" + _MATRIX_ENV, re.S)
@@ -844,6 +848,9 @@ def _structure(s: str, depth: int) -> Answer | None:
             items = _items(parts, depth)
             return Seq("set" if sep == "\\cup" else bare, "", items) if items else None
     if s.startswith("\\{") and s.endswith("\\}"):
+        rule = _SET_BUILDER.fullmatch(s[2:-2].strip())
+        if rule:  # \{x \mid -2 \le x \le 7\}: the interval of its condition
+            return _structure(rule.group(1), depth + 1)
         items = _items(_list_parts(s[2:-2]), depth)
         return Seq("set", "", items) if items else None
     if _IN_PREFIX.match(s):

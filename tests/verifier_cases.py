@@ -224,6 +224,16 @@ _ACCEPT = [
     ("set of tuples", r"\{(1, 2), (3, 4)\}", r"\boxed{(3, 4); (1, 2)}"),
     ("set of tuples", r"(1, 2), (3, 4)", r"\boxed{\left\{(3,4),\ (1,2)\right\}}"),
     ("set of tuples", r"\{(1, 2), (3, 4)\}", r"\boxed{(3, 4) \text{ and } (1, 2)}"),
+    # an interval, an inequality, or the range of a named quantity f(x)
+    ("interval in", r"-2 \le x \le 7", r"\boxed{x \in [-2, 7]}"),
+    ("interval in", r"x \in [-2, 7]", r"\boxed{-2 \le x \le 7}"),
+    ("interval in", r"x \in (-\infty, 3]", r"\boxed{x \leq 3}"),
+    ("interval in", r"[-2, 7]", r"\boxed{\{x \mid -2 \le x \le 7\}}"),
+    ("interval in", r"x \in [-2, 7]", r"\boxed{x \in \lbrack -2, 7 \rbrack}"),
+    ("bounded", "(0, 1)", r"\boxed{0 < f(x) < 1}"),
+    ("bounded", r"0 < f(x) < 1", r"\boxed{(0, 1)}"),
+    ("bounded", r"[0, \infty)", r"\boxed{f(x) \ge 0}"),
+    ("bounded", "(0, 1)", r"\boxed{1 > f(x) > 0}"),
 ]
 
 _REJECT = [
@@ -411,6 +421,15 @@ _REJECT = [
     ("set of tuples", r"\{(1, 2), (3, 4)\}", r"\boxed{\{1, 2, 3, 4\}}"),
     ("set of tuples", r"\{(1, 2), (3, 4)\}", r"\boxed{(x, y) \in \{(1, 2)\}}"),
     ("set of tuples", r"(1, 2), (3, 4)", r"\boxed{((1, 2), (3, 4), (5, 6))}"),
+    # the ends' brackets count; a bound on 2x or |x| is no interval of x
+    ("interval in", r"-2 \le x \le 7", r"\boxed{x \in (-2, 7]}"),
+    ("interval in", r"-2 \le x < 7", r"\boxed{x \in [-2, 7]}"),
+    ("interval in", r"x \in [-2, 7]", r"\boxed{-7 \le x \le 2}"),
+    ("interval in", r"[-2, 7]", r"\boxed{\{x : -2 \le x < 7\}}"),
+    ("bounded", "(0, 1)", r"\boxed{0 < f(x) \le 1}"),
+    ("bounded", "(1, 4)", r"\boxed{1 < 2x < 4}"),
+    ("bounded", "(1, 4)", r"\boxed{1 < |x| < 4}"),
+    ("bounded", r"(0, \infty)", r"\boxed{f(x) < 0}"),
 ]
 
 CASES: list[Case] = [Case(t, g, c, True) for t, g, c in _ACCEPT] + [
