@@ -205,6 +205,20 @@ def test_formula_parser_and_values() -> None:
     assert verifier._interpret("52_8") == verifier.Raw("52_8")  # a base subscript is not a product
 
 
+def test_answer_structures() -> None:
+    """How lists are read: the kind decides whether order counts (see _same)."""
+    sets, lists = ("\\{1, 3\\}", "{1, 3}", "3 \\pm 2", "1 \\text{ or } 5"), ("1, 3", "1 \\text{ and } 3")
+    assert [verifier._interpret(s).kind for s in sets] == ["set"] * 4
+    assert [verifier._interpret(s).kind for s in lists] == ["list"] * 2
+    assert verifier._interpret("(1, 3]") == verifier.Seq("tuple", "(]", [verifier._interpret(x) for x in "13"])
+    assert verifier._interpret("0 < f(x) \\le 1").brackets == "(]"
+    decimal, listed = verifier._interpret("1,22").options  # a decimal comma, or the list 1, 22
+    assert decimal.value == verifier.Fraction(122, 100) and listed.kind == "list"
+    assert verifier._interpret("1,000; 2").items[0].value == 1000  # no decimal reading fits 1,000
+    assert verifier._interpret("AB = 4").names_value and verifier._interpret("|AB| = 4").names_value
+    assert not verifier._interpret("2x + z = 4").names_value and not verifier._interpret("|x| = 4").names_value
+
+
 # ------------------------------------------------------------------ pluggable rewards
 def test_load_reward_default_is_verify() -> None:
     assert load_reward() is verify
@@ -309,6 +323,13 @@ def test_thousands_separators(n: int) -> None:
     "\\(" * 50_000,
     "\\boxed{" + "\\frac{1}{" * 100 + "2" + "}" * 100 + "}",
     "\\boxed{\\begin{pmatrix}" + "1 & " * 2_000 + "\\end{pmatrix}}",
+    "\\boxed{" + "1,2;" * 3_000 + "}",
+    "\\boxed{" + "p=1, q=2; " * 1_000 + "}",
+    "\\boxed{" + "\\{x \\mid " * 200 + "x > 1" + "\\}" * 200 + "}",
+    "\\boxed{" + "{" * 200 + "1,2" + "}" * 200 + "}",
+    "\\boxed{|" + "A" * 5_000 + "| = 1}",
+    "\\boxed{" + "V_1:" * 2_000 + "V = 1}",
+    "\\boxed{0 < f(" + "(" * 1_000 + "x" + ")" * 1_000 + ") < 1}",
 ])
 def test_adversarial_inputs_are_fast(text: str) -> None:
     for gold in ("1", "1" * 100_000, text[-300:], text):
