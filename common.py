@@ -44,12 +44,15 @@ def fraction(text: str) -> float:
 
 
 def dataclass_parser(config_class, description: str) -> argparse.ArgumentParser:
-    """One --flag per dataclass field, its help from the field's metadata (extra metadata: argparse options)."""
+    """One --flag per dataclass field, its help from the field's metadata (extra metadata: argparse options).
+    A bool field is a switch: --x sets a False default; one whose default is True gets --x/--no-x."""
     parser = argparse.ArgumentParser(description=description)
     for f in dataclasses.fields(config_class):
         flag, options = "--" + f.name.replace("_", "-"), {k: v for k, v in f.metadata.items() if k != "help"}
         help = f.metadata["help"].replace("%", "%%")  # argparse formats help strings with %
-        if f.type is bool:
+        if f.type is bool and f.default is True:
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=True, help=help, **options)
+        elif f.type is bool:
             parser.add_argument(flag, action="store_true", help=help, **options)
         else:
             parser.add_argument(flag, **{"type": f.type, "default": f.default, **options}, help=f"{help} (default: {f.default})")
