@@ -45,7 +45,8 @@ sys.path.insert(0, str(ROOT))
 
 import train  # noqa: E402
 from data.tasks import load_problems  # noqa: E402
-from model import cpu_features, load_model, packed_linear, pick_device  # noqa: E402
+from decoding import packed_linear  # noqa: E402
+from model import cpu_features, load_model, pick_device  # noqa: E402
 from verifier import verify  # noqa: E402
 
 DATA_DIR = ROOT.parent / "shared" / "data"

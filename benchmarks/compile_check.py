@@ -33,10 +33,11 @@ import torch  # noqa: E402
 from transformers import DynamicCache  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-import model as model_module  # noqa: E402
+import decoding  # noqa: E402
 from benchmarks.bench import kernel_seconds, linear_shapes, unpacked_linear  # noqa: E402
-from model import (DecodeCache, TokenLogProbs, decode_step, decode_weights, load_model, pack_rows,  # noqa: E402
-                   packed_states, resolve_precision, sample, trim_padding, working_copy)
+from decoding import DecodeCache, decode_step, decode_weights  # noqa: E402
+from model import load_model, resolve_precision, sample, trim_padding, working_copy  # noqa: E402
+from packing import TokenLogProbs, pack_rows, packed_states  # noqa: E402
 
 QUESTION = "What is 37 * 8?"
 
@@ -88,7 +89,7 @@ def check_decoding(net, tokenizer, shapes, rows: int, column: int, reps: int, ba
     tokens, positions = ids[0, :rows], torch.full((rows,), column)
     mask = torch.ones(rows, column + 1, dtype=torch.bool)
     packed = decode_weights(net, rows)  # oneDNN-packed, as train.py decodes
-    with mock.patch.object(model_module, "packed_linear", unpacked_linear):
+    with mock.patch.object(decoding, "packed_linear", unpacked_linear):
         plain = decode_weights(net, rows)  # what dynamo can trace
 
     def step(fn: Callable, weights) -> Callable[[], torch.Tensor]:

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-import model as model_module  # noqa: E402
+import decoding  # noqa: E402
 from benchmarks.bench import unpacked_linear  # noqa: E402
 from model import cpu_features, load_model, sample, working_copy  # noqa: E402
 
@@ -34,7 +34,7 @@ def main() -> None:
     model.eval()
     bf16 = {"avx512_bf16", "amx_bf16"} & cpu_features()
     autocast = torch.autocast("cpu", dtype=torch.bfloat16)
-    packed, plain = model_module.packed_linear, unpacked_linear
+    packed, plain = decoding.packed_linear, unpacked_linear
     paths = {"generate fp32": (model, True, nullcontext(), packed),
              "decode fp32 F.linear": (model, False, nullcontext(), plain),
              "decode fp32 packed": (model, False, nullcontext(), packed)}
@@ -46,16 +46,16 @@ def main() -> None:
     times = {name: [] for name in paths}
     for rep in range(args.reps + 1):  # the first round warms up
         for name, (net, use_generate, ctx, linear) in paths.items():
-            model_module.packed_linear = linear
+            decoding.packed_linear = linear
             torch.manual_seed(rep)
             start = time.perf_counter()
             with ctx:
-                rollout = sample(net, tokenizer, QUESTIONS, 8, 64, use_generate=use_generate)
+                rollout = sample(net, tokenizer, QUESTIONS, 8, 64, fast=not use_generate)
             seconds = time.perf_counter() - start
             print(f"  {name}: {seconds:.2f} s, {rollout.completion_len} steps", flush=True)
             if rep:
                 times[name].append((seconds, rollout.completion_len, rollout.completion_mask.sum().item()))
-    model_module.packed_linear = packed
+    decoding.packed_linear = packed
     print(f"CPU features: {sorted(cpu_features())}, torch threads {torch.get_num_threads()}")
     for name, runs in times.items():
         per_step = statistics.median(s / c for s, c, _ in runs) * 1e3

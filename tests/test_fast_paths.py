@@ -1,15 +1,21 @@
-"""Each speed-up in model.py changes nothing it should not: same greedy tokens as HF `generate`, the same
-sampling distribution, close log-probs from the bf16 sampling copy, and precision chosen from CPU flags."""
+"""Each fast path (decoding.py, packing.py) changes nothing it should not against the plain definition in
+model.py: same greedy tokens as HF `generate`, the same sampling distribution, the same log-probs and gradients
+as the plain pass, close log-probs from the bf16 sampling copy, and precision chosen from CPU flags."""
+
+import types
 
 import pytest
 import torch
 
+import decoding
 import model as model_module
+import packing
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, Qwen2ForCausalLM
 
-from model import (DecodeCache, TokenLogProbs, accumulate_gradients, byte_tokenizer, completion_logprobs, copy_weights,
-                   decode, decode_step, decode_weights, hf_generate, load_model, next_tokens, packed_linear,
-                   resolve_precision, sample, tiny_qwen2, working_copy)
+from decoding import DecodeCache, decode, decode_step, decode_weights, packed_linear
+from model import (accumulate_gradients, byte_tokenizer, completion_logprobs, copy_weights, load_model, next_tokens,
+                   resolve_precision, sample, sample_with_generate, tiny_qwen2, working_copy)
+from packing import TokenLogProbs
 
 QUESTIONS = ["2+3?", "What is 17 * 4?", "hi", "a"]  # different lengths: left padding is exercised
 
@@ -45,7 +51,7 @@ def test_greedy_decode_equals_hf_generate(tiny, eos_bias, group_size):
     model, tokenizer = tiny
     eos_bias(0.4)
     fast = sample(model, tokenizer, QUESTIONS, group_size, 30, temperature=0)
-    ref = sample(model, tokenizer, QUESTIONS, group_size, 30, temperature=0, use_generate=True)
+    ref = sample(model, tokenizer, QUESTIONS, group_size, 30, temperature=0, fast=False)
     lengths = fast.completion_mask.sum(1)
     assert lengths.min() < 30 and lengths.max() == 30  # some rows stopped early, some ran to the limit
     for field in ("input_ids", "attention_mask", "completion_mask", "truncated"):
@@ -140,19 +146,64 @@ def test_packed_linear_under_autocast_computes_what_f_linear_computes(dtype):
         torch.testing.assert_close(packed_linear(weight, None, 16)(x), torch.nn.functional.linear(x, weight))
 
 
+def counting_onednn_ops(monkeypatch, names):
+    """torch.ops.mkldnn replaced by a namespace with only the ops `names` (real ones, counted): [calls]."""
+    calls, real = [], torch.ops.mkldnn
+
+    def counted(name):
+        def op(*args):
+            calls.append(name)
+            return getattr(real, name)(*args)
+        return op
+
+    monkeypatch.setattr(torch.ops, "mkldnn", types.SimpleNamespace(**{name: counted(name) for name in names}))
+    return calls
+
+
+ONEDNN_OPS = ("_reorder_linear_weight", "_linear_pointwise", "_is_mkldnn_bf16_supported")
+
+
+def test_packed_linear_runs_the_onednn_ops_where_torch_has_them(monkeypatch):
+    """fp32 on CPU: the weight is reordered once and every product takes the packed kernel (not F.linear)."""
+    if not torch.backends.mkldnn.is_available():
+        pytest.skip("torch built without oneDNN")
+    calls = counting_onednn_ops(monkeypatch, ONEDNN_OPS)
+    weight, x = torch.randn(96, 64), torch.randn(3, 64)
+    linear = packed_linear(weight, None, 16)
+    torch.testing.assert_close(linear(x), torch.nn.functional.linear(x, weight))
+    linear(x)
+    assert calls.count("_reorder_linear_weight") == 1 and calls.count("_linear_pointwise") == 2
+
+
+@pytest.mark.parametrize("present", [(), ONEDNN_OPS[:1], ONEDNN_OPS[1:]])  # none, or one or two of the three
+def test_decoding_falls_back_to_f_linear_without_the_private_onednn_ops(tiny, eos_bias, monkeypatch, present):
+    """torch.ops.mkldnn's private ops may leave a torch release: packed_linear is then F.linear itself, and
+    decoding still gives generate's greedy tokens."""
+    model, tokenizer = tiny
+    calls = counting_onednn_ops(monkeypatch, present)
+    assert decoding.onednn_ops() is None
+    weight, x = torch.randn(96, 64), torch.randn(3, 64)
+    assert torch.equal(packed_linear(weight, None, 16)(x), torch.nn.functional.linear(x, weight))
+    eos_bias(0.4)
+    fast = sample(model, tokenizer, QUESTIONS, 3, 30, temperature=0)
+    ref = sample(model, tokenizer, QUESTIONS, 3, 30, temperature=0, fast=False)
+    assert calls == [] and fast.completion_mask.sum(1).min() < 30
+    assert torch.equal(fast.input_ids, ref.input_ids) and fast.texts == ref.texts
+
+
 @torch.no_grad()
 def test_every_decoding_step_samples_from_the_logits_of_a_full_forward(block_model, monkeypatch):
     """The logits each token is drawn from = transformers' forward over the whole finished rows (left-padded prompt
     + completion, positions counting real tokens), as completion_logprobs sees them: the loss's log-probs are those
     of the distribution sampled from, at every step, not only the first."""
     model, tokenizer = block_model
-    drawn_from, draw = [], model_module.next_tokens
+    drawn_from, draw = [], decoding.next_tokens
 
     def recording_next_tokens(logits, temperature, top_p):
         drawn_from.append(logits.clone())
         return draw(logits, temperature, top_p)
 
-    monkeypatch.setattr(model_module, "next_tokens", recording_next_tokens)
+    monkeypatch.setattr(decoding, "next_tokens", recording_next_tokens)
     torch.manual_seed(0)
     rollout = sample(model, tokenizer, QUESTIONS, 2, 6)  # a random model does not end within 6 tokens
     assert rollout.completion_len == 6 and len(drawn_from) == 6 and rollout.truncated.all()
@@ -171,7 +222,7 @@ def test_decode_step_samples_what_the_transformers_forward_samples(block_model, 
     runs = []
     try:
         for weights in (decode_weights, lambda model, rows: None):
-            monkeypatch.setattr(model_module, "decode_weights", weights)
+            monkeypatch.setattr(decoding, "decode_weights", weights)
             torch.manual_seed(7)
             runs.append(sample(model, tokenizer, QUESTIONS, 3, 20).input_ids)
     finally:
@@ -187,10 +238,9 @@ def test_other_architectures_decode_with_the_transformers_forward(monkeypatch):
     model.config.use_sliding_window = True
     assert decode_weights(model, rows=4) is None
     model.config.use_sliding_window = False
-    monkeypatch.setattr(model_module, "decode_weights", lambda model, rows: None)
+    monkeypatch.setattr(decoding, "decode_weights", lambda model, rows: None)
     fast = sample(model.eval(), tokenizer, QUESTIONS, 2, 10, temperature=0)
-    assert torch.equal(fast.input_ids, sample(model, tokenizer, QUESTIONS, 2, 10, temperature=0,
-                                              use_generate=True).input_ids)
+    assert torch.equal(fast.input_ids, sample(model, tokenizer, QUESTIONS, 2, 10, temperature=0, fast=False).input_ids)
 
 
 def test_next_tokens_draws_from_softmax_over_temperature():
@@ -248,11 +298,11 @@ def test_sampled_decode_is_reproducible_for_a_seed(tiny):
     assert torch.equal(*runs)
 
 
-def test_hf_generate_reference_path_still_runs(tiny):
+def test_sample_with_generate_reference_path_still_runs(tiny):
     model, tokenizer = tiny
     enc = tokenizer(["hi"], return_tensors="pt", add_special_tokens=False)
-    ids = hf_generate(model, enc["input_ids"], enc["attention_mask"], 3, 5, 1.0, 1.0, tokenizer.eos_token_id,
-                      tokenizer.pad_token_id)
+    ids = sample_with_generate(model, enc["input_ids"], enc["attention_mask"], 3, 5, 1.0, 1.0, tokenizer.eos_token_id,
+                               tokenizer.pad_token_id)
     assert ids.shape[0] == 3 and ids.shape[1] <= 5
 
 
@@ -317,11 +367,11 @@ def test_cpu_features_reads_this_machines_flags():
 
 
 def packed_and_plain(model, ids, attn, completion_len, temperature=0.7):
-    """(log-probs, gradients) of the sum of the real tokens' log-probs, by the plain path then the packed one."""
+    """(log-probs, gradients) of the sum of the real tokens' log-probs, by the plain definition then the packed pass."""
     results = []
-    for packed in (False, True):
+    for fast in (False, True):
         model.zero_grad()
-        logp = completion_logprobs(model, ids, attn, completion_len, temperature=temperature, packed=packed)
+        logp = completion_logprobs(model, ids, attn, completion_len, temperature=temperature, fast=fast)
         (logp * attn[:, -completion_len:]).sum().backward()
         results.append((logp.detach(), [p.grad.clone() for p in model.parameters()]))
     return results
@@ -382,13 +432,13 @@ def test_packed_logprobs_with_gradient_checkpointing_equal_the_plain_pass(tiny, 
     args = (model, rollout.input_ids, rollout.attention_mask, rollout.completion_len)
     expected = packed_and_plain(*args)
     model.activation_checkpointing_enable()
-    checkpointed_blocks, checkpoint = [], model_module.checkpoint
+    checkpointed_blocks, checkpoint = [], packing.checkpoint
 
     def counting_checkpoint(*call_args, **call_kwargs):
         checkpointed_blocks.append(1)
         return checkpoint(*call_args, **call_kwargs)
 
-    monkeypatch.setattr(model_module, "checkpoint", counting_checkpoint)
+    monkeypatch.setattr(packing, "checkpoint", counting_checkpoint)
     checkpointed = packed_and_plain(*args)
     assert len(checkpointed_blocks) == len(model.model.layers)  # the packed pass, once per layer
     for (logp, grads), (logp_ckpt, grads_ckpt) in zip(expected, checkpointed):
@@ -408,10 +458,9 @@ def test_packed_logprobs_in_bf16_are_as_close_to_fp32_as_the_plain_pass(tiny, bf
     mask = rollout.completion_mask.bool()
     net = working_copy(model, "bf16") if bf16 == "working copy" else model
     with torch.no_grad():
-        exact = completion_logprobs(model, *args, packed=False)[mask]
+        exact = completion_logprobs(model, *args, fast=False)[mask]
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16 == "autocast"):
-            errors = [(completion_logprobs(net, *args, packed=packed)[mask] - exact).abs().max() for packed in
-                      (False, True)]
+            errors = [(completion_logprobs(net, *args, fast=fast)[mask] - exact).abs().max() for fast in (False, True)]
     assert 0 < errors[1] < 2 * errors[0] + 1e-3, errors
 
 
@@ -425,7 +474,7 @@ def test_segment_attention_written_out_equals_sdpa(dtype):
     attend[..., 0] = True
     results = []
     for fused in (False, True):
-        out = model_module.segment_attention(q, k, v, attend, 0.3, fused)
+        out = packing.segment_attention(q, k, v, attend, 0.3, fused)
         grads = torch.autograd.grad((out.float() * torch.linspace(-1, 1, out.numel()).view_as(out)).sum(), (q, k, v))
         results.append((out, grads))
     (written, written_grads), (sdpa, sdpa_grads) = results
@@ -441,7 +490,7 @@ def test_pack_rows_streams_each_prompt_once_and_each_completion_but_its_last_tok
     completion tokens, 8 in all, then 8 dummies; each target is predicted by the token before it in its own row."""
     ids = torch.tensor([[1, 2, 3, 7, 8, 9], [1, 2, 3, 6, 0, 0], [0, 4, 5, 7, 8, 0]])
     attn = torch.tensor([[1, 1, 1, 1, 1, 1], [1, 1, 1, 1, 0, 0], [0, 1, 1, 1, 1, 0]])
-    rows = model_module.pack_rows(ids, attn, 3)
+    rows = packing.pack_rows(ids, attn, 3)
     assert rows.tokens.tolist() == [1, 2, 3, 7, 8, 4, 5, 7] + [0] * 8
     assert rows.positions[:8].tolist() == [0, 1, 2, 3, 4, 0, 1, 2]
     assert rows.targets.tolist()[: rows.num_targets] == [7, 8, 9, 6, 7, 8] and len(rows.targets) == 16
@@ -454,7 +503,7 @@ def test_pack_rows_streams_each_prompt_once_and_each_completion_but_its_last_tok
 
 
 def test_completion_logprobs_packs_written_out_blocks_only(tiny, monkeypatch):
-    """The Llama/Qwen2 block runs packed (transformers' forward is never called); another block takes the plain path."""
+    """The Llama/Qwen2 block runs packed (transformers' forward is never called); another block runs its own forward."""
     model, tokenizer = tiny
     rollout = sample(model, tokenizer, QUESTIONS[:2], 2, 4)
     calls = []
@@ -463,7 +512,7 @@ def test_completion_logprobs_packs_written_out_blocks_only(tiny, monkeypatch):
         with torch.no_grad():
             packed = completion_logprobs(model, rollout.input_ids, rollout.attention_mask, rollout.completion_len)
             assert calls == []
-            monkeypatch.setattr(model_module, "writes_out_block", lambda config: False)
+            monkeypatch.setattr(packing, "writes_out_block", lambda config: False)
             plain = completion_logprobs(model, rollout.input_ids, rollout.attention_mask, rollout.completion_len)
             assert calls == [1]
     finally:
@@ -498,24 +547,27 @@ def test_packed_rows_tell_prompts_apart_by_mask_too(tiny):
     ids = torch.tensor([[5, 6, 7, 8, 9], [5, 6, 7, 8, 9]])
     attn = torch.tensor([[1, 1, 1, 1, 1], [0, 1, 1, 1, 1]])
     with torch.no_grad():
-        plain = completion_logprobs(model, ids, attn, 2, packed=False)
+        plain = completion_logprobs(model, ids, attn, 2, fast=False)
         packed = completion_logprobs(model, ids, attn, 2)
     assert torch.allclose(plain, packed, atol=1e-5) and not torch.allclose(packed[0], packed[1])
 
 
-@pytest.mark.parametrize("packed", [False, True])
-def test_logprobs_with_shape_padding_equal_a_direct_forward(tiny, packed):
-    """The masked columns that round lengths to multiples of 16 change no log-prob of a real token."""
+@pytest.mark.parametrize("fast", [False, True])
+def test_logprobs_equal_the_textbook_definition_over_a_full_forward(tiny, fast):
+    """log_softmax(logits / T) at the targets, from the logits of every position of a full forward: the plain
+    definition (logits of the completion positions only) and the packed pass (its stream rounded up to a multiple
+    of 16 with dummy tokens, which must change no real token's log-prob)."""
     model, tokenizer = tiny
     torch.manual_seed(1)
     rollout = sample(model, tokenizer, QUESTIONS[:2], 3, 7)
     ids, attn = model_module.trim_padding(rollout.input_ids, rollout.attention_mask, rollout.completion_mask)[:2]
     c = rollout.completion_len
-    assert ids.shape[1] % 16 != 0  # trimmed: the padding inside completion_logprobs has work to do
+    streamed = model_module.real_tokens(ids, attn, c) - len(ids)  # each row's last token predicts nothing
+    assert streamed % 16 != 0 and len(packing.pack_rows(ids, attn, c).tokens) % 16 == 0  # dummies to add
     with torch.no_grad():
         logits = model(input_ids=ids, attention_mask=attn, position_ids=(attn.cumsum(1) - 1).clamp(min=0)).logits
         direct = torch.log_softmax(logits[:, -c - 1:-1].float() / 0.8, -1).gather(2, ids[:, -c:, None]).squeeze(2)
-        logp = completion_logprobs(model, ids, attn, c, temperature=0.8, packed=packed)
+        logp = completion_logprobs(model, ids, attn, c, temperature=0.8, fast=fast)
     assert logp.shape == direct.shape
     mask = rollout.completion_mask.bool()
     assert torch.allclose(logp[mask], direct[mask], atol=1e-5)
@@ -578,31 +630,41 @@ def test_token_logprobs_keep_every_buffer_on_the_logits_device():
     assert logp.device.type == grad.device.type == "meta" and grad.dtype == torch.bfloat16
 
 
-def test_models_outside_plain_head_models_take_their_logits_from_their_own_forward(tiny, monkeypatch):
-    """The other route (the full model's forward, its logits at the chosen positions): the same log-probs and
-    gradients as the output layer applied to the base model's hidden states."""
+def test_other_blocks_take_fast_logprobs_from_their_own_forward(tiny, monkeypatch):
+    """A block packed_states does not write out: its own forward, logits at the real completion tokens only, the
+    log-softmax by TokenLogProbs; the same log-probs and gradients as the plain definition, 0 after EOS."""
     model, tokenizer = tiny
     model = model_module.copy.deepcopy(model)
     torch.manual_seed(0)
     rollout = sample(model, tokenizer, QUESTIONS[:2], 3, 6)
-    results = []
-    for plain_head_models in (model_module.PLAIN_HEAD_MODELS, ()):
-        monkeypatch.setattr(model_module, "PLAIN_HEAD_MODELS", plain_head_models)
-        model.zero_grad()
-        logp = completion_logprobs(model, rollout.input_ids, rollout.attention_mask, rollout.completion_len, 0.7,
-                                   packed=False)
-        logp.sum().backward()
-        results.append((logp.detach(), [p.grad.clone() for p in model.parameters()]))
-    (head_logp, head_grads), (own_logp, own_grads) = results
-    torch.testing.assert_close(head_logp, own_logp)
-    for a, b in zip(head_grads, own_grads):
-        torch.testing.assert_close(a, b)
+    attn = rollout.attention_mask.clone()
+    attn[:, -6:] = (torch.arange(6)[None, :] < torch.tensor([6, 1, 3, 6, 2, 5])[:, None]).long()  # rows end early
+    monkeypatch.setattr(packing, "writes_out_block", lambda config: False)
+    token_logprobs_rows, apply = [], TokenLogProbs.apply
+    monkeypatch.setattr(TokenLogProbs, "apply", lambda logits, *a: token_logprobs_rows.append(len(logits))
+                        or apply(logits, *a))
+    (plain, plain_grads), (fast, fast_grads) = packed_and_plain(model, rollout.input_ids, attn, 6)
+    assert token_logprobs_rows == [23]  # the real completion tokens, no padding rounded in
+    assert not fast[attn[:, -6:] == 0].any()
+    torch.testing.assert_close(fast, plain)
+    for a, b in zip(plain_grads, fast_grads):
+        torch.testing.assert_close(b, a)
 
 
-def test_sample_pads_prompts_to_a_multiple_of_16(tiny):
+def test_decode_pads_prompts_to_a_multiple_of_16_for_its_prefill(tiny):
+    """The prefill sees whole multiples of 16 columns (masked left padding), so its matmul shapes recur; the
+    rollout keeps the tokenizer's own prompt columns, as sampling with generate does."""
     model, tokenizer = tiny
-    rollout = sample(model, tokenizer, QUESTIONS, 2, 5)
-    assert (rollout.input_ids.shape[1] - rollout.completion_len) % 16 == 0
+    widths = []
+    hook = model.register_forward_pre_hook(lambda module, args, kwargs: widths.append(kwargs["input_ids"].shape[1]),
+                                           with_kwargs=True)
+    try:
+        rollout = sample(model, tokenizer, QUESTIONS, 2, 5)
+    finally:
+        hook.remove()
+    prompt_len = rollout.input_ids.shape[1] - rollout.completion_len
+    assert widths[0] % 16 == 0 and prompt_len % 16 != 0 and widths[0] == prompt_len + -prompt_len % 16
+    assert rollout.attention_mask[:, 0].any()  # no all-pad column in front
 
 
 def test_sample_pads_prompts_on_the_left_whatever_the_tokenizer_says():
@@ -619,3 +681,22 @@ def test_sample_pads_prompts_on_the_left_whatever_the_tokenizer_says():
     prompt_len = right.input_ids.shape[1] - right.completion_len
     assert right.attention_mask[:, prompt_len - 1].all() and not right.attention_mask[:, 0].all()
     assert torch.equal(right.input_ids, left.input_ids)
+
+
+def test_dataclass_parser_gives_a_true_bool_field_a_no_flag():
+    """A config field `fast: bool = arg(True, ...)` (train.py's way) is --fast/--no-fast; a False one stays --x."""
+    import dataclasses
+
+    from common import arg, dataclass_parser
+
+    @dataclasses.dataclass
+    class Config:
+        fast: bool = arg(True, "fast paths")
+        resume: bool = arg(False, "resume")
+
+    parser = dataclass_parser(Config, "test")
+    assert vars(parser.parse_args([])) == {"fast": True, "resume": False}
+    assert vars(parser.parse_args(["--no-fast", "--resume"])) == {"fast": False, "resume": True}
+    assert parser.parse_args(["--fast"]).fast is True
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--no-resume"])
