@@ -35,17 +35,21 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     return 1.0 - comb(n - c, k) / comb(n, k)
 
 
-def score_groups(texts: list[str], answers: list[str], reward_fn: Callable[[str, str], float]) -> list[list[float]]:
-    """Rewards [b][n] of b*n completions, n in a row per answer: the same scoring for training and evaluation."""
+def score_groups(texts: list[str], answers: list[str],
+                 reward_fn: Callable[[str, str], float]) -> list[list[float]]:
+    """Rewards [b][n] of b*n completions, n in a row per answer: the same scoring for training and
+    evaluation."""
     n = len(texts) // len(answers)
-    return [[reward_fn(text, answer) for text in texts[i * n : (i + 1) * n]] for i, answer in enumerate(answers)]
+    return [[reward_fn(text, answer) for text in texts[i * n : (i + 1) * n]]
+            for i, answer in enumerate(answers)]
 
 
 @torch.no_grad()
 def evaluate(model, tokenizer, problems: list[Problem], *, max_new_tokens: int, samples: int = 1,
              temperature: float = 0.0, batch_size: int = 32, progress: bool = False,
-             reward_fn: Callable[[str, str], float] = verify) -> dict:
+             reward_fn: Callable[[str, str], float] = verify, fast: bool = True) -> dict:
     """Accuracy of `model` on `problems` (reward 1 = correct): greedy when samples == 1 and temperature == 0.
+    fast: sample with the fast decoding loop (`model.sample`'s fast), else with HF `generate`.
 
     Returns accuracy (mean over all completions: pass@1 greedy, mean@n sampled), the same per level for
     problems that have one (arith-mix), pass@k for k = 1, 2, 4, .. up to n, and one record per completion.
@@ -56,19 +60,21 @@ def evaluate(model, tokenizer, problems: list[Problem], *, max_new_tokens: int, 
     starts = range(0, len(problems), batch_size)
     for start in tqdm(starts, desc="eval", disable=not progress, leave=False):
         batch = problems[start : start + batch_size]
-        rollout = sample(model, tokenizer, [p.question for p in batch], samples, max_new_tokens, temperature)
-        batch_scores = score_groups(rollout.texts, [p.answer for p in batch], reward_fn)  # [b][n], as in training
+        rollout = sample(model, tokenizer, [p.question for p in batch], samples, max_new_tokens, temperature,
+                         fast=fast)
+        batch_scores = score_groups(rollout.texts, [p.answer for p in batch], reward_fn)  # [b][n]
         for i, (problem, scores) in enumerate(zip(batch, batch_scores)):
             texts = rollout.texts[i * samples : (i + 1) * samples]
             correct_per_problem.append(sum(score == 1 for score in scores))
             records += [{"question": problem.question, "level": problem.level, "completion": text,
-                         "extracted": extract_answer(text), "gold": problem.answer, "reward": s, "correct": s == 1}
-                        for text, s in zip(texts, scores)]
+                         "extracted": extract_answer(text), "gold": problem.answer, "reward": s,
+                         "correct": s == 1} for text, s in zip(texts, scores)]
     ks = [k for k in (1, 2, 4, 8, 16, 32, 64) if k < samples] + [samples]
     levels = sorted({r["level"] for r in records if r["level"]}, key=[r["level"] for r in records].index)
     return {
         "accuracy": float(np.mean([r["correct"] for r in records])) if records else 0.0,
-        "accuracy_by_level": {lv: float(np.mean([r["correct"] for r in records if r["level"] == lv])) for lv in levels},
+        "accuracy_by_level": {lv: float(np.mean([r["correct"] for r in records if r["level"] == lv]))
+                              for lv in levels},
         "pass_at_k": {k: float(np.mean([pass_at_k(samples, c, k) for c in correct_per_problem])) for k in ks},
         "problems": len(problems), "samples": samples, "records": records,
     }
@@ -80,18 +86,25 @@ def slug(name: str) -> str:
 
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description="Evaluate one or more models with the training verifier.")
-    p.add_argument("--model", nargs="+", default=["smollm2-135m"], help="aliases, hub ids, folders or checkpoints")
-    p.add_argument("--dataset", default="arith-mul1", help="arith-<level> or arith-mix (test split), or a GSM8K/MATH .jsonl")
-    p.add_argument("--reward", default="verifier", help="verifier, math-verify, or module:function (as train.py)")
+    p.add_argument("--model", nargs="+", default=["smollm2-135m"],
+                   help="aliases, hub ids, folders or checkpoints")
+    p.add_argument("--dataset", default="arith-mul1",
+                   help="arith-<level> or arith-mix (test split), or a GSM8K/MATH .jsonl")
+    p.add_argument("--reward", default="verifier",
+                   help="verifier, math-verify, or module:function (as train.py)")
     p.add_argument("--limit", type=int, default=0, help="evaluate only the first N problems (0: all)")
-    p.add_argument("--samples", type=int, default=1, help="completions per problem (n); >1 samples at --temperature")
-    p.add_argument("--temperature", type=float, default=None, help="default: 0 (greedy) for 1 sample, else 1.0")
+    p.add_argument("--samples", type=int, default=1,
+                   help="completions per problem (n); >1 samples at --temperature")
+    p.add_argument("--temperature", type=float, default=None,
+                   help="default: 0 (greedy) for 1 sample, else 1.0")
     p.add_argument("--max-new-tokens", type=int, default=256, help="completion length limit")
     p.add_argument("--batch-size", type=int, default=32, help="prompts per generate call")
     p.add_argument("--out", default="", help="folder for summary.json and per-model samples JSONL")
     p.add_argument("--seed", type=int, default=0, help="sampling seed")
     p.add_argument("--precision", default="auto", choices=["auto", "fp32", "bf16"],
                    help="auto: bf16 on CUDA and on CPUs with native bf16 (as train.py), else fp32")
+    p.add_argument("--fast", action=argparse.BooleanOptionalAction, default=True,
+                   help="sample with the fast decoding loop (decoding.py); --no-fast: with HF generate")
     args = p.parse_args(argv)
     temperature = args.temperature if args.temperature is not None else (0.0 if args.samples == 1 else 1.0)
     try:
@@ -104,8 +117,9 @@ def main(argv: list[str] | None = None) -> dict:
             net = working_copy(model, args.precision)  # the network train.py samples from
             torch.manual_seed(args.seed)
             results[name] = evaluate(net, tokenizer, problems, max_new_tokens=args.max_new_tokens,
-                                     samples=args.samples, temperature=temperature, batch_size=args.batch_size,
-                                     progress=True, reward_fn=reward_fn)
+                                     samples=args.samples, temperature=temperature,
+                                     batch_size=args.batch_size, progress=True, reward_fn=reward_fn,
+                                     fast=args.fast)
     except (FileNotFoundError, ValueError, ImportError) as e:
         sys.exit(f"error: {e}")
 
@@ -116,10 +130,12 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"{'':{width}}" + "".join(f"  {name[-28:]:>28}" for name in results))
     print(f"{label:{width}}" + "".join(f"  {r['accuracy']:28.3f}" for r in results.values()))
     for level in next(iter(results.values()))["accuracy_by_level"]:
-        print(f"{'  ' + level:{width}}" + "".join(f"  {r['accuracy_by_level'][level]:28.3f}" for r in results.values()))
+        print(f"{'  ' + level:{width}}"
+              + "".join(f"  {r['accuracy_by_level'][level]:28.3f}" for r in results.values()))
     if args.samples > 1:
         for k in ks:
-            print(f"{'pass@' + str(k):{width}}" + "".join(f"  {r['pass_at_k'][k]:28.3f}" for r in results.values()))
+            print(f"{'pass@' + str(k):{width}}"
+                  + "".join(f"  {r['pass_at_k'][k]:28.3f}" for r in results.values()))
     keys = ("accuracy", "accuracy_by_level", "pass_at_k", "problems", "samples")
     summary = {name: {key: r[key] for key in keys} for name, r in results.items()}
     if args.out:
