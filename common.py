@@ -7,9 +7,11 @@ dataclasses, and is rebuilt with the same classes on resume.
 import argparse
 import dataclasses
 import json
+import math
 import os
 import shutil
 import signal
+import sys
 import threading
 from contextlib import contextmanager
 from pathlib import Path
@@ -35,12 +37,18 @@ def at_least(minimum: int):
     return parse
 
 
-def fraction(text: str) -> float:
-    """An argparse type: a float in [0, 1], or a one-line error."""
-    value = float(text)
-    if not 0.0 <= value <= 1.0:
-        raise argparse.ArgumentTypeError(f"must be between 0 and 1, got {text}")
-    return value
+def in_range(low: float, high: float, *, low_open: bool = False, high_open: bool = False):
+    """An argparse type: a finite float in the interval, or a one-line error naming it."""
+    name = f"{'(' if low_open else '['}{low:g}, {high:g}{')' if high_open or high == math.inf else ']'}"
+
+    def parse(text: str) -> float:
+        value = float(text)
+        above = value > low if low_open else value >= low
+        below = value < high if high_open else value <= high
+        if not (math.isfinite(value) and above and below):
+            raise argparse.ArgumentTypeError(f"must be a finite number in {name}, got {text}")
+        return value
+    return parse
 
 
 def dataclass_parser(config_class, description: str) -> argparse.ArgumentParser:
@@ -134,6 +142,22 @@ def ctrl_c_stops_after_the_step():
         signal.signal(signal.SIGINT, previous)
 
 
+@contextmanager
+def exits_cleanly():
+    """train.py's way out: Ctrl-C ends the step under way, then exits with code 130 once it is saved
+    (`ctrl_c_stops_after_the_step` yields the stop requests); an unknown model or a missing file exits with one
+    line, not a traceback; the processes of torchrun are closed whichever way it ends."""
+    try:
+        with ctrl_c_stops_after_the_step() as stop_requested:
+            yield stop_requested
+    except FileNotFoundError as e:
+        sys.exit(f"error: {e}")
+    except KeyboardInterrupt:  # the checkpoint is saved and said so (or a second Ctrl-C); no traceback
+        sys.exit(130)
+    finally:
+        close_processes()
+
+
 def save_checkpoint(run_dir: Path, model, tokenizer, optimizer, step: int, algo_state: dict) -> None:
     """HF folder + optimizer + step + method state (a dict of dataclasses), written to a temp folder then
     renamed into place."""
@@ -177,38 +201,103 @@ def write_jsonl(path: Path, records: list[dict]) -> None:
     path.write_text("".join(json.dumps(r) + "\n" for r in records))
 
 
+TOTALS = ("gen_tokens", "train_tokens")  # summed over a run's steps in metrics.jsonl, as <name>_total
+
+
 def start_logs(run_dir: Path, config: dict, last_step: int) -> dict:
-    """A fresh run (last_step 0): config.json and empty logs, whatever an earlier run left in run_dir. A resumed
-    one: drop what was logged after its checkpoint. Returns the last metrics record kept ({} for a fresh run)."""
+    """A fresh run (last_step 0): config.json and empty logs, whatever an earlier run left in run_dir. A
+    resumed one: drop what was logged after its checkpoint. Returns the TOTALS of the last record kept."""
     run_dir.mkdir(parents=True, exist_ok=True)
     if last_step == 0:
         (run_dir / "config.json").write_text(json.dumps(config, indent=2))
     for name in ("metrics.jsonl", "evals.jsonl"):
         kept = [r for r in read_jsonl(run_dir / name) if r["step"] <= last_step] if last_step else []
         write_jsonl(run_dir / name, kept)
-    return (read_jsonl(run_dir / "metrics.jsonl") or [{}])[-1]
+    last = (read_jsonl(run_dir / "metrics.jsonl") or [{}])[-1]
+    return {key: last.get(f"{key}_total", 0) for key in TOTALS}
+
+
+def log_step(run_dir: Path, record: dict, totals: dict) -> dict:
+    """Append a step's record to metrics.jsonl with the run's TOTALS so far (the compute spent); returns them."""
+    totals = {key: total + record[key] for key, total in totals.items()}
+    append_jsonl(run_dir / "metrics.jsonl", record | {f"{key}_total": value for key, value in totals.items()})
+    return totals
+
+
+def log_eval(run_dir: Path, step: int, result: dict) -> float:
+    """An evaluation's accuracies into evals.jsonl, its records, problem by problem, into eval_records.jsonl."""
+    append_jsonl(run_dir / "evals.jsonl", {"step": step, "eval_accuracy": result["accuracy"],
+                                           "eval_accuracy_by_level": result["accuracy_by_level"]})
+    write_jsonl(run_dir / "eval_records.jsonl", result["records"])  # the latest evaluation only
+    return result["accuracy"]
 
 
 def summarise_run(run_dir: Path, algo: str) -> dict:
-    """Means over a finished run's steps, written to summary.json."""
+    """Means over a finished run's steps, and its early collapse (`early_collapse`), into summary.json."""
     rows, evals = read_jsonl(run_dir / "metrics.jsonl"), read_jsonl(run_dir / "evals.jsonl")
     mean = lambda key: sum(r[key] for r in rows) / len(rows)  # noqa: E731
+    seconds = sum(r["time_generate"] + r["time_score"] + r["time_train"] for r in rows)
     summary = {"algo": algo, "acc_before": evals[0]["eval_accuracy"], "acc_after": evals[-1]["eval_accuracy"],
-               "acr_mean": mean("acr"), "acr_effective_mean": mean("acr_effective"), "reward_mean": mean("reward_mean"),
-               "seconds_per_step": sum(r["time_generate"] + r["time_score"] + r["time_train"] for r in rows) / len(rows)}
+               "acr_mean": mean("acr"), "acr_effective_mean": mean("acr_effective"),
+               "reward_mean": mean("reward_mean"), "seconds_per_step": seconds / len(rows),
+               **early_collapse(rows[: early_steps(len(rows))])}
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary
 
 
-def step_metrics(rewards, advantages, rollout: Rollout, timer: dict, device) -> dict:
-    """What a step logs about its whole batch (the names are documented in the README)."""
+# ------------------------------------------------------------------------------ collapse as a diagnostic
+
+EARLY_FRACTION, EARLY_MAX_STEPS = 0.2, 100  # ours: the first 20% of the steps; the paper reads its first 100
+COLLAPSED_SETUP = 0.75  # ours: an early ACR this high means three groups in four teach nothing
+
+
+def early_steps(steps: int) -> int:
+    """The steps whose ACR is the run's early ACR: the first 20% (at least 1, at most 100)."""
+    return max(1, min(EARLY_MAX_STEPS, math.ceil(EARLY_FRACTION * steps)))
+
+
+def early_collapse(records: list[dict]) -> dict:
+    """Mean raw ACR of these steps' metrics records, and its two ends (all-wrong, all-correct groups)."""
+    mean = lambda key: sum(r[key] for r in records) / len(records)  # noqa: E731
+    return {"early_steps": len(records), "early_acr": mean("acr"),
+            "early_all_wrong_frac": mean("all_wrong_frac"), "early_all_correct_frac": mean("all_correct_frac")}
+
+
+def collapse_warning(run_dir: Path, group_size: int) -> str | None:
+    """One line when the early ACR (He et al.: it predicts the final accuracy) says the setup wastes its
+    samples, naming the end that collapses and what to try; None otherwise."""
+    early = early_collapse(read_jsonl(run_dir / "metrics.jsonl"))
+    if early["early_acr"] < COLLAPSED_SETUP:
+        return None
+    wrong, right = early["early_all_wrong_frac"], early["early_all_correct_frac"]
+    cause = (f"the task is too hard for this model, or G = {group_size} is too small to find a right answer: "
+             "try an easier --dataset or level, a larger --group-size" if wrong >= right else
+             "the task is too easy for this model: try a harder --dataset or level")
+    return (f"warning: early ACR {early['early_acr']:.2f} over the first {early['early_steps']} steps "
+            f"({wrong:.0%} of groups all-wrong, {right:.0%} all-correct), so most groups teach nothing; {cause}, "
+            "or --algo avspo or dapo")
+
+
+def group_map(first_rewards: torch.Tensor, advantages: torch.Tensor, replaced: torch.Tensor) -> dict:
+    """The batch's B groups as strings, for a collapse map: how each group came out as first sampled (C
+    all-correct, W all-wrong, = all equal otherwise, M mixed), whether the method gave it a non-zero advantage
+    (1/0), and whether dynamic sampling replaced its prompt (1/0)."""
+    kinds = ["C" if lo == 1 else "W" if hi == 0 else "=" if lo == hi else "M"
+             for lo, hi in zip(first_rewards.amin(1).tolist(), first_rewards.amax(1).tolist())]
+    signal = (advantages.abs().amax(dim=1) >= 1e-6).tolist()  # as effective_collapse_rate's tau
+    return {"groups_sampled": "".join(kinds), "groups_signal": "".join("01"[s] for s in signal),
+            "groups_replaced": "".join("01"[r] for r in replaced.tolist())}
+
+
+def step_metrics(rewards, advantages, rollout: Rollout, costs: dict, device) -> dict:
+    """What a step logs about its whole batch (the names are documented in docs/metrics.md)."""
     completion_tokens, truncated, gen_tokens = all_sum(
-        [rollout.completion_mask.sum().item(), rollout.truncated.sum().item(), timer["gen_tokens"]], device)
+        [rollout.completion_mask.sum().item(), rollout.truncated.sum().item(), costs["gen_tokens"]], device)
     return {"reward_mean": rewards.mean().item(), "accuracy": (rewards == 1).float().mean().item(),
             "acr": advantage_collapse_rate(rewards), "acr_effective": effective_collapse_rate(advantages),
             "all_correct_frac": (rewards.amin(1) == 1).float().mean().item(),
             "all_wrong_frac": (rewards.amax(1) == 0).float().mean().item(),
             "adv_abs_mean": advantages.abs().mean().item(), "adv_std": advantages.std().item(),
             "completion_len": completion_tokens / rewards.numel(), "truncated_frac": truncated / rewards.numel(),
-            "gen_tokens": int(gen_tokens), "gen_tokens_per_s": gen_tokens / timer["generate"],
-            "time_generate": timer["generate"], "time_score": timer["score"], "time_train": timer["train"]}
+            "gen_tokens": int(gen_tokens), "gen_tokens_per_s": gen_tokens / costs["generate"],
+            "time_generate": costs["generate"], "time_score": costs["score"]}

@@ -110,6 +110,12 @@ def read_jsonl(path: Path) -> list[Problem]:
     return problems
 
 
+def step_problems(problems: list[Problem], size: int, seed: int, step: int, round: int = 0) -> list[Problem]:
+    """The `size` prompts of a training step (or of a resampling round in it): the same for every algorithm,
+    process and resumed run of a seed."""
+    return random.Random(seed * 1_000_003 + step + round * 1_000_000_007).sample(problems, min(size, len(problems)))
+
+
 def load_eval_problems(spec: str, seed: int = 0) -> list[Problem]:
     """Problems to evaluate on: the test split of a generated task, or a whole JSONL file."""
     return load_problems(spec, "test" if spec.startswith("arith-") else "all", seed)

@@ -13,8 +13,9 @@ import torch
 
 import train
 from advantage import avspo_advantages, grpo_advantages
-from common import find_checkpoint, read_jsonl, start_logs, step_metrics, write_jsonl
-from data.tasks import Problem
+from common import (arg, collapse_warning, dataclass_parser, early_steps, find_checkpoint, group_map, read_jsonl,
+                    start_logs, step_metrics, write_jsonl)
+from data.tasks import Problem, step_problems
 from model import completion_logprobs, completion_mask_from_eos, load_model, sample, working_copy
 
 TINY = ["--model", "tiny-qwen2", "--max-new-tokens", "8", "--group-size", "4", "--eval-size", "4"]
@@ -86,23 +87,22 @@ def test_step_metrics_describe_the_whole_batch():
     completion_mask = (torch.arange(4)[None, :] < lengths[:, None]).long()  # [N, C]
     rollout = train.Rollout(torch.zeros(6, 8, dtype=torch.long), torch.ones(6, 8), completion_mask, [""] * 6,
                             torch.tensor([False, True, False, True, False, False]))
-    timer = {"generate": 2.0, "score": 0.5, "train": 4.0, "gen_tokens": 12}
-    m = step_metrics(rewards, grpo_advantages(rewards), rollout, timer, torch.device("cpu"))
+    costs = {"generate": 2.0, "score": 0.5, "gen_tokens": 12}
+    m = step_metrics(rewards, grpo_advantages(rewards), rollout, costs, torch.device("cpu"))
     assert (m["reward_mean"], m["accuracy"]) == (pytest.approx(3.5 / 6), 0.5)
     assert m["acr"] == m["acr_effective"] == pytest.approx(2 / 3)
     assert m["all_correct_frac"] == m["all_wrong_frac"] == pytest.approx(1 / 3)
     assert (m["completion_len"], m["truncated_frac"]) == (2.0, pytest.approx(1 / 3))  # per completion, not per group
-    assert (m["gen_tokens"], m["gen_tokens_per_s"], m["time_train"]) == (12, 6.0, 4.0)
+    assert (m["gen_tokens"], m["gen_tokens_per_s"], m["time_score"]) == (12, 6.0, 0.5)
 
 
 def test_resampling_rounds_draw_other_prompts():
     """DAPO's rounds of a step draw other prompts than its first round (and than each other), the same every time."""
     problems = [Problem(f"What is {i} + 1?", str(i + 1), "add1") for i in range(50)]
-    args = train.Args(prompts_per_step=4)
     for step in (1, 2, 3):
-        rounds = [[p.question for p in train.step_problems(problems, args, step, round)] for round in range(3)]
+        rounds = [[p.question for p in step_problems(problems, 4, 0, step, round)] for round in range(3)]
         assert len({tuple(r) for r in rounds}) == 3
-        assert rounds[1] == [p.question for p in train.step_problems(problems, args, step, 1)]
+        assert rounds[1] == [p.question for p in step_problems(problems, 4, 0, step, 1)]
 
 
 def test_eos_mask_by_position_when_pad_equals_eos():
@@ -183,14 +183,18 @@ def test_with_a_kl_penalty_no_row_is_skipped(tiny, rollout):
     assert stats["rows_trained"] == 8 and stats["kl"] is not None
 
 
-def test_avspo_threshold_moves_towards_the_batch_acr_as_the_reward_rises():
-    """Groups, not completions, make the ACR: 3 of 4 groups collapsed is 0.75, and the threshold moves from 0.5
-    towards it by lr = 0.01 once the batch reward has risen (the first step only records the reward)."""
+def test_avspo_triggers_on_the_acr_of_groups_and_adapts_its_threshold_from_the_reward():
+    """Groups, not completions, make the ACR: 3 of 4 groups collapsed is 0.75 > 0.5 (while 3 of 8 completions
+    would not trigger). The first step starts the reward average; as the reward rises the threshold rises by
+    one step (intervene less), and it acts from the next step on."""
     args, state = train.Args(algo="avspo"), train.algo_state(train.Args(algo="avspo"))
-    train.compute_advantages(args, torch.tensor([[0.0, 0.0], [0.0, 0.0], [1.0, 0.0], [1.0, 0.0]]), state, None)
-    assert state["threshold"].value == 0.5
-    train.compute_advantages(args, torch.tensor([[1.0, 1.0], [0.0, 0.0], [0.0, 0.0], [1.0, 0.0]]), state, None)
-    assert state["threshold"].value == pytest.approx(0.5 + 0.01 * (0.75 - 0.5))
+    _, log = train.compute_advantages(args, torch.tensor([[0.0, 0.0], [0.0, 0.0], [1.0, 0.0], [1.0, 0.0]]), state,
+                                      None)
+    assert state["threshold"].value == 0.5 and not log["avspo_triggered"]  # ACR 0.5 is not above 0.5
+    _, log = train.compute_advantages(args, torch.tensor([[1.0, 1.0], [0.0, 0.0], [0.0, 0.0], [1.0, 0.0]]), state,
+                                      None)
+    assert log["avspo_triggered"] and log["acr_threshold"] == 0.5 and log["virtual_samples"] == 3 * 2  # K = 2
+    assert state["threshold"].value == pytest.approx(0.55)  # the reward rose from 0.25 to 0.375
 
 
 def test_find_checkpoint_takes_the_old_one_when_a_save_stopped_between_renames(tmp_path):
@@ -315,11 +319,12 @@ def test_logs_keep_what_the_checkpoint_covers_and_a_fresh_run_keeps_nothing(tmp_
     """A fresh run in the folder of an earlier one must not inherit its step-0 evaluation: the summary's
     accuracy before training is the first record of evals.jsonl."""
     write_jsonl(tmp_path / "evals.jsonl", [{"step": s, "eval_accuracy": 0.5} for s in (0, 2, 4)])
-    write_jsonl(tmp_path / "metrics.jsonl", [{"step": s} for s in (1, 2, 3, 4)])
-    last = start_logs(tmp_path, {"seed": 1}, last_step)
+    write_jsonl(tmp_path / "metrics.jsonl", [{"step": s, "gen_tokens_total": 10 * s, "train_tokens_total": s}
+                                             for s in (1, 2, 3, 4)])
+    totals = start_logs(tmp_path, {"seed": 1}, last_step)
     assert [r["step"] for r in read_jsonl(tmp_path / "evals.jsonl")] == kept_evals
     assert [r["step"] for r in read_jsonl(tmp_path / "metrics.jsonl")] == kept_steps
-    assert last == ({"step": kept_steps[-1]} if kept_steps else {})
+    assert totals == {"gen_tokens": 10 * last_step, "train_tokens": last_step}  # where the resumed run goes on
 
 
 @pytest.mark.parametrize("decay, expected", [("0.5", [1.0, 1.0, 1.0, 0.5]), ("1", [1.0, 0.75, 0.5, 0.25]),
@@ -379,7 +384,7 @@ def test_ctrl_c_ends_the_step_saves_it_and_resumes(tmp_path, monkeypatch, capfd)
         train.main(common)
     assert exit_info.value.code == 130  # the shell's code for Ctrl-C, and no traceback
     said = capfd.readouterr()
-    assert said.out.strip().splitlines()[-1].startswith("[grpo] interrupted: checkpoint of step 2 saved")
+    assert said.out.strip().splitlines()[-1].startswith("[grpo] interrupted: step 2 saved")
     assert "--resume" in said.out and "stopping at the end of the step under way" in said.err
     state = torch.load(tmp_path / "grpo" / "checkpoint" / "state.pt", weights_only=False)
     assert state["step"] == 2  # the step under way when Ctrl-C came was finished and counted
@@ -419,11 +424,20 @@ def test_a_second_ctrl_c_stops_at_once_without_saving_half_a_step(tmp_path, monk
 
 
 @pytest.mark.parametrize("flag, value", [("--group-size", "1"), ("--micro-batch", "0"), ("--algo", "ppo"),
-                                         ("--lr-decay", "1.5")])
-def test_bad_flags_are_rejected_before_anything_runs(flag, value, tmp_path):
+                                         ("--lr-decay", "1.5"), ("--temperature", "0"), ("--temperature", "-1"),
+                                         ("--lr", "nan"), ("--lr", "0"), ("--lr", "inf"), ("--top-p", "0"),
+                                         ("--top-p", "1.5"), ("--beta", "-0.1"), ("--epsilon", "1"),
+                                         ("--max-grad-norm", "0"), ("--acr-threshold", "2"),
+                                         ("--virtual-delta", "0"), ("--virtual-delta", "1.5"),
+                                         ("--delta-low", "-1"), ("--eval-size", "0"), ("--alpha", "nan")])
+def test_bad_flags_are_rejected_before_anything_runs(flag, value, tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(train, "load_model", lambda *a, **k: pytest.fail("a model loaded before the check"))
     with pytest.raises(SystemExit):
         train.main(TINY + [flag, value, "--out", str(tmp_path)])
     assert not any(tmp_path.iterdir())
+    error = capsys.readouterr().err.strip().splitlines()
+    assert ": error: " in error[-1] and flag in error[-1]  # one line that names the flag
+    assert not any("Traceback" in line for line in error)
 
 
 def test_clipped_ratio_uses_each_bound():
@@ -500,7 +514,7 @@ def test_a_real_ctrl_c_saves_prints_one_line_and_exits_130(tmp_path):
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 130
     assert "Traceback" not in err and "KeyboardInterrupt" not in err
-    assert "interrupted: checkpoint of step" in out
+    assert "interrupted: step" in out
     state = torch.load(tmp_path / "grpo" / "checkpoint" / "state.pt", weights_only=False)
     assert state["step"] >= 2 and state["step"] == len(metrics.read_text().splitlines())
 
@@ -529,15 +543,18 @@ def test_dynamic_sampling_replaces_collapsed_groups_only(tiny, algo, rounds, exp
     model, tokenizer = tiny
     draws = {0: ["ok-0", "dead-0"], 1: ["dead-1", "dead-1b"], 2: ["x", "ok-2"]}  # round -> the B prompts
 
-    def rollout_and_score(problems):
-        rollout = sample(model, tokenizer, [p.question for p in problems], 2, 4)
+    def sample_and_score(network, problems):
+        rollout = sample(network, tokenizer, [p.question for p in problems], 2, 4)
         rewards = torch.tensor([[1.0, 0.0] if p.question.startswith("ok") else [0.0, 0.0] for p in problems])
         return rollout, rewards
 
     args = train.Args(algo=algo, resample_rounds=rounds, group_size=2, prompts_per_step=2)
-    rollout, rewards, resampled = train.sample_batch(
-        args, rollout_and_score, lambda r: [Problem(q, "0") for q in draws[r]], slice(0, 2), tokenizer.pad_token_id)
+    rollout, rewards, first, replaced, resampled = train.sample_batch(
+        args, sample_and_score, model, lambda r: [Problem(q, "0") for q in draws[r]], slice(0, 2),
+        tokenizer.pad_token_id)
     assert resampled == expected_resampled
+    assert first.tolist() == [[1.0, 0.0], [0.0, 0.0]]  # the first round, as sampled
+    assert replaced.tolist() == [False, expected_resampled > 0]
     assert rewards[0].tolist() == [1.0, 0.0]  # the mixed group is kept in every case
     assert rewards[1].tolist() == ([1.0, 0.0] if expected_resampled == 2 else [0.0, 0.0])
     assert rollout.input_ids.shape[0] == 4
@@ -566,9 +583,17 @@ def test_help_lists_every_flag(capsys):
     with pytest.raises(SystemExit) as exit_info:
         train.parse_args(["--help"])
     out = capsys.readouterr().out
-    assert exit_info.value.code == 0 and "~30% slower" in " ".join(out.split())  # a % in help text is kept
+    assert exit_info.value.code == 0 and "--fast, --no-fast" in out  # a field defaulting to True: a switch pair
     for f in train.dataclasses.fields(train.Args):
         assert "--" + f.name.replace("_", "-") in out
+
+
+def test_a_percent_sign_in_help_text_is_kept():
+    @train.dataclasses.dataclass
+    class Config:
+        rate: float = arg(0.5, "50% of it")
+
+    assert "50% of it" in dataclass_parser(Config, "").format_help()  # argparse would read % as a format
 
 
 def test_fused_adamw_updates_the_weights_as_the_default_adamw(tiny, rollout):
@@ -579,3 +604,36 @@ def test_fused_adamw_updates_the_weights_as_the_default_adamw(tiny, rollout):
     assert any(not torch.equal(a, b) for a, b in zip(before, fused))
     for a, b in zip(fused, default):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("reward, end", [("", "too hard for this model, or G = 4"), ("always_right", "too easy")])
+def test_a_collapsed_start_prints_one_line_naming_its_end(tmp_path, monkeypatch, capsys, reward, end):
+    """The tiny random model gets every arithmetic answer wrong: early ACR 1.0 at the all-wrong end; a reward of
+    1 for everything collapses every group at the all-correct end. Either way, one line, once, after step 1 of 5
+    (the first 20% of the steps), and the early ACR goes into summary.json."""
+    (tmp_path / "early_acr_rewards.py").write_text("def always_right(completion, gold):\n    return 1.0\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    flags = ["--reward", f"early_acr_rewards:{reward}"] if reward else []
+    train.main(TINY + flags + ["--steps", "5", "--eval-every", "0", "--save-every", "0", "--out", str(tmp_path)])
+    warnings = [line for line in capsys.readouterr().out.split("\n") if "early ACR" in line]
+    assert len(warnings) == 1 and end in warnings[0] and "--algo avspo or dapo" in warnings[0]
+    assert "over the first 1 steps" in warnings[0]
+    summary = json.loads((tmp_path / "grpo" / "summary.json").read_text())
+    assert (summary["early_steps"], summary["early_acr"]) == (1, 1.0)
+    assert summary["early_all_wrong_frac" if not reward else "early_all_correct_frac"] == 1.0
+
+
+def test_collapse_warning_stays_quiet_below_three_groups_in_four(tmp_path):
+    records = [{"acr": acr, "all_wrong_frac": acr, "all_correct_frac": 0.0} for acr in (1.0, 0.5, 0.5, 1.0)]
+    write_jsonl(tmp_path / "metrics.jsonl", records)  # mean ACR 0.75: warned
+    assert "early ACR 0.75" in collapse_warning(tmp_path, 8)
+    write_jsonl(tmp_path / "metrics.jsonl", records[1:])  # mean 0.67
+    assert collapse_warning(tmp_path, 8) is None
+    assert [early_steps(n) for n in (1, 5, 40, 100, 1000)] == [1, 1, 8, 20, 100]
+
+
+def test_group_map_marks_what_each_group_was_and_what_the_method_gave_it():
+    first = torch.tensor([[1.0, 1.0], [0.0, 0.0], [1.0, 0.0], [0.5, 0.5]])  # [B, G]
+    advantages = torch.tensor([[0.3, 0.3], [0.0, 0.0], [0.7, -0.7], [0.0, 0.0]])  # the all-correct one got signal
+    groups = group_map(first, advantages, torch.tensor([False, True, False, False]))
+    assert groups == {"groups_sampled": "CWM=", "groups_signal": "1010", "groups_replaced": "0100"}
