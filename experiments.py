@@ -1,30 +1,32 @@
-"""Evidence that can tell the methods apart, at small scale: figures in docs/, every number in results.json.
+"""Evidence that can tell the methods apart, at small scale: figures and docs/results.json.
 
-    python experiments.py                          # every part: 133 min measured on 2 CPU cores (SmolLM2, --jobs 2)
+    python experiments.py                          # difficulty, compare, scatter (--dry-run: the time estimate)
     python experiments.py --only compare           # one or more parts: difficulty, compare, scatter, precision
-    python experiments.py --dry-run --step-seconds 20  # the estimate only, from your measured s/step at B=8, G=8
-    python experiments.py --quick                  # tiny model, 2 steps: the whole pipeline in ~30 s (a CI test)
+    python experiments.py --quick                  # tiny model, 2 steps: the whole pipeline in ~1 min (a CI test)
 
 1. difficulty: ACR of the untrained model at each arith-mix level (and all levels pooled), split into
    all-correct and all-wrong groups.
-2. compare:    GRPO, AVSPO (adaptive), AVSPO as released (K=1, always on: avspo-k1), AAPO and DAPO's dynamic
-   sampling on arith-mix, same prompts per seed, several seeds. The final checkpoint of every run is evaluated
-   greedily on the whole held-out split (336 problems, stratified by level); its per-problem records are cached
-   in <run>/final_eval.jsonl (train.py logs only accuracies). A bootstrap over seeds AND problems gives a 95% CI
-   for each method's accuracy (overall, per level) and for its difference to GRPO paired by seed: the same
-   resampled seeds and problems for both methods (a seed fixes the held-out split too: train.py shuffles each
-   level's problems by seed, so methods of one seed are scored on the same 336 problems). Each accuracy sits
-   next to the collapse the method left (raw and effective ACR) and its cost: generated tokens (policy + AAPO's
-   reference + DAPO's resampled groups), trained tokens and seconds. Curves against steps and generated tokens.
-3. scatter:    the AVSPO paper's Figure 1: early raw ACR (mean over the first 10% of steps) against final held-out
-   accuracy (train.py's last eval, on that level's test split) over a grid of levels x group sizes x seeds of
-   short GRPO runs; slope and R^2 with bootstrap CIs over runs.
+2. compare:    GRPO, AVSPO (adaptive trigger), AVSPO always on (avspo-always: the trigger's ablation), AAPO and
+   DAPO's dynamic sampling on arith-mix, train.py's own schedule (lr decaying to 0), the same prompts per seed,
+   several seeds. train.py evaluates a stratified prefix of the held-out split every --eval-every steps (the
+   curves of accuracy against generated tokens); the final checkpoint of every run is then evaluated greedily on
+   the whole split (336 problems), its per-problem records cached in <run>/final_eval.jsonl. A bootstrap over
+   seeds AND problems gives a 95% CI for each method's accuracy (overall, per level) and for its difference to
+   GRPO paired by seed: the same resampled seeds and problems for both methods (a seed fixes the held-out split
+   too, so methods of one seed are scored on the same 336 problems). Each accuracy sits next to the collapse the
+   method left (raw and effective ACR, the all-correct and all-wrong groups of the last quarter of the steps) and
+   its cost: generated tokens (policy + AAPO's reference + DAPO's resampled groups) and seconds. A collapse map
+   shows seed 0's groups step by step, and what each method did with the collapsed ones.
+3. scatter:    the AVSPO paper's Figure 1: early raw ACR (train.py's summary: the mean over the first 20% of the
+   steps) against final held-out accuracy (train.py's last eval, on that level's test split) over a grid of
+   levels x group sizes x seeds of short GRPO runs; slope and R^2 with bootstrap CIs over runs.
 4. precision:  the default run (`python train.py`: GRPO on arith-mul1, train.py's own settings) in bf16 and in fp32
    on the same seeds: does bf16, what `--precision auto` picks where the CPU has native bf16, learn as well as
    fp32? Held-out accuracy, batch reward and seconds per step against steps. Only with --only precision: where
    bf16 is emulated (a CPU with AVX2 alone) its runs take many times longer.
 
-Runs whose summary.json exists are skipped, so a rerun (after Ctrl-C, or with more --seeds) only fills gaps.
+Runs whose summary.json exists are skipped and unfinished ones resume from their last checkpoint, so a rerun
+(after Ctrl-C, in another session, or with more --seeds) only fills gaps.
 Time: steps x step_seconds x (B*G / 64) + evaluations x eval_seconds, summed over runs (`estimate`, printed first).
 """
 
@@ -48,13 +50,13 @@ from common import read_jsonl
 from data.tasks import LEVELS, load_problems
 from eval import evaluate, score_groups
 from model import load_model, pick_device, resolve_precision, sample, working_copy
-from plots import (plot_accuracy_vs_compute, plot_compare_curves, plot_difficulty, plot_early_acr_scatter,
-                   plot_precision_curves)
+from plots import (plot_accuracy_vs_compute, plot_accuracy_vs_tokens, plot_collapse_map, plot_compare_curves,
+                   plot_difficulty, plot_early_acr_scatter, plot_precision_curves)
 from verifier import verify
 
 DOCS = Path(__file__).resolve().parent / "docs"
 METHODS = {"grpo": ("grpo", []), "avspo": ("avspo", []),  # name: (train.py --algo, extra flags)
-           "avspo-k1": ("avspo", ["--num-virtual", "1", "--acr-threshold", "0", "--fixed-threshold"]),
+           "avspo-always": ("avspo", ["--acr-threshold", "0", "--fixed-threshold"]),  # ablation: no trigger
            "aapo": ("aapo", []), "dapo": ("dapo", [])}
 BASELINE = "grpo"
 PRECISIONS = ("bf16", "fp32")
@@ -82,10 +84,11 @@ def acr_by_difficulty(model_name: str, prompts: int, group_size: int, max_new_to
 
 
 def run_training(out: Path, seed: int, algos: list[str], flags: list[str]) -> None:
-    """One train.py invocation for the algorithms of `algos` that have no summary.json yet (same prompts)."""
+    """One train.py invocation for the algorithms of `algos` that have no summary.json yet (same prompts); one
+    that stopped part-way goes on from its checkpoint (--resume; steps depend on seed and step alone)."""
     missing = [a for a in algos if not (out / a / "summary.json").exists()]
     if missing:
-        train.main(flags + ["--algo", ",".join(missing), "--seed", str(seed), "--out", str(out)])
+        train.main(flags + ["--algo", ",".join(missing), "--seed", str(seed), "--out", str(out), "--resume"])
 
 
 def run_all(tasks: list[tuple], jobs: int) -> list:
@@ -198,20 +201,35 @@ def compute_cost(runs: list[Path]) -> dict:
 
 
 def collapse(runs: list[Path]) -> dict:
-    """Mean over steps, then mean (and std) over seeds, of the raw ACR (groups sampled all-equal) and the
-    effective ACR (groups whose advantages are all zero after the method: what it left unused)."""
+    """Mean over steps, then mean (and std) over seeds: the raw ACR (groups sampled all-equal) and the effective
+    ACR (groups whose advantages are all zero after the method: what it left unused), over the whole run; the
+    all-correct and all-wrong fractions over its last quarter of steps, where the papers place late collapse."""
     rows = [read_jsonl(d / "metrics.jsonl") for d in runs]
-    return {k: {"mean": float(np.mean([np.mean([x[k] for x in r]) for r in rows])),
-                "std": float(np.std([np.mean([x[k] for x in r]) for r in rows]))} for k in ("acr", "acr_effective")}
+    spans = {"acr": slice(None), "acr_effective": slice(None),
+             "all_correct_frac": slice(-(-len(rows[0]) // 4), None), "all_wrong_frac": None}
+    spans["all_wrong_frac"] = spans["all_correct_frac"]
+    per_seed = {k: [np.mean([x[k] for x in r[span]]) for r in rows] for k, span in spans.items()}
+    return {k: {"mean": float(np.mean(v)), "std": float(np.std(v))} for k, v in per_seed.items()}
+
+
+def accuracy_curves(runs: list[Path]) -> dict:
+    """train.py's evaluations (the held-out prefix, greedy) against the steps and generated tokens spent by then:
+    the mean over seeds, and the range of the seeds."""
+    evals, rows = [read_jsonl(d / "evals.jsonl") for d in runs], [read_jsonl(d / "metrics.jsonl") for d in runs]
+    steps = [e["step"] for e in evals[0]]
+    tokens = [[0] + [r[s - 1]["gen_tokens_total"] for s in steps[1:]] for r in rows]  # [S][evals]
+    accuracy = [[e["eval_accuracy"] for e in run] for run in evals]
+    return {"steps": steps, "gen_tokens": np.mean(tokens, axis=0).tolist(),
+            "accuracy": np.mean(accuracy, axis=0).tolist(), "accuracy_low": np.min(accuracy, axis=0).tolist(),
+            "accuracy_high": np.max(accuracy, axis=0).tolist()}
 
 
 def compare(out: Path, methods: list[str], seeds: list[int], flags: list[str], per_level: int | None,
             max_new_tokens: int, resamples: int, jobs: int) -> dict:
     """Train every method on every seed, evaluate each final checkpoint per problem, bootstrap, account costs."""
-    costliest_first = sorted(methods, key=["aapo", "dapo", "avspo-k1", "avspo", "grpo"].index)  # balances the jobs
-    tasks = [(train_and_score, out, m, s, flags, held_out(s, per_level), max_new_tokens)
-             for m in costliest_first for s in seeds]
-    records = dict(zip([(m, s) for m in costliest_first for s in seeds], run_all(tasks, jobs)))
+    order = [(m, s) for s in seeds for m in methods]  # seed by seed: a partial sweep is whole for its seeds
+    tasks = [(train_and_score, out, m, s, flags, held_out(s, per_level), max_new_tokens) for m, s in order]
+    records = dict(zip(order, run_all(tasks, jobs)))
     correct = [[[r["correct"] for r in records[m, s]] for s in seeds] for m in methods]  # [M][S][N]
     levels = {s: [r["level"] for r in records[methods[0], s]] for s in seeds}
     assert all(lv == levels[seeds[0]] for lv in levels.values()), "the bootstrap needs one level pattern"
@@ -220,6 +238,7 @@ def compare(out: Path, methods: list[str], seeds: list[int], flags: list[str], p
     for name in methods:
         runs = [run_dir(out, name, s) for s in seeds]
         table[name]["cost"], table[name]["collapse"] = compute_cost(runs), collapse(runs)
+        table[name]["curve"] = accuracy_curves(runs)
         logged = [read_jsonl(d / "evals.jsonl")[-1]["eval_accuracy"] for d in runs]  # train.py's last eval
         table[name]["train_py_final_accuracy"] = logged
         same_problems = per_level is None and json.loads((runs[0] / "config.json").read_text())["eval_size"] >= 336
@@ -229,18 +248,19 @@ def compare(out: Path, methods: list[str], seeds: list[int], flags: list[str], p
 
 
 def markdown_table(table: dict) -> str:
-    """method | accuracy [95% CI] | Δ vs GRPO [95% CI] | per-level accuracy | raw / effective ACR | costs."""
+    """method | accuracy [95% CI] | Δ vs GRPO [95% CI] | per-level accuracy | collapse | costs."""
     levels = list(next(iter(table.values()))["by_level"])
     ci = lambda x, sign="": f"{x['mean']:{sign}.3f} [{x['ci'][0]:{sign}.3f}, {x['ci'][1]:{sign}.3f}]"  # noqa: E731
     lines = [f"| method | accuracy [95% CI] | Δ vs {BASELINE.upper()} [95% CI] | {' / '.join(levels)} | "
-             "raw / effective ACR | generated tokens | trained tokens | seconds |", "|---|---|---|---|---|---|---|---|"]
+             "raw / effective ACR | all-correct / all-wrong, last quarter | generated tokens | seconds |",
+             "|---|---|---|---|---|---|---|---|"]
     for name, row in table.items():
         cost, acr = row["cost"], row["collapse"]
         by_level = " / ".join(f"{row['by_level'][lv]['mean']:.2f}" for lv in levels)
         lines.append(f"| {name} | {ci(row['accuracy'])} | {'-' if name == BASELINE else ci(row['delta'], '+')} | "
                      f"{by_level} | {acr['acr']['mean']:.2f} / {acr['acr_effective']['mean']:.2f} | "
-                     f"{cost['gen_tokens']['mean']:,.0f} | {cost['train_tokens']['mean']:,.0f} | "
-                     f"{cost['seconds']['mean']:,.1f} |")
+                     f"{acr['all_correct_frac']['mean']:.2f} / {acr['all_wrong_frac']['mean']:.2f} | "
+                     f"{cost['gen_tokens']['mean']:,.0f} | {cost['seconds']['mean']:,.0f} |")
     return "\n".join(lines)
 
 
@@ -268,18 +288,17 @@ def early_acr_scatter(runs: list[dict], resamples: int) -> dict:
 
 def scatter(out: Path, levels: list[str], group_sizes: list[int], seeds: list[int], flags: list[str],
             resamples: int, jobs: int) -> dict:
-    """Short GRPO runs over levels x G x seeds; each run's early raw ACR and final held-out accuracy."""
+    """Short GRPO runs over levels x G x seeds; each run's early raw ACR (over `common.early_steps`) and final
+    held-out accuracy, from its summary.json."""
     grid = [(level, g, seed) for g in sorted(group_sizes, reverse=True) for level in levels for seed in seeds]
     folder = lambda level, g, seed: out / "scatter" / f"{level}-g{g}-seed{seed}"  # noqa: E731
     run_all([(run_training, folder(*cell), cell[2], ["grpo"],
               flags + ["--dataset", f"arith-{cell[0]}", "--group-size", str(cell[1])]) for cell in grid], jobs)
     runs = []
     for level, g, seed in sorted(grid, key=lambda cell: (levels.index(cell[0]), cell[1], cell[2])):
-        rows = read_jsonl(folder(level, g, seed) / "grpo" / "metrics.jsonl")
-        early = max(1, math.ceil(0.1 * len(rows)))
-        runs.append({"level": level, "group_size": g, "seed": seed, "early_steps": early,
-                     "early_acr": float(np.mean([r["acr"] for r in rows[:early]])),
-                     "accuracy": read_jsonl(folder(level, g, seed) / "grpo" / "evals.jsonl")[-1]["eval_accuracy"]})
+        summary = json.loads((folder(level, g, seed) / "grpo" / "summary.json").read_text())
+        runs.append({"level": level, "group_size": g, "seed": seed, "early_steps": summary["early_steps"],
+                     "early_acr": summary["early_acr"], "accuracy": summary["acc_after"]})
     return early_acr_scatter(runs, resamples)
 
 
@@ -309,7 +328,8 @@ def estimate(args, parts: list[str]) -> tuple[int, int, float, float]:
         n = len(args.methods.split(",")) * len(args.seeds.split(","))
         runs, steps = n, n * args.steps
         step_units += n * args.steps * args.prompts_per_step * args.group_size / 64
-        eval_units += n * (2 * min(args.eval_size, 336) + (args.per_level * len(LEVELS) or 336)) / 336
+        evals = args.steps // args.eval_every + 1 + (args.steps % args.eval_every > 0)  # train.py's, step 0 on
+        eval_units += n * (evals * min(args.eval_size, 336) + (args.per_level * len(LEVELS) or 336)) / 336
     if "scatter" in parts:
         gs = [int(g) for g in args.scatter_g.split(",")]
         n = len(args.scatter_levels.split(",")) * len(args.scatter_seeds.split(","))
@@ -324,7 +344,7 @@ def estimate(args, parts: list[str]) -> tuple[int, int, float, float]:
         step_units += n * args.precision_steps * default.prompts_per_step * default.group_size / 64
         every = default.eval_every  # before training, every `every` steps, and after the last
         evals = args.precision_steps // every + 1 + (args.precision_steps % every > 0)
-        eval_units += n * evals * min(args.eval_size, 336) / 336
+        eval_units += n * evals * min(default.eval_size, 336) / 336
     return runs, steps, step_units, eval_units
 
 
@@ -338,20 +358,21 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--methods", default=",".join(METHODS), help=f"comma list of {', '.join(METHODS)}")
     p.add_argument("--seeds", default="0,1,2,3,4")
-    p.add_argument("--steps", type=int, default=6, help="compare: steps per run")
+    p.add_argument("--steps", type=int, default=40, help="compare: steps per run (train.py's default run)")
     p.add_argument("--prompts-per-step", type=int, default=8, help="compare: B")
     p.add_argument("--group-size", type=int, default=8, help="compare: G")
     p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--eval-size", type=int, default=64, help="compare: train.py's own evals, before and after (336: "
-                                                             "all, which also checks the per-problem re-evaluation)")
+    p.add_argument("--eval-size", type=int, default=112, help="compare: train.py's own evals, a stratified prefix "
+                   "of the held-out split (336: all, which also checks the per-problem re-evaluation)")
+    p.add_argument("--eval-every", type=int, default=10, help="compare: train.py's evals every N steps")
     p.add_argument("--per-level", type=int, default=0, help="compare: final per-problem eval on the first N "
                                                              "problems of each level (0: the whole split)")
     p.add_argument("--resamples", type=int, default=2000, help="bootstrap resamples")
-    p.add_argument("--scatter-levels", default="add1,mul1,add2,mul2")
-    p.add_argument("--scatter-g", default="2,4,8,16", help="group sizes of the scatter grid")
-    p.add_argument("--scatter-seeds", default="0,1")
-    p.add_argument("--scatter-steps", type=int, default=10)
-    p.add_argument("--scatter-prompts", type=int, default=2, help="scatter: B")
+    p.add_argument("--scatter-levels", default="add1,mul1,add2,mul2,mul3")
+    p.add_argument("--scatter-g", default="2,4,8", help="group sizes of the scatter grid")
+    p.add_argument("--scatter-seeds", default="0,1,2")
+    p.add_argument("--scatter-steps", type=int, default=15, help="scatter: steps per run (early ACR: the first 3)")
+    p.add_argument("--scatter-prompts", type=int, default=4, help="scatter: B (3 steps of 4 groups: 13 ACR values)")
     p.add_argument("--scatter-eval-size", type=int, default=32, help="scatter: held-out problems per run")
     p.add_argument("--difficulty-prompts", type=int, default=32)
     p.add_argument("--precision-seeds", default="0,1,2,3", help="precision: seeds, each run in bf16 and fp32")
@@ -361,13 +382,14 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--eval-seconds", type=float, default=72.0, help="estimate: wall seconds per 336-problem eval")
     p.add_argument("--jobs", type=int, default=2, help="training runs at once, each on cores/jobs threads")
     p.add_argument("--dry-run", action="store_true", help="print the run count and time estimate, run nothing")
-    p.add_argument("--budget-minutes", type=float, default=150.0, help="warn when the estimate exceeds it")
+    p.add_argument("--budget-minutes", type=float, default=360.0, help="warn when the estimate exceeds it")
     argv = sys.argv[1:] if argv is None else argv
     args = p.parse_args(argv)
     if args.quick:  # every part, every figure, in about a minute: tiny random model, 2 steps, a few problems
         args = p.parse_args(["--model", "tiny-qwen2", "--seeds", "0,1", "--steps", "2",
                              "--prompts-per-step", "2", "--group-size", "4", "--max-new-tokens", "8",
-                             "--eval-size", "4", "--per-level", "2", "--resamples", "500", "--scatter-levels",
+                             "--eval-size", "4", "--eval-every", "1", "--per-level", "2", "--resamples", "500",
+                             "--scatter-prompts", "2", "--scatter-levels",
                              "add1,mul1", "--scatter-g", "2,4", "--scatter-seeds", "0", "--scatter-steps", "2",
                              "--scatter-eval-size", "4", "--difficulty-prompts", "4", "--precision-seeds", "0,1",
                              "--precision-steps", "2", "--jobs", "1", *argv])  # flags given still win
@@ -386,18 +408,17 @@ def main(argv: list[str] | None = None) -> dict:
         return {}
     figures.mkdir(parents=True, exist_ok=True)
     out.mkdir(parents=True, exist_ok=True)
-    results_path = out / "results.json"
+    results_path = figures / "results.json"  # docs/results.json: every number the README quotes
     results = json.loads(results_path.read_text()) if results_path.exists() else {}
     results["scale"] = {k: v for k, v in vars(args).items() if k not in ("out", "figures", "only")}
-    # a constant lr: the setting the README's results were measured with (train.py's default decays since)
-    base = ["--model", args.model, "--max-new-tokens", str(args.max_new_tokens), "--lr-decay", "0"]
+    base = ["--model", args.model, "--max-new-tokens", str(args.max_new_tokens)]  # train.py's lr schedule
     if "difficulty" in parts:
         results["difficulty"] = acr_by_difficulty(args.model, args.difficulty_prompts, 8, args.max_new_tokens)
         plot_difficulty(results["difficulty"], figures / "acr_vs_difficulty.png", f"{args.model}, G=8, T=1")
     if "compare" in parts:
         flags = base + ["--dataset", "arith-mix", "--steps", str(args.steps), "--prompts-per-step",
                         str(args.prompts_per_step), "--group-size", str(args.group_size), "--eval-every",
-                        str(args.steps), "--eval-size", str(args.eval_size), "--save-every", str(args.steps)]
+                        str(args.eval_every), "--eval-size", str(args.eval_size), "--save-every", str(args.eval_every)]
         table = compare(out, methods, seeds, flags, args.per_level or None, args.max_new_tokens, args.resamples,
                         args.jobs)
         results["compare"], results["compare_table"] = table, markdown_table(table)
@@ -405,6 +426,10 @@ def main(argv: list[str] | None = None) -> dict:
         title = f"{args.model} on arith-mix, B={args.prompts_per_step}, G={args.group_size}, seeds {seeds}"
         plot_compare_curves(runs_by_method, figures / "compare.png", title)
         plot_accuracy_vs_compute(table, figures / "compare_accuracy.png", title)
+        plot_accuracy_vs_tokens(table, figures / "compare_learning.png",
+                                f"{title}: {args.eval_size} held-out problems, mean and range of the seeds")
+        plot_collapse_map({m: runs[0] for m, runs in runs_by_method.items()}, figures / "collapse_map.png",
+                          f"{args.model} on arith-mix, B={args.prompts_per_step}, G={args.group_size}, seed {seeds[0]}")
     if "scatter" in parts:
         flags = base + ["--steps", str(args.scatter_steps), "--prompts-per-step", str(args.scatter_prompts),
                         "--eval-every", str(args.scatter_steps), "--eval-size", str(args.scatter_eval_size),
@@ -415,7 +440,7 @@ def main(argv: list[str] | None = None) -> dict:
         plot_early_acr_scatter(results["scatter"], figures / "early_acr_vs_accuracy.png")
     if "precision" in parts:
         flags = ["--model", args.model, "--max-new-tokens", str(args.max_new_tokens), "--steps",
-                 str(args.precision_steps), "--eval-size", str(args.eval_size), "--save-every", "0"]
+                 str(args.precision_steps), "--save-every", "0"]  # otherwise the default run's own settings
         precision_seeds = [int(s) for s in args.precision_seeds.split(",")]
         results["precision"] = precision(out, precision_seeds, flags, args.jobs)
         plot_precision_curves({name: [Path(run) for run in results["precision"][name]["runs"]] for name in PRECISIONS},

@@ -82,7 +82,7 @@ def test_quick_pipeline_writes_every_number_and_figure(tmp_path):
     assert set(results) >= {"scale", "difficulty", "compare", "compare_table", "scatter"}
     assert set(results["difficulty"]) == {*experiments.LEVELS, "mix"}
     table = results["compare"]
-    assert list(table) == ["grpo", "avspo", "avspo-k1", "aapo", "dapo"]
+    assert list(table) == ["grpo", "avspo", "avspo-always", "aapo", "dapo"]
     for name, row in table.items():
         assert len(row["per_seed"]) == 2  # two seeds
         assert set(row["by_level"]) == set(experiments.LEVELS)
@@ -91,13 +91,19 @@ def test_quick_pipeline_writes_every_number_and_figure(tmp_path):
             assert stat["ci"][0] <= stat["mean"] <= stat["ci"][1]
         assert row["cost"]["gen_tokens"]["mean"] > 0 and row["cost"]["seconds"]["mean"] > 0
         assert (experiments.run_dir(tmp_path, name, 0) / "summary.json").exists()
+        assert set(row["collapse"]) == {"acr", "acr_effective", "all_correct_frac", "all_wrong_frac"}
+        curve = row["curve"]  # train.py's evals at steps 0, 1, 2 (--eval-every 1), tokens spent by then
+        assert curve["steps"] == [0, 1, 2] and curve["gen_tokens"][0] == 0 < curve["gen_tokens"][1]
+        assert all(lo <= mid <= hi for lo, mid, hi in zip(curve["accuracy_low"], curve["accuracy"],
+                                                           curve["accuracy_high"]))
     # the costs differ where they should: AAPO also samples the reference, DAPO resamples collapsed groups
     assert table["aapo"]["cost"]["gen_tokens"]["mean"] > table["grpo"]["cost"]["gen_tokens"]["mean"]
     assert all(f"| {name} |" in results["compare_table"] for name in table)
     scatter = results["scatter"]
     assert len(scatter["runs"]) == 4  # 2 levels x G in {2, 4} x 1 seed
     assert {"slope", "slope_ci", "r2", "r2_ci"} <= set(scatter)  # NaN here: the tiny model's accuracy is flat
-    for name in ("acr_vs_difficulty", "compare", "compare_accuracy", "early_acr_vs_accuracy"):
+    for name in ("acr_vs_difficulty", "compare", "compare_accuracy", "compare_learning", "collapse_map",
+                 "early_acr_vs_accuracy"):
         assert (tmp_path / "figures" / f"{name}.png").stat().st_size > 5_000
     # a rerun skips every finished run and reads the cached per-problem evaluations: the same numbers
     again = experiments.main(["--quick", "--out", str(tmp_path), "--only", "compare"])
