@@ -4,8 +4,9 @@
     python benchmarks/gpu_bench.py --tiny --out /tmp/gpu_bench.json  # CPU smoke test of the same code, seconds
 
 Models are Qwen2ForCausalLM with the real Qwen2.5-0.5B / 1.5B dimensions and random weights (no download),
-bf16 working weights with float32 master weights as train.py uses on CUDA, with and without gradient checkpointing. Each
-step is train.py's: model.sample, train.score, train.compute_advantages, train.update_policy. Caveats:
+bf16 working weights with float32 master weights as train.py uses on CUDA, with and without gradient
+checkpointing. Each step is train.py's: model.sample, eval.score_groups, train.compute_advantages,
+train.update_policy. Caveats:
   - The byte tokenizer of model.byte_tokenizer() writes the prompts (ids < 259), the vocabulary is
     Qwen's 151,936, so the embedding and LM head cost what they cost in the real models.
   - Random weights never emit EOS, so every completion runs to --max-new-tokens.
@@ -15,7 +16,7 @@ MFU = model FLOPs / time / the bf16 matmul rate measured on this card first (not
 Model FLOPs: 2 per parameter per token forward, x3 with backward (recomputation under gradient
 checkpointing is not counted, as usual for MFU), plus the LM head on the positions that get logits;
 attention's own FLOPs are left out (a few % at these lengths). Each distinct prompt counts once, as
-model.decode prefills it and the update streams it (train.py's `train_tokens`), not once per completion.
+decoding.decode prefills it and the update streams it (train.py's `train_tokens`), not once per completion.
 Results go to stdout (markdown) and to --out (JSON, rewritten after every config); configs that would
 start after --budget-s are skipped and listed.
 """
@@ -24,7 +25,6 @@ import argparse
 import gc
 import json
 import platform
-import resource
 import sys
 import time
 from pathlib import Path
@@ -35,7 +35,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import train  # noqa: E402
-from data.tasks import load_problems  # noqa: E402
+from benchmarks.timing import markdown_table, peak_memory_bytes, sync  # noqa: E402
+from data.tasks import load_problems, step_problems  # noqa: E402
 from model import byte_tokenizer, sample, working_copy  # noqa: E402
 from eval import score_groups  # noqa: E402
 from verifier import verify  # noqa: E402
@@ -49,11 +50,6 @@ SIZES = {  # the config.json of Qwen/Qwen2.5-0.5B and -1.5B; both tie the embedd
     "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2),
 }
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
 
 
 def matmul_tflops(device: torch.device, n: int, iters: int) -> float:
@@ -81,13 +77,6 @@ def build_model(size: str, device: torch.device, tokenizer):
         return Qwen2ForCausalLM(config).eval()
 
 
-def peak_memory_gib(device: torch.device) -> float:
-    """CUDA: peak allocated since the last reset. CPU: the process's max RSS so far (all configs)."""
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated() / 2**30
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
-
-
 def mixed_rewards(prompts: int, group_size: int) -> torch.Tensor:
     """[B, G] rewards with both values in every group (so no group collapses and every row trains)."""
     return (torch.arange(group_size) % 2).float().repeat(prompts, 1)
@@ -96,17 +85,17 @@ def mixed_rewards(prompts: int, group_size: int) -> torch.Tensor:
 def run_step(model, net, tokenizer, optimizer, args: train.Args, problems, step: int) -> dict:
     """One train.py step (sample, verify, advantages, update) with each phase timed and its tokens counted."""
     device = model.device
-    batch = train.step_problems(problems, args, step)
+    batch = step_problems(problems, args.prompts_per_step, args.seed, step)
     sync(device)
     t0 = time.perf_counter()
     rollout = sample(net, tokenizer, [p.question for p in batch], args.group_size, args.max_new_tokens,
-                     args.temperature, args.top_p)
+                     args.temperature, args.top_p, fast=args.fast)
     sync(device)
     t1 = time.perf_counter()
     score_groups(rollout.texts, [p.answer for p in batch], verify)  # timed as in train.py; the rewards are replaced below
     t2 = time.perf_counter()
     rewards = mixed_rewards(len(batch), args.group_size)
-    advantages, _ = train.compute_advantages(args, rewards, train.algo_state(args), sample_reference=None)
+    advantages, _ = train.compute_advantages(args, rewards, train.algo_state(args), ref_rewards=None)
     stats = train.update_policy(model, net, optimizer, rollout, advantages.flatten().to(device), None, args)
     sync(device)
     t3 = time.perf_counter()
@@ -142,7 +131,7 @@ def bench_config(size: str, checkpointing: bool, device: torch.device, opts, pro
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, weight_decay=0.0, fused=True)
     args = train.Args(algo="grpo", prompts_per_step=opts.prompts, group_size=opts.group_size,
                       max_new_tokens=opts.max_new_tokens, micro_batch=opts.micro_batch, lr=1e-5, beta=0.0,
-                      grad_checkpointing=checkpointing, precision="bf16")
+                      grad_checkpointing=checkpointing, precision="bf16", fast=opts.fast)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     steps = []
@@ -162,7 +151,7 @@ def bench_config(size: str, checkpointing: bool, device: torch.device, opts, pro
         "size": size, "grad_checkpointing": checkpointing, "params_m": sum(p.numel() for p in model.parameters()) / 1e6,
         "timed_steps": len(steps), **s, "step_s": step_s,
         "gen_tokens_per_s": s["gen_tokens"] / s["generate_s"], "train_tokens_per_s": s["train_tokens"] / s["train_s"],
-        "peak_gib": peak_memory_gib(device),
+        "peak_gib": peak_memory_bytes() / 2**30,  # CUDA: since the reset above; CPU: max RSS, all configs
         "mfu_generate": gen_flops / s["generate_s"] / (peak_tflops * 1e12),
         "mfu_train": train_flops / s["train_s"] / (peak_tflops * 1e12),
         "mfu_step": (gen_flops + train_flops) / step_s / (peak_tflops * 1e12),
@@ -179,9 +168,8 @@ COLUMNS = [("size", "size", "{}"), ("grad_checkpointing", "grad ckpt", "{}"), ("
 
 
 def markdown(results: list[dict]) -> str:
-    lines = ["| " + " | ".join(title for _, title, _ in COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
-    lines += ["| " + " | ".join(form.format(r[key]) for key, _, form in COLUMNS) + " |" for r in results]
-    return "\n".join(lines)
+    return markdown_table([title for _, title, _ in COLUMNS],
+                          [[form.format(r[key]) for key, _, form in COLUMNS] for r in results])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -196,6 +184,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps before them")
     parser.add_argument("--matmul-size", type=int, default=8192, help="n of the n^3 bf16 matmul rate test")
     parser.add_argument("--budget-s", type=float, default=420, help="skip configs that would start after this")
+    parser.add_argument("--fast", action=argparse.BooleanOptionalAction, default=True,
+                        help="the fast paths (train.py --fast); --no-fast: HF generate and the plain forward")
     parser.add_argument("--tiny", action="store_true", help="CPU smoke test: tiny model, 1 step, 8 tokens")
     opts = parser.parse_args(argv)
     if opts.tiny:
@@ -215,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{name}: measured bf16 matmul {peak:.1f} TFLOP/s ({opts.matmul_size}^3)", flush=True)
     report = {"device": name, "torch": torch.__version__, "matmul_bf16_tflops": peak,
               "workload": {k: getattr(opts, k) for k in ("prompts", "group_size", "max_new_tokens", "micro_batch",
-                                                         "steps", "warmup")},
+                                                         "steps", "warmup", "fast")},
               "results": [], "skipped": []}
     problems = load_problems("arith-mul1", "train")
     last_duration = 0.0

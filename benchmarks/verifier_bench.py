@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import re
 import statistics
 import sys
@@ -27,6 +26,8 @@ from typing import Callable
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.timing import best_seconds  # noqa: E402
+from common import read_jsonl  # noqa: E402
 from tests.verifier_cases import CASES  # noqa: E402
 from verifier import load_reward, normalise, verify  # noqa: E402
 
@@ -34,19 +35,14 @@ GSM8K_MODELS = ("6b_finetuning", "6b_verification", "175b_finetuning", "175b_ver
 Verifier = Callable[[str, str], bool]
 
 
-def _read_jsonl(path: Path) -> list[dict]:
-    with path.open(encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
-
-
 def load_cases(data_dir: Path) -> dict[str, list[tuple[str, str, bool]]]:
     """(completion, gold, expected) triples for each check."""
     gsm8k = []
-    for row in _read_jsonl(data_dir / "gsm8k_model_solutions.jsonl"):
+    for row in read_jsonl(data_dir / "gsm8k_model_solutions.jsonl"):
         gold = row["ground_truth"].rsplit("A:", 1)[1].strip()  # ground truth ends "A: <number>"
         for model in GSM8K_MODELS:
             gsm8k.append((row[model]["solution"], gold, row[model]["is_correct"]))
-    math500 = _read_jsonl(data_dir / "math500_test.jsonl")
+    math500 = read_jsonl(data_dir / "math500_test.jsonl")
     self_cases = [(r["solution"], r["answer"], True) for r in math500]
     cross_cases = []
     for i, row in enumerate(math500):
@@ -132,16 +128,10 @@ def hostile_worst(check: Verifier) -> tuple[float, str]:
     worst, which = 0.0, ""
     for text in HOSTILE:
         for gold in HOSTILE_GOLDS + (text[:300],):
-            best = min(_timed(check, text, gold) for _ in range(3))
+            best = best_seconds(lambda: check(text, gold), reps=3, warmup=False)
             if best > worst:
                 worst, which = best, text[:40]
     return worst, which
-
-
-def _timed(check: Verifier, completion: str, gold: str) -> float:
-    start = time.perf_counter()
-    check(completion, gold)
-    return time.perf_counter() - start
 
 
 def report(name: str, check: Verifier, cases: dict) -> float:

@@ -1,5 +1,5 @@
-"""The benchmark scripts on tiny settings: benchmarks/bench.py's table and sections, gpu_bench.py's CPU smoke mode,
-update_parts.py."""
+"""The benchmark scripts on tiny settings: benchmarks/bench.py's table and sections (its floors in floors.py),
+gpu_bench.py's CPU smoke mode, fast_vs_plain.py."""
 
 import json
 import os
@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from benchmarks import bench
+from benchmarks import bench, floors
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -43,24 +43,24 @@ def test_bench_quick_prints_the_step_table(capsys, monkeypatch):
 
 def test_batch_shape_counts_what_a_minimal_update_trains():
     """Group 0 has differing rewards (its rows train), group 1 collapsed (advantage 0: nothing to train)."""
-    shape = bench.batch_shape([3, 1, 2, 2], [5, 7], [1.0, 0.0, 1.0, 1.0], group_size=2)
+    shape = floors.batch_shape([3, 1, 2, 2], [5, 7], [1.0, 0.0, 1.0, 1.0], group_size=2)
     assert shape == {"lengths": [3, 1, 2, 2], "prompt_tokens": 12, "trained_prompt_tokens": 5,
                      "trained_completion_tokens": 4, "trained_rows": 2}
 
 
 def test_step_floors_count_passes_live_rows_and_real_tokens():
     body, head, dtype = ((4, 2),), (3, 2), torch.float32  # 8 body and 6 output-layer parameters
-    shape = bench.batch_shape([3, 1, 2, 2], [5, 7], [1.0, 0.0, 1.0, 1.0], group_size=2)
-    floors = bench.step_floors(shape, body, head, dtype, {dtype: 1.0, "read_bytes_s": 1.0}, update_rates=(2.0, 3.0))
+    shape = floors.batch_shape([3, 1, 2, 2], [5, 7], [1.0, 0.0, 1.0, 1.0], group_size=2)
+    step = floors.step_floors(shape, body, head, dtype, {dtype: 1.0, "read_bytes_s": 1.0}, update_rates=(2.0, 3.0))
     # prefill (12 prompt tokens, 1 output row) + passes 1 and 2 with the rows still decoding: 3, then 1
-    assert floors["gen_kernel"] == (bench.kernel_seconds(body, 12, dtype) + bench.kernel_seconds((head,), 1, dtype)
-                                    + bench.kernel_seconds(body + (head,), 3, dtype)
-                                    + bench.kernel_seconds(body + (head,), 1, dtype))
+    assert step["gen_kernel"] == (floors.kernel_seconds(body, 12, dtype) + floors.kernel_seconds((head,), 1, dtype)
+                                  + floors.kernel_seconds(body + (head,), 3, dtype)
+                                  + floors.kernel_seconds(body + (head,), 1, dtype))
     # 3 passes read 14 float32 weights each; FLOPs: 2 x (8 x (12 + 8) + 6 x 8) = 416 > 168 bytes at rate 1
-    assert floors["gen_physical"] == max(3 * 14 * 4, 416)
+    assert step["gen_physical"] == max(3 * 14 * 4, 416)
     # update: body sees 5 prompt + 4 completion tokens, the output layer the 4 completion tokens
-    assert floors["update_physical"] == 6 * (8 * 9 + 6 * 4)
-    assert floors["update_kernel"] == 6 * (8 * 9 / 2.0 + 6 * 4 / 3.0)
+    assert step["update_physical"] == 6 * (8 * 9 + 6 * 4)
+    assert step["update_kernel"] == 6 * (8 * 9 / 2.0 + 6 * 4 / 3.0)
 
 
 @pytest.mark.parametrize("plain_s, packed_s", [(1.0, 0.5), (0.5, 1.0)])
@@ -72,8 +72,8 @@ def test_machine_peak_is_the_faster_of_the_two_gemm_kernels(monkeypatch, plain_s
         timed.append(fn)
         return [plain_s, packed_s, 2.0][len(timed) - 1]  # a @ b, the packed product, the 512 MiB sum
 
-    monkeypatch.setattr(bench, "best_seconds", fake_best_seconds)
-    rates = bench.machine_rates([torch.float32])
+    monkeypatch.setattr(floors, "best_seconds", fake_best_seconds)
+    rates = floors.machine_rates([torch.float32])
     assert rates[torch.float32] == 2 * 2048**3 / 0.5
     assert rates["read_bytes_s"] == 2**27 * 4 / 2.0
     torch.testing.assert_close(timed[1](), timed[0](), rtol=1e-4, atol=1e-3)  # the packed product is a @ b too
@@ -81,13 +81,13 @@ def test_machine_peak_is_the_faster_of_the_two_gemm_kernels(monkeypatch, plain_s
 
 def test_phase_floors_skip_a_step_with_nothing_to_train():
     """Two timed steps: the update floor comes from the one with a mixed group, generation's from both."""
-    shapes = [bench.batch_shape([3, 1, 2, 2], [5, 7], [1.0, 0.0, 1.0, 1.0], 2),
-              bench.batch_shape([2, 2, 2, 2], [5, 7], [0.0, 0.0, 0.0, 0.0], 2)]
+    shapes = [floors.batch_shape([3, 1, 2, 2], [5, 7], [1.0, 0.0, 1.0, 1.0], 2),
+              floors.batch_shape([2, 2, 2, 2], [5, 7], [0.0, 0.0, 0.0, 0.0], 2)]
     r = {"per_step": [{"generate_s": 1.0, "train_s": 2.0, **shape} for shape in shapes]}
-    floors = bench.phase_floors(r, bench.reference_args("tiny-qwen2", 1, "fp32"))
-    assert floors["update_kernel_ratio"] == pytest.approx(2.0 / floors["update_kernel"])
-    assert floors["update_physical_ratio"] == pytest.approx(2.0 / floors["update_physical"])
-    assert floors["gen_kernel"] > 0 and floors["gen_kernel_ratio"] > 0 and floors["gen_physical_ratio"] > 0
+    phase = floors.phase_floors(r, bench.reference_args("tiny-qwen2", 1, "fp32"))
+    assert phase["update_kernel_ratio"] == pytest.approx(2.0 / phase["update_kernel"])
+    assert phase["update_physical_ratio"] == pytest.approx(2.0 / phase["update_physical"])
+    assert phase["gen_kernel"] > 0 and phase["gen_kernel_ratio"] > 0 and phase["gen_physical_ratio"] > 0
 
 
 def test_verifier_section_is_skipped_without_shared_data(tmp_path, capsys):
@@ -108,13 +108,15 @@ def test_advantage_step_is_timed_for_each_algorithm():
         assert 0 < seconds < 0.01
 
 
-def test_gpu_bench_tiny_runs_on_cpu(tmp_path):
+@pytest.mark.parametrize("fast", ["--fast", "--no-fast"])  # the fast paths, or HF generate and the plain forward
+def test_gpu_bench_tiny_runs_on_cpu(tmp_path, fast):
     out = tmp_path / "gpu_bench.json"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}  # CPU even on a GPU machine
-    proc = subprocess.run([sys.executable, "benchmarks/gpu_bench.py", "--tiny", "--out", str(out)], cwd=ROOT,
+    proc = subprocess.run([sys.executable, "benchmarks/gpu_bench.py", "--tiny", fast, "--out", str(out)], cwd=ROOT,
                           env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     report = json.loads(out.read_text())
+    assert report["workload"]["fast"] is (fast == "--fast")
     assert [(r["size"], r["grad_checkpointing"]) for r in report["results"]] == [("tiny", False), ("tiny", True)]
     for r in report["results"]:
         assert r["completion_len"] == 8 and r["rows_trained"] == 4  # runs to max_new_tokens, every row trains
@@ -124,30 +126,13 @@ def test_gpu_bench_tiny_runs_on_cpu(tmp_path):
     assert report["skipped"] == [] and "| size | grad ckpt |" in proc.stdout
 
 
-def test_update_parts_prints_each_part_against_the_floor():
-    proc = subprocess.run([sys.executable, "benchmarks/update_parts.py", "--model", "tiny-qwen2", "--rows", "32"],
+def test_fast_vs_plain_prints_both_paths_for_decoding_and_the_update():
+    proc = subprocess.run([sys.executable, "benchmarks/fast_vs_plain.py", "--model", "tiny-qwen2", "--reps", "1"],
                           cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    for precision in ("fp32", "bf16"):
-        block = proc.stdout.split(f"{precision}: kernel floor")[1]
-        products, rest = (float(r) for r in re.findall(r"= (\d+\.\d+)x the floor", block)[:2])
-        total = float(re.search(r"nothing else: (\d+\.\d+)x", block).group(1))
-        assert products > 0 and rest > 0 and abs(total - (products + rest)) <= 0.011, proc.stdout  # parts add up
-
-
-def test_compile_check_prints_eager_and_compiled_against_the_floor():
-    """The smoke run (dynamo's eager backend: no kernels built) times every path and checks compiled outputs."""
-    proc = subprocess.run([sys.executable, "benchmarks/compile_check.py", "--model", "tiny-qwen2", "--backend", "eager",
-                           "--reps", "1"], cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    decoding, update = proc.stdout.split("decoding step")[1].split("update:")
-    for block, paths in ((decoding, ["eager, packed weights (train.py)", "eager, F.linear", "compiled, F.linear"]),
-                         (update, ["eager (train.py)", "compiled"])):
-        floor = float(re.search(r"kernel floor (\d+\.\d+) ms", block).group(1))
-        rows = re.findall(r"^  (\S.*?) +(\d+\.\d+) ms = (\d+\.\d+)x the floor$", block, re.MULTILINE)
-        assert [name for name, _, _ in rows] == paths, proc.stdout
-        for _, ms, ratio in rows:  # each ratio is its time over the floor, both printed to the nearest 0.01 ms
-            bound = float(ratio) * (0.006 / float(ms) + 0.006 / floor) + 0.006  # those roundings, and the ratio's
-            assert float(ms) > 0 and abs(float(ratio) - float(ms) / floor) <= bound, (ms, ratio, floor)
-        cold, warm = (float(s) for s in re.search(r"compile: (\d+\.\d+) s cold, (\d+\.\d+) s", block).groups())
-        assert cold > 0 and warm > 0
+    line = next(line for line in proc.stdout.splitlines() if line.startswith("fp32: "))
+    ms = [float(x) for x in re.findall(r"(\d+\.\d+) ms", line)]
+    ratios = [float(x) for x in re.findall(r"\((\d+\.\d+)x\)", line)]
+    assert len(ms) == 4 and all(t > 0 for t in ms) and len(ratios) == 2
+    for (fast, plain), ratio in zip((ms[:2], ms[2:]), ratios):  # each ratio is its two times', as printed
+        assert abs(ratio - fast / plain) <= 0.01 + ratio * (0.06 / fast + 0.06 / plain), line
