@@ -13,7 +13,6 @@ import re
 import sys
 from math import comb
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 import torch
@@ -21,7 +20,7 @@ from tqdm import tqdm
 
 from data.tasks import Problem, load_eval_problems
 from model import load_model, pick_device, sample, working_copy
-from verifier import extract_answer, load_reward, verify
+from verifier import Reward, extract_answer, load_reward, per_completion, verify
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -35,19 +34,19 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     return 1.0 - comb(n - c, k) / comb(n, k)
 
 
-def score_groups(texts: list[str], answers: list[str],
-                 reward_fn: Callable[[str, str], float]) -> list[list[float]]:
-    """Rewards [b][n] of b*n completions, n in a row per answer: the same scoring for training and
-    evaluation."""
+def score_groups(questions: list[str], texts: list[str], answers: list[str],
+                 reward_fn: Reward) -> list[list[float]]:
+    """Rewards [b][n] of b*n completions, n in a row per question: one reward call for the whole batch, the
+    same scoring for training and evaluation (`verifier.load_reward`)."""
     n = len(texts) // len(answers)
-    return [[reward_fn(text, answer) for text in texts[i * n : (i + 1) * n]]
-            for i, answer in enumerate(answers)]
+    flat = reward_fn([q for q in questions for _ in range(n)], texts, [a for a in answers for _ in range(n)])
+    return [flat[i * n : (i + 1) * n] for i in range(len(answers))]
 
 
 @torch.no_grad()
 def evaluate(model, tokenizer, problems: list[Problem], *, max_new_tokens: int, samples: int = 1,
              temperature: float = 0.0, batch_size: int = 32, progress: bool = False,
-             reward_fn: Callable[[str, str], float] = verify, fast: bool = True) -> dict:
+             reward_fn: Reward = per_completion(verify), fast: bool = True) -> dict:
     """Accuracy of `model` on `problems` (reward 1 = correct): greedy when samples == 1 and temperature == 0.
     fast: sample with the fast decoding loop (`model.sample`'s fast), else with HF `generate`.
 
@@ -62,7 +61,8 @@ def evaluate(model, tokenizer, problems: list[Problem], *, max_new_tokens: int, 
         batch = problems[start : start + batch_size]
         rollout = sample(model, tokenizer, [p.question for p in batch], samples, max_new_tokens, temperature,
                          fast=fast)
-        batch_scores = score_groups(rollout.texts, [p.answer for p in batch], reward_fn)  # [b][n]
+        batch_scores = score_groups([p.question for p in batch], rollout.texts, [p.answer for p in batch],
+                                    reward_fn)  # [b][n]
         for i, (problem, scores) in enumerate(zip(batch, batch_scores)):
             texts = rollout.texts[i * samples : (i + 1) * samples]
             correct_per_problem.append(sum(score == 1 for score in scores))

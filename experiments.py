@@ -52,7 +52,7 @@ from eval import evaluate, score_groups
 from model import load_model, pick_device, resolve_precision, sample, working_copy
 from plots import (plot_accuracy_vs_compute, plot_accuracy_vs_tokens, plot_collapse_map, plot_compare_curves,
                    plot_difficulty, plot_early_acr_scatter, plot_precision_curves)
-from verifier import verify
+from verifier import load_reward
 
 DOCS = Path(__file__).resolve().parent / "docs"
 METHODS = {"grpo": ("grpo", []), "avspo": ("avspo", []),  # name: (train.py --algo, extra flags)
@@ -65,7 +65,7 @@ PRECISIONS = ("bf16", "fp32")
 def acr_by_difficulty(model_name: str, prompts: int, group_size: int, max_new_tokens: int, batch: int = 8) -> dict:
     """Sample G completions for `prompts` training problems of each level with the untrained model (T=1)."""
     model, tokenizer = load_model(model_name)
-    net = working_copy(model)  # bf16 where the CPU has it, as train.py samples
+    net, reward = working_copy(model), load_reward()  # bf16 where the CPU has it, as train.py samples
     torch.manual_seed(0)
     result, pooled = {}, []
     for level in LEVELS:
@@ -74,7 +74,8 @@ def acr_by_difficulty(model_name: str, prompts: int, group_size: int, max_new_to
         for i in tqdm(range(0, len(problems), batch), desc=level):
             chunk = problems[i : i + batch]
             rollout = sample(net, tokenizer, [p.question for p in chunk], group_size, max_new_tokens)
-            rewards.append(torch.tensor(score_groups(rollout.texts, [p.answer for p in chunk], verify)))
+            rewards.append(torch.tensor(score_groups([p.question for p in chunk], rollout.texts,
+                                                     [p.answer for p in chunk], reward)))
         pooled.append(torch.cat(rewards))  # [prompts, G]
     for level, r in zip([*LEVELS, "mix"], [*pooled, torch.cat(pooled)]):  # mix: the batch ACR of arith-mix
         result[level] = {"accuracy": r.mean().item(), "acr": advantage_collapse_rate(r),

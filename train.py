@@ -272,13 +272,14 @@ def train(args: Args, run_dir: Path, stop_requested: Sequence = ()) -> dict | No
 
     def sample_and_score(network, problems: list[Problem]) -> tuple[Rollout, torch.Tensor]:
         """G completions from `network` for each of these prompts, and their rewards [b, G]."""
+        questions, answers = [p.question for p in problems], [p.answer for p in problems]
         start = time.perf_counter()
-        rollout = sample(network, tokenizer, [p.question for p in problems], args.group_size,
-                         args.max_new_tokens, args.temperature, args.top_p, fast=args.fast)
+        rollout = sample(network, tokenizer, questions, args.group_size, args.max_new_tokens,
+                         args.temperature, args.top_p, fast=args.fast)
         costs["generate"] += time.perf_counter() - start
         costs["gen_tokens"] += rollout.completion_mask.sum().item()
         start = time.perf_counter()
-        rewards = torch.tensor(score_groups(rollout.texts, [p.answer for p in problems], reward_fn))  # [b, G]
+        rewards = torch.tensor(score_groups(questions, rollout.texts, answers, reward_fn))  # [b, G]
         costs["score"] += time.perf_counter() - start
         return rollout, rewards
 
@@ -300,12 +301,11 @@ def train(args: Args, run_dir: Path, stop_requested: Sequence = ()) -> dict | No
         torch.manual_seed(args.seed * 1_000_003 + step * 1_000 + rank)  # samples: (seed, step, rank) alone
         costs.clear()
         problems_of_round = partial(step_problems, train_problems, args.prompts_per_step, args.seed, step)
-        # ---- sample G completions for each prompt and score them: rewards [B, G] of the whole batch
+        # ---- sample G completions for each prompt and score them (AAPO: its reference too), advantages
         rollout, rewards, first_rewards, replaced, resampled = sample_batch(
-            args, sample_and_score, policy, problems_of_round, mine, tokenizer.pad_token_id)
+            args, sample_and_score, policy, problems_of_round, mine, tokenizer.pad_token_id)  # rewards [B, G]
         ref_rewards = reference_rewards(args, sample_and_score, reference, problems_of_round(0)[mine])
-        # ---- advantages [B, G]: ALGO LOGIC
-        advantages, extra = compute_advantages(args, rewards, state, ref_rewards)
+        advantages, extra = compute_advantages(args, rewards, state, ref_rewards)  # [B, G]: ALGO LOGIC
         # ---- this process's rows: loss, backward, optimizer step
         lr = scheduled_lr(args, step)
         for group in optimizer.param_groups:

@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import cmath
 import importlib
+import inspect
 import math
 import re
 from fractions import Fraction
@@ -1027,20 +1028,30 @@ def _math_verify_reward() -> Callable[[str, str], float]:
     return reward
 
 
-def load_reward(spec: str = "verifier") -> Callable[[str, str], float]:
-    """A reward function f(completion, gold) -> float from a spec.
+Reward = Callable[[list[str], list[str], list[str]], list[float]]  # (questions, completions, golds) -> [N]
+TRL_GOLD = "solution"  # the keyword a TRL-style function gets the golds under (as TRL's accuracy_reward)
 
-    "verifier" (default): this module's ``verify``; "math-verify": the optional math-verify
-    package (imported only when asked); "module:function": a user's function, e.g.
-    "my_rewards:exact" or "pkg.mod:fn". A bad spec raises ValueError naming it.
 
-    >>> load_reward("verifier") is verify
-    True
+def load_reward(spec: str = "verifier") -> Reward:
+    """The rewards of a batch of completions, from a spec: "verifier" (this module's ``verify``),
+    "math-verify" (the optional package, imported only when asked), or "module:function", a user's
+    function of either shape, told apart by its signature:
+
+    - ``f(completion, gold) -> float``, called once per completion;
+    - TRL's ``f(prompts, completions, **kwargs) -> list[float]`` (it has a ``completions`` parameter),
+      called once per batch with the keywords it accepts: ``prompts`` and ``completions`` as TRL passes
+      them for a conversational dataset (each a list of {"role", "content"} messages; our prompts go
+      through the chat template) and the golds as ``solution=``; a None in what it returns scores 0.
+
+    A bad spec, or a function of neither shape, raises ValueError in one line naming what was expected.
+
+    >>> load_reward()(["What is 2 + 3?"] * 2, ["\\boxed{5}", "6"], ["5", "5"])
+    [1.0, 0.0]
     """
     if spec in ("verifier", "", None):
-        return verify
+        return per_completion(verify)
     if spec in ("math-verify", "math_verify"):
-        return _math_verify_reward()
+        return per_completion(_math_verify_reward())
     module_name, sep, attr = str(spec).partition(":")
     if not sep or not module_name or not attr:
         raise ValueError(f"reward spec {spec!r}: expected 'verifier', 'math-verify' or "
@@ -1054,4 +1065,41 @@ def load_reward(spec: str = "verifier") -> Callable[[str, str], float]:
         raise ValueError(f"reward spec {spec!r}: module {module_name!r} has no function {attr!r}")
     if not callable(fn):
         raise ValueError(f"reward spec {spec!r}: {module_name}.{attr} is not callable")
-    return fn
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):  # a builtin without one: trust it to be f(completion, gold)
+        return per_completion(fn)
+    if "completions" in signature.parameters:
+        return _trl_style(fn, signature, spec)
+    try:
+        signature.bind("completion", "gold")
+    except TypeError:
+        raise ValueError(f"reward spec {spec!r}: {attr}{signature} is neither f(completion, gold) -> float "
+                         "nor TRL's f(prompts, completions, **kwargs) -> list[float]") from None
+    return per_completion(fn)
+
+
+def per_completion(fn: Callable[[str, str], float]) -> Reward:
+    """A batch reward from f(completion, gold) -> float, called once per completion."""
+    return lambda questions, completions, golds: [float(fn(c, g)) for c, g in zip(completions, golds)]
+
+
+def _trl_style(fn: Callable, signature: inspect.Signature, spec: str) -> Reward:
+    """A batch reward from a TRL-style function: one call per batch, with the keywords it accepts."""
+    takes_any = any(p.kind is p.VAR_KEYWORD for p in signature.parameters.values())
+    names = [n for n in ("prompts", "completions", TRL_GOLD) if takes_any or n in signature.parameters]
+    try:
+        signature.bind(**dict.fromkeys(names))
+    except TypeError as err:
+        raise ValueError(f"reward spec {spec!r}: a TRL-style reward is called with prompts=, completions= "
+                         f"and {TRL_GOLD}= (the golds); {fn.__name__}{signature} can't be ({err})") from None
+
+    def reward(questions: list[str], completions: list[str], golds: list[str]) -> list[float]:
+        batch = {"prompts": [[{"role": "user", "content": q}] for q in questions],
+                 "completions": [[{"role": "assistant", "content": c}] for c in completions],
+                 TRL_GOLD: list(golds)}
+        rewards = list(fn(**{n: batch[n] for n in names}))
+        if len(rewards) != len(completions):
+            raise ValueError(f"reward {spec!r}: {len(rewards)} rewards for {len(completions)} completions")
+        return [0.0 if r is None else float(r) for r in rewards]
+    return reward

@@ -75,8 +75,8 @@ def bench_ours(args: train.Args, warmup: int) -> dict:
         rollouts.append(sample(*a, **kw))
         return rollouts[-1]
 
-    def recording_score_groups(texts, answers, reward_fn):  # right after each train.sample call
-        rewards, rollout = score_groups(texts, answers, reward_fn), rollouts.pop()
+    def recording_score_groups(questions, texts, answers, reward_fn):  # right after each train.sample call
+        rewards, rollout = score_groups(questions, texts, answers, reward_fn), rollouts.pop()
         prompt_len = rollout.input_ids.shape[1] - rollout.completion_len
         shapes.append(batch_shape(rollout.completion_mask.sum(1).tolist(),
                                   rollout.attention_mask[:: args.group_size, :prompt_len].sum(1).tolist(),

@@ -39,7 +39,7 @@ from benchmarks.timing import markdown_table, peak_memory_bytes, sync  # noqa: E
 from data.tasks import load_problems, step_problems  # noqa: E402
 from model import byte_tokenizer, sample, working_copy  # noqa: E402
 from eval import score_groups  # noqa: E402
-from verifier import verify  # noqa: E402
+from verifier import load_reward  # noqa: E402
 
 VOCAB = 151_936  # Qwen2.5's vocabulary
 SIZES = {  # the config.json of Qwen/Qwen2.5-0.5B and -1.5B; both tie the embedding and the LM head
@@ -92,7 +92,8 @@ def run_step(model, net, tokenizer, optimizer, args: train.Args, problems, step:
                      args.temperature, args.top_p, fast=args.fast)
     sync(device)
     t1 = time.perf_counter()
-    score_groups(rollout.texts, [p.answer for p in batch], verify)  # timed as in train.py; the rewards are replaced below
+    score_groups([p.question for p in batch], rollout.texts, [p.answer for p in batch],
+                 load_reward())  # timed as in train.py; the rewards are replaced below
     t2 = time.perf_counter()
     rewards = mixed_rewards(len(batch), args.group_size)
     advantages, _ = train.compute_advantages(args, rewards, train.algo_state(args), ref_rewards=None)

@@ -10,6 +10,7 @@ import eval as evaluation
 from data.tasks import Problem
 from eval import evaluate, pass_at_k
 from model import Rollout
+from verifier import per_completion
 
 
 @pytest.mark.parametrize("n, c, k, expected", [
@@ -52,7 +53,7 @@ def test_evaluate_counts_only_full_reward_as_correct_and_reports_pass_at_every_n
 
     monkeypatch.setattr(evaluation, "sample", fake_sample)
     result = evaluate(None, None, [Problem("q", "g", "")], max_new_tokens=8, samples=3, temperature=1.0,
-                      reward_fn=lambda text, gold: {"a": 1.0, "b": 0.5, "c": 0.0}[text])
+                      reward_fn=per_completion(lambda text, gold: {"a": 1.0, "b": 0.5, "c": 0.0}[text]))
     assert result["accuracy"] == pytest.approx(1 / 3)
     assert result["pass_at_k"] == pytest.approx({1: 1 / 3, 2: 1 - comb(2, 2) / comb(3, 2), 3: 1.0})
 

@@ -637,3 +637,35 @@ def test_group_map_marks_what_each_group_was_and_what_the_method_gave_it():
     advantages = torch.tensor([[0.3, 0.3], [0.0, 0.0], [0.7, -0.7], [0.0, 0.0]])  # the all-correct one got signal
     groups = group_map(first, advantages, torch.tensor([False, True, False, False]))
     assert groups == {"groups_sampled": "CWM=", "groups_signal": "1010", "groups_replaced": "0100"}
+
+
+TRL_STYLE = """
+calls = []
+
+def half_right(prompts, completions, solution, **kwargs):  # TRL's reward-function shape
+    calls.append(len(completions))
+    assert all(p[0]["role"] == "user" and c[0]["role"] == "assistant" for p, c in zip(prompts, completions))
+    return [float(i % 2) for i in range(len(completions))]
+
+def wrong_shape(text):
+    return 1.0
+"""
+
+
+def test_a_trl_style_reward_trains_and_a_wrong_shape_is_one_line(tmp_path, monkeypatch, capsys):
+    """--reward module:function with TRL's f(prompts, completions, **kwargs): called once per batch of B*G
+    completions (2 steps, each its own call, then the evaluations), and every group comes out mixed."""
+    (tmp_path / "trl_style_rewards.py").write_text(TRL_STYLE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import trl_style_rewards
+
+    train.main(TINY + ["--steps", "2", "--eval-every", "0", "--prompts-per-step", "2", "--save-every", "0",
+                       "--reward", "trl_style_rewards:half_right", "--out", str(tmp_path / "run")])
+    rows = read_jsonl(tmp_path / "run" / "grpo" / "metrics.jsonl")
+    assert [r["reward_mean"] for r in rows] == [0.5, 0.5] and all(r["acr"] == 0.0 for r in rows)
+    assert trl_style_rewards.calls[:1] == [4] and trl_style_rewards.calls[1:3] == [8, 8]  # eval (4), steps
+    with pytest.raises(SystemExit):
+        train.main(TINY + ["--reward", "trl_style_rewards:wrong_shape", "--out", str(tmp_path / "bad")])
+    error = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "neither f(completion, gold)" in error and "TRL's f(prompts, completions" in error
+    assert not (tmp_path / "bad").exists()

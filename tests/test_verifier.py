@@ -221,27 +221,72 @@ def test_answer_structures() -> None:
 
 # ------------------------------------------------------------------ pluggable rewards
 def test_load_reward_default_is_verify() -> None:
-    assert load_reward() is verify
-    assert load_reward("verifier") is verify
+    completions, golds = ["\\boxed{5}", "It is 6.", "so 1/2"], ["5", "5", "0.5"]
+    for spec in ("verifier", ""):
+        assert load_reward(spec)(["q"] * 3, completions, golds) == [verify(c, g) for c, g in zip(completions, golds)]
 
 
 def test_load_reward_module_function(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     (tmp_path / "my_rewards.py").write_text(
-        "def exact(completion, gold):\n    return float(completion.strip() == gold)\nVALUE = 3\n")
+        "def exact(completion, gold):\n    return float(completion.strip() == gold)\nVALUE = 3\n"
+        "def one_argument(completion):\n    return 1.0\n")
     package = tmp_path / "pkg"
     package.mkdir()
     (package / "__init__.py").write_text("")
     (package / "mod.py").write_text("def fn(completion, gold):\n    return 0.5\n")
     monkeypatch.syspath_prepend(str(tmp_path))
-    exact = load_reward("my_rewards:exact")
-    assert exact("5", "5") == 1.0 and exact("5", "6") == 0.0
-    assert load_reward("pkg.mod:fn")("a", "b") == 0.5
+    assert load_reward("my_rewards:exact")(["q", "q"], ["5", "5"], ["5", "6"]) == [1.0, 0.0]
+    assert load_reward("pkg.mod:fn")(["q"], ["a"], ["b"]) == [0.5]
     for spec, words in (("no_such_module_xyz:fn", "no module"), ("my_rewards:nope", "no function"),
                         ("my_rewards:VALUE", "not callable"), ("my_rewards", "expected"),
-                        (":fn", "expected"), ("my_rewards:", "expected")):
+                        (":fn", "expected"), ("my_rewards:", "expected"),
+                        ("my_rewards:one_argument", "neither f\\(completion, gold\\)")):
         with pytest.raises(ValueError, match=words) as err:
             load_reward(spec)
         assert spec in str(err.value) and "\n" not in str(err.value)
+
+
+TRL_REWARDS = """
+calls = []
+
+def accuracy(prompts, completions, solution, **kwargs):  # as TRL's accuracy_reward, conversational
+    calls.append((prompts, completions, solution, kwargs))
+    return [1.0 if c[0]["content"].strip() == s else 0.0 for c, s in zip(completions, solution)]
+
+def length(completions, **kwargs):  # as the TRL docs' reward_len: no prompts parameter of its own
+    return [float(len(c[0]["content"])) for c in completions]
+
+def unsure(completions, solution):  # no **kwargs: gets only what it names; None: no verdict
+    return [None if c[0]["content"] == "?" else 1.0 for c in completions]
+
+def short(completions, **kwargs):
+    return [1.0]
+
+def needs_answer(prompts, completions, answer):  # a column we do not pass
+    return [0.0] * len(completions)
+"""
+
+
+def test_load_reward_calls_a_trl_style_function_once_per_batch(tmp_path: Path,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "trl_rewards.py").write_text(TRL_REWARDS)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import trl_rewards
+
+    reward = load_reward("trl_rewards:accuracy")
+    assert reward(["What is 2 + 3?", "What is 2 + 3?"], ["5", "6"], ["5", "5"]) == [1.0, 0.0]
+    assert len(trl_rewards.calls) == 1  # once for the batch, not once per completion
+    prompts, completions, solution, extra = trl_rewards.calls[0]
+    assert prompts == [[{"role": "user", "content": "What is 2 + 3?"}]] * 2
+    assert completions == [[{"role": "assistant", "content": "5"}], [{"role": "assistant", "content": "6"}]]
+    assert solution == ["5", "5"] and extra == {}
+    assert load_reward("trl_rewards:length")(["q", "q"], ["ab", "abc"], ["x", "x"]) == [2.0, 3.0]
+    assert load_reward("trl_rewards:unsure")(["q", "q"], ["?", "5"], ["5", "5"]) == [0.0, 1.0]
+    with pytest.raises(ValueError, match="1 rewards for 2 completions"):
+        load_reward("trl_rewards:short")(["q", "q"], ["a", "b"], ["x", "x"])
+    with pytest.raises(ValueError, match="solution=") as err:
+        load_reward("trl_rewards:needs_answer")
+    assert "answer" in str(err.value) and "\n" not in str(err.value)
 
 
 def test_load_reward_math_verify() -> None:
@@ -250,9 +295,8 @@ def test_load_reward_math_verify() -> None:
     except ImportError:
         pytest.skip("math-verify not installed; the missing-package error is tested below")
     reward = load_reward("math-verify")
-    assert reward("The answer is $\\boxed{\\frac{1}{2}}$", "\\frac12") == 1.0
-    assert reward("The answer is $\\boxed{3}$", "4") == 0.0
-    assert reward(None, "4") == 0.0  # type: ignore[arg-type]  # never raises
+    assert reward(["q"] * 3, ["The answer is $\\boxed{\\frac{1}{2}}$", "The answer is $\\boxed{3}$", None],
+                  ["\\frac12", "4", "4"]) == [1.0, 0.0, 0.0]  # None: never raises
 
 
 def test_load_reward_math_verify_missing(monkeypatch: pytest.MonkeyPatch) -> None:
