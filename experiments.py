@@ -198,19 +198,22 @@ def compute_cost(runs: list[Path]) -> dict:
     values = {"gen_tokens": [r[-1]["gen_tokens_total"] for r in rows],
               "train_tokens": [r[-1]["train_tokens_total"] for r in rows],
               "seconds": [sum(x["time_generate"] + x["time_score"] + x["time_train"] for x in r) for r in rows]}
-    return {k: {"mean": float(np.mean(v)), "std": float(np.std(v))} for k, v in values.items()}
+    return {k: {"mean": float(np.mean(v)), "std": float(np.std(v)), "per_seed": v} for k, v in values.items()}
 
 
 def collapse(runs: list[Path]) -> dict:
     """Mean over steps, then mean (and std) over seeds: the raw ACR (groups sampled all-equal) and the effective
     ACR (groups whose advantages are all zero after the method: what it left unused), over the whole run; the
-    all-correct and all-wrong fractions over its last quarter of steps, where the papers place late collapse."""
+    all-correct and all-wrong fractions over its last quarter of steps, where the papers place late collapse;
+    for AVSPO, the share of steps its trigger fired."""
     rows = [read_jsonl(d / "metrics.jsonl") for d in runs]
     spans = {"acr": slice(None), "acr_effective": slice(None),
              "all_correct_frac": slice(-(-len(rows[0]) // 4), None), "all_wrong_frac": None}
     spans["all_wrong_frac"] = spans["all_correct_frac"]
-    per_seed = {k: [np.mean([x[k] for x in r[span]]) for r in rows] for k, span in spans.items()}
-    return {k: {"mean": float(np.mean(v)), "std": float(np.std(v))} for k, v in per_seed.items()}
+    if "avspo_triggered" in rows[0][0]:  # AVSPO: the share of steps on which its trigger fired
+        spans["avspo_triggered"] = slice(None)
+    per_seed = {k: [float(np.mean([x[k] for x in r[span]])) for r in rows] for k, span in spans.items()}
+    return {k: {"mean": float(np.mean(v)), "std": float(np.std(v)), "per_seed": v} for k, v in per_seed.items()}
 
 
 def accuracy_curves(runs: list[Path]) -> dict:

@@ -91,7 +91,8 @@ def test_quick_pipeline_writes_every_number_and_figure(tmp_path):
             assert stat["ci"][0] <= stat["mean"] <= stat["ci"][1]
         assert row["cost"]["gen_tokens"]["mean"] > 0 and row["cost"]["seconds"]["mean"] > 0
         assert (experiments.run_dir(tmp_path, name, 0) / "summary.json").exists()
-        assert set(row["collapse"]) == {"acr", "acr_effective", "all_correct_frac", "all_wrong_frac"}
+        assert set(row["collapse"]) - {"avspo_triggered"} == {"acr", "acr_effective", "all_correct_frac", "all_wrong_frac"}
+        assert ("avspo_triggered" in row["collapse"]) == name.startswith("avspo")
         curve = row["curve"]  # train.py's evals at steps 0, 1, 2 (--eval-every 1), tokens spent by then
         assert curve["steps"] == [0, 1, 2] and curve["gen_tokens"][0] == 0 < curve["gen_tokens"][1]
         assert all(lo <= mid <= hi for lo, mid, hi in zip(curve["accuracy_low"], curve["accuracy"],
