@@ -9,9 +9,8 @@ No model, no I/O: this file can be read, tested and reused on its own.
            groups are normalised together with K virtual rewards       He et al., arXiv 2605.21125
     AAPO   GRPO + clip(r_i - r_ref_i, -delta_low, delta_high)          Xiong et al., arXiv 2505.14264
 
-Sources. AVSPO has no released code: its repository holds a licence and an empty README. What we
-know of it comes from a summary of the paper (../shared/papers/), which gives no equation numbers,
-so none are cited here. Each choice below is one of four kinds:
+Sources. AVSPO has no released code (its repository holds a licence and an empty README); a summary of
+its paper (../shared/papers/) gives no equation numbers, so none are cited. Each choice is one of four kinds:
   paper (via the summary): the GRPO advantage; ACR as the share of groups with reward std below tau;
       virtual rewards that join a collapsed group's mean and std but get no advantage ("stratified":
       slightly below the maximum for an all-correct group, a small positive anchor for an all-wrong
@@ -24,17 +23,14 @@ so none are cited here. Each choice below is one of four kinds:
   unverified (in an earlier version of our notes, in no source we can check): tau = 1e-6 and
       K = max(1, min(G, ceil(G * ACR^alpha))) with alpha = 0.5 (`num_virtual_samples`).
 
-AAPO's code departs from its paper in three places; we take the paper's reading in each: it divides
-by the std only with `scale_rewards` on (its open-r1 launcher turns it off; we divide), its vLLM path
-samples r_ref from the engine holding the current policy (we sample the frozen reference model), and
-its configs set a KL `beta` the loss never uses (ours is train.py's separate --beta, 0 by default).
+AAPO's code departs from its paper three times; we follow the paper: it divides by the std only with
+`scale_rewards` on (we divide), its vLLM path samples r_ref from the current policy (we sample the frozen
+reference), and its configs set a KL `beta` its loss never uses (ours is train.py's --beta, 0 by default).
 
-Exactness: a group whose rewards are all equal gets advantage exactly 0 from GRPO, from AVSPO when it
-does not intervene and from AAPO's GRPO part, for any value and dtype (the rewards are centred on the
-group's first element before averaging). ACR, the trigger and K are computed from integer counts.
-
-Dtypes: float16 and bfloat16 rewards are computed in float32, float32 in float32, float64 in float64;
-advantages (and the AAPO margin) come back in the input's float dtype; int and bool rewards give float32.
+Exactness: an all-equal group gets advantage exactly 0 from GRPO, from AVSPO when it does not intervene
+and from AAPO's GRPO part, in any dtype (rewards are centred on the group's first one before averaging);
+ACR, the trigger and K come from integer counts. Dtypes: computed in at least float32, returned in the
+input's float dtype (int and bool rewards give float32).
 """
 
 import math
@@ -99,9 +95,8 @@ def num_virtual_samples(group_size: int, num_collapsed: int, num_groups: int, al
     (larger advantages, see `avspo_advantages`) the more of the batch has collapsed. Unverified: the
     formula and alpha = 0.5 are in no source we can check; `num_virtual=` in `avspo_advantages` fixes K.
 
-    Exact, in integers: alpha is read as the fraction p/q (q <= 1000) it stands for (0.5 -> 1/2,
-    0.3 -> 3/10; any other alpha is moved by < 1e-6), and ceil(G * (c/n)^(p/q)) is the smallest k with
-    k^q * n^p >= G^q * c^p. (In floats, 25 * (7/25)^1.0 = 7.000000000000001 would give K = 8.)
+    Exact, in integers: alpha read as the fraction p/q (q <= 1000) it stands for, ceil(G * (c/n)^(p/q)) is
+    the smallest k with k^q * n^p >= G^q * c^p (in floats, 25 * (7/25)^1.0 = 7.000000000000001: K = 8).
 
     >>> num_virtual_samples(8, 1, 4), num_virtual_samples(8, 0, 4), num_virtual_samples(8, 4, 4)
     (4, 1, 8)
@@ -174,13 +169,10 @@ def avspo_advantages(
 
         A_i = +-sqrt(K (G + K - 1) / (G (G + K)))     (+ all-correct, - all-wrong)
 
-    whatever delta is, as long as delta >> eps. With G = 8: K = 1 gives 1/3, K = 8 gives 0.97. An
-    all-correct group's completions are pushed up, an all-wrong group's down.
+    whatever delta is, as long as delta >> eps. With G = 8: K = 1 gives 1/3, K = 8 gives 0.97.
 
-    The trigger compares ACR = c / B, a correctly rounded Python float, with the threshold: an ACR equal
-    to a threshold written as a fraction (0.5, 0.3, 0.57) rounds to the same float and does not
-    trigger, and distinct fractions never round to the same float. (Not `c > threshold * B`:
-    0.57 * 100 = 56.99999999999999 would trigger at ACR = 0.57.)
+    The trigger compares ACR = c / B, a correctly rounded float, with the threshold, so an ACR equal to a
+    threshold written as a fraction does not trigger (`c > threshold * B` would: 0.57 * 100 < 57).
 
     >>> avspo_advantages(torch.tensor([[1.0, 1.0, 1.0]]), num_virtual=1, eps=0.0, return_info=True)
     (tensor([[0.5000, 0.5000, 0.5000]]), AvspoInfo(triggered=True, num_collapsed=1, num_virtual=1))
@@ -207,21 +199,19 @@ def avspo_advantages(
 
 @dataclass
 class AdaptiveThreshold:
-    """The ACR level above which AVSPO intervenes: it falls while training stalls and rises while it improves.
+    """The ACR above which AVSPO intervenes: it falls while training stalls and rises while it improves.
 
-    The paper (as summarised) triggers from the live ACR and training progress, with a threshold that adapts
-    so that stable phases are not over-corrected; it gives no rule. Ours reads "progress" as a new best of
-    the smoothed batch reward, so that one noisy batch (with B = 8, ACR moves in steps of 1/8) moves the
-    threshold by one `step` at most:
+    The paper (as summarised) triggers from the live ACR and training progress, adapting the threshold so
+    that stable phases are not over-corrected; it gives no rule. Ours reads progress as a new best of the
+    smoothed batch reward, and moves one `step` per update, so one noisy batch cannot move it far:
 
         ema   <- smoothing * ema + (1 - smoothing) * reward_mean
         value <- clip(value + step if ema > best else value - step, low, high),  best <- max(best, ema)
 
-    So while the smoothed reward keeps setting new bests the trigger fires less, and while it is flat or
-    falling, more: from the middle, 8 steps of either reach a bound, 16 cross the whole range. A step with
-    no collapsed group (acr = 0) leaves the value: there was nothing to intervene on. The first update only
-    starts the average. All constants are ours. `benchmarks/trigger_table.py` simulates how often it fires.
-    A checkpoint saves `dataclasses.asdict(threshold)` and restores `AdaptiveThreshold(**saved)`.
+    From the middle, 8 steps reach a bound, 16 cross the range. A step with no collapsed group (acr = 0)
+    leaves the value: there was nothing to intervene on. The first update only starts the average. All
+    constants are ours; `benchmarks/trigger_table.py` simulates how often it fires. A checkpoint saves
+    `dataclasses.asdict(threshold)` and restores `AdaptiveThreshold(**saved)`.
     """
 
     value: float = 0.5
