@@ -326,7 +326,6 @@ def completion_logprobs(model: PreTrainedModel, input_ids: torch.Tensor, attenti
 # ----------------------------------------------------------------------------- micro-batches of a rollout
 
 
-
 def trim_padding(input_ids: torch.Tensor, attention_mask: torch.Tensor, completion_mask: torch.Tensor):
     """Drop leading all-pad columns and trailing all-finished columns of a micro-batch (padding waste)."""
     start = int(attention_mask.any(0).int().argmax())  # first column with a real token in some row
