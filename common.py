@@ -59,11 +59,13 @@ def dataclass_parser(config_class, description: str) -> argparse.ArgumentParser:
         flag, options = "--" + f.name.replace("_", "-"), {k: v for k, v in f.metadata.items() if k != "help"}
         help = f.metadata["help"].replace("%", "%%")  # argparse formats help strings with %
         if f.type is bool and f.default is True:
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=True, help=help, **options)
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=True, help=help,
+                                **options)
         elif f.type is bool:
             parser.add_argument(flag, action="store_true", help=help, **options)
         else:
-            parser.add_argument(flag, **{"type": f.type, "default": f.default, **options}, help=f"{help} (default: {f.default})")
+            parser.add_argument(flag, **{"type": f.type, "default": f.default, **options},
+                                help=f"{help} (default: {f.default})")
     return parser
 
 
@@ -74,7 +76,8 @@ def init_processes() -> tuple[int, int, torch.device]:
     """(rank, world size, device): one process unless launched by torchrun (nccl on CUDA, gloo on CPU)."""
     if "RANK" not in os.environ:
         return 0, 1, pick_device()
-    device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if torch.cuda.is_available() else torch.device("cpu")
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if cuda else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if not dist.is_initialized():
@@ -133,7 +136,8 @@ def ctrl_c_stops_after_the_step():
         if requested:
             raise KeyboardInterrupt
         requested.append(True)
-        os.write(2, b"\nCtrl-C: stopping at the end of the step under way (press again to stop at once, unsaved)\n")
+        os.write(2, b"\nCtrl-C: stopping at the end of the step under way "
+                    b"(press again to stop at once, unsaved)\n")
 
     previous = signal.signal(signal.SIGINT, on_ctrl_c)
     try:
@@ -145,8 +149,8 @@ def ctrl_c_stops_after_the_step():
 @contextmanager
 def exits_cleanly():
     """train.py's way out: Ctrl-C ends the step under way, then exits with code 130 once it is saved
-    (`ctrl_c_stops_after_the_step` yields the stop requests); an unknown model or a missing file exits with one
-    line, not a traceback; the processes of torchrun are closed whichever way it ends."""
+    (`ctrl_c_stops_after_the_step` yields the stop requests); an unknown model or a missing file exits with
+    one line, not a traceback; the processes of torchrun are closed whichever way it ends."""
     try:
         with ctrl_c_stops_after_the_step() as stop_requested:
             yield stop_requested
@@ -166,7 +170,8 @@ def save_checkpoint(run_dir: Path, model, tokenizer, optimizer, step: int, algo_
     model.save_pretrained(tmp / "model")
     tokenizer.save_pretrained(tmp / "model")
     torch.save({"step": step, "optimizer": optimizer.state_dict(),
-                "algo_state": {key: dataclasses.asdict(value) for key, value in algo_state.items()}}, tmp / "state.pt")
+                "algo_state": {key: dataclasses.asdict(value) for key, value in algo_state.items()}},
+               tmp / "state.pt")
     if final.exists():
         final.rename(old)
     tmp.rename(final)
@@ -218,14 +223,14 @@ def start_logs(run_dir: Path, config: dict, last_step: int) -> dict:
 
 
 def log_step(run_dir: Path, record: dict, totals: dict) -> dict:
-    """Append a step's record to metrics.jsonl with the run's TOTALS so far (the compute spent); returns them."""
+    """Append a step's record to metrics.jsonl with the run's TOTALS so far (compute spent); returns them."""
     totals = {key: total + record[key] for key, total in totals.items()}
     append_jsonl(run_dir / "metrics.jsonl", record | {f"{key}_total": value for key, value in totals.items()})
     return totals
 
 
 def log_eval(run_dir: Path, step: int, result: dict) -> float:
-    """An evaluation's accuracies into evals.jsonl, its records, problem by problem, into eval_records.jsonl."""
+    """An evaluation's accuracies into evals.jsonl, its records problem by problem into eval_records.jsonl."""
     append_jsonl(run_dir / "evals.jsonl", {"step": step, "eval_accuracy": result["accuracy"],
                                            "eval_accuracy_by_level": result["accuracy_by_level"]})
     write_jsonl(run_dir / "eval_records.jsonl", result["records"])  # the latest evaluation only
@@ -260,7 +265,8 @@ def early_collapse(records: list[dict]) -> dict:
     """Mean raw ACR of these steps' metrics records, and its two ends (all-wrong, all-correct groups)."""
     mean = lambda key: sum(r[key] for r in records) / len(records)  # noqa: E731
     return {"early_steps": len(records), "early_acr": mean("acr"),
-            "early_all_wrong_frac": mean("all_wrong_frac"), "early_all_correct_frac": mean("all_correct_frac")}
+            "early_all_wrong_frac": mean("all_wrong_frac"),
+            "early_all_correct_frac": mean("all_correct_frac")}
 
 
 def collapse_warning(run_dir: Path, group_size: int) -> str | None:
@@ -274,7 +280,8 @@ def collapse_warning(run_dir: Path, group_size: int) -> str | None:
              "try an easier --dataset or level, a larger --group-size" if wrong >= right else
              "the task is too easy for this model: try a harder --dataset or level")
     return (f"warning: early ACR {early['early_acr']:.2f} over the first {early['early_steps']} steps "
-            f"({wrong:.0%} of groups all-wrong, {right:.0%} all-correct), so most groups teach nothing; {cause}, "
+            f"({wrong:.0%} of groups all-wrong, {right:.0%} all-correct), so most groups teach nothing; "
+            f"{cause}, "
             "or --algo avspo or dapo")
 
 
@@ -298,6 +305,7 @@ def step_metrics(rewards, advantages, rollout: Rollout, costs: dict, device) -> 
             "all_correct_frac": (rewards.amin(1) == 1).float().mean().item(),
             "all_wrong_frac": (rewards.amax(1) == 0).float().mean().item(),
             "adv_abs_mean": advantages.abs().mean().item(), "adv_std": advantages.std().item(),
-            "completion_len": completion_tokens / rewards.numel(), "truncated_frac": truncated / rewards.numel(),
+            "completion_len": completion_tokens / rewards.numel(),
+            "truncated_frac": truncated / rewards.numel(),
             "gen_tokens": int(gen_tokens), "gen_tokens_per_s": gen_tokens / costs["generate"],
             "time_generate": costs["generate"], "time_score": costs["score"]}

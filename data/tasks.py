@@ -35,7 +35,7 @@ LEVELS = {
 OPERATIONS = {"+": lambda a, b: a + b, "*": lambda a, b: a * b}
 TEST_FRACTION = 0.2
 MAX_PROBLEMS_PER_LEVEL = 20_000
-MIX_TEST_PER_LEVEL = 100  # arith-mix held-out: up to 100 per level (add1 and mul1 have 20 and 16): 336 problems
+MIX_TEST_PER_LEVEL = 100  # arith-mix held-out: up to 100 a level (add1, mul1 have 20 and 16): 336 problems
 MIX_TRAIN_ROUNDS = 2_000  # arith-mix train list: 2,000 rounds of one problem per level
 BOXED_INSTRUCTION = "\nPut the final answer in \\boxed{}."
 
@@ -99,8 +99,8 @@ def read_jsonl(path: Path) -> list[Problem]:
                 question, answer = row["question"], gold_from_gsm8k(str(row["answer"]))
             else:
                 raise ValueError(
-                    f"{where}: expected fields 'question' and 'answer' (GSM8K form) or 'problem' and 'answer' "
-                    f"(MATH form); got {sorted(row)}"
+                    f"{where}: expected fields 'question' and 'answer' (GSM8K form) or 'problem' and "
+                    f"'answer' (MATH form); got {sorted(row)}"
                 )
             if not str(question).strip() or not answer.strip():
                 raise ValueError(f"{where}: empty question or answer")
@@ -113,7 +113,8 @@ def read_jsonl(path: Path) -> list[Problem]:
 def step_problems(problems: list[Problem], size: int, seed: int, step: int, round: int = 0) -> list[Problem]:
     """The `size` prompts of a training step (or of a resampling round in it): the same for every algorithm,
     process and resumed run of a seed."""
-    return random.Random(seed * 1_000_003 + step + round * 1_000_000_007).sample(problems, min(size, len(problems)))
+    rng = random.Random(seed * 1_000_003 + step + round * 1_000_000_007)
+    return rng.sample(problems, min(size, len(problems)))
 
 
 def load_eval_problems(spec: str, seed: int = 0) -> list[Problem]:
@@ -127,13 +128,15 @@ def load_problems(spec: str, split: str = "train", seed: int = 0) -> list[Proble
     if split not in ("train", "test", "all"):
         raise ValueError(f"split must be train, test or all; got {split!r}")
     if spec.startswith("arith-"):
-        generate = mixed_problems if spec == "arith-mix" else partial(arithmetic_problems, spec.removeprefix("arith-"))
+        level = spec.removeprefix("arith-")
+        generate = mixed_problems if spec == "arith-mix" else partial(arithmetic_problems, level)
         if split == "all":
             return generate("train", seed) + generate("test", seed)
         return generate(split, seed)
     path = Path(spec).expanduser()
     if path.suffix != ".jsonl":
-        raise ValueError(f"unknown dataset {spec!r}: use arith-<level> ({', '.join(LEVELS)}), arith-mix or a .jsonl file")
+        raise ValueError(f"unknown dataset {spec!r}: use arith-<level> ({', '.join(LEVELS)}), arith-mix "
+                         "or a .jsonl file")
     problems = read_jsonl(path)
     if split == "all" or len(problems) < 10:
         return problems
