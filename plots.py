@@ -39,7 +39,8 @@ def plot_training_curves(out_dir: Path, algos: list[str], path: Path | None = No
         ax_acr.plot(steps, smooth([r["acr_effective"] for r in rows]), color=color, ls="--",
                     label=f"{algo} effective ACR")
         ax_reward.plot(steps, smooth([r["reward_mean"] for r in rows]), color=color, label=algo)
-        ax_eval.plot([e["step"] for e in evals], [e["eval_accuracy"] for e in evals], "o-", color=color, label=algo)
+        ax_eval.plot([e["step"] for e in evals], [e["eval_accuracy"] for e in evals], "o-", color=color,
+                     label=algo)
         ax_len.plot(steps, smooth([r["completion_len"] for r in rows]), color=color, label=algo)
     ax_acr.set(title="advantage collapse (5-step mean)", ylabel="fraction of groups", ylim=(-0.05, 1.05))
     ax_reward.set(title="batch reward (5-step mean)", ylabel="mean reward", ylim=(-0.05, 1.05))
@@ -87,7 +88,7 @@ def plot_difficulty(result: dict, path: Path, subtitle: str) -> None:
 
 
 def plot_compare_curves(runs: dict[str, list[Path]], path: Path, title: str) -> None:
-    """Raw ACR, effective ACR and reward, mean over seeds: against steps (top) and generated tokens (bottom)."""
+    """Raw ACR, effective ACR and reward, mean over seeds, against steps (top) and tokens (bottom)."""
     panels = [("acr", "raw ACR"), ("acr_effective", "effective ACR"), ("reward_mean", "batch reward")]
     fig, axes = plt.subplots(2, 3, figsize=(14, 7))
     for name, dirs in runs.items():
@@ -110,15 +111,18 @@ def plot_precision_curves(runs: dict[str, list[Path]], path: Path, title: str) -
     the mean over seeds thick."""
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
     for (name, dirs), color in zip(runs.items(), ("tab:blue", "tab:gray")):
-        evals, rows = [read_jsonl(d / "evals.jsonl") for d in dirs], [read_jsonl(d / "metrics.jsonl") for d in dirs]
+        evals = [read_jsonl(d / "evals.jsonl") for d in dirs]
+        rows = [read_jsonl(d / "metrics.jsonl") for d in dirs]
         curves = [([e["step"] for e in evals[0]], [[e["eval_accuracy"] for e in run] for run in evals]),
                   ([r["step"] for r in rows[0]], [smooth([r["reward_mean"] for r in run]) for run in rows]),
                   ([r["step"] for r in rows[0]],
-                   [smooth([r["time_generate"] + r["time_score"] + r["time_train"] for r in run]) for run in rows])]
+                   [smooth([r["time_generate"] + r["time_score"] + r["time_train"] for r in run])
+                    for run in rows])]
         for ax, (steps, per_seed) in zip(axes, curves):
             for seed_curve in per_seed:
                 ax.plot(steps, seed_curve, color=color, alpha=0.25, lw=0.8)
-            ax.plot(steps, np.mean(per_seed, axis=0), color=color, lw=2, label=f"{name}, mean of {len(dirs)} seeds")
+            ax.plot(steps, np.mean(per_seed, axis=0), color=color, lw=2,
+                    label=f"{name}, mean of {len(dirs)} seeds")
     for ax, label in zip(axes, ("held-out accuracy (greedy)", "batch reward (5-step mean)",
                                 "seconds per step (5-step mean)")):
         ax.set(title=label, xlabel="step")
@@ -146,11 +150,14 @@ def plot_accuracy_vs_compute(table: dict, path: Path, title: str) -> None:
         for j, level in enumerate(levels):
             acc = row["by_level"][level]
             ax_level.bar(j + (i - len(names) / 2 + 0.5) * width, acc["mean"], width, color=color,
-                         hatch="//" if "-" in name else None, yerr=err(acc), capsize=2, label=name if j == 0 else None)
-    ax_cost.set(title="final accuracy vs generated tokens (x: ± std over seeds)", xlabel="generated tokens per run",
+                         hatch="//" if "-" in name else None, yerr=err(acc), capsize=2,
+                         label=name if j == 0 else None)
+    ax_cost.set(title="final accuracy vs generated tokens (x: ± std over seeds)",
+                xlabel="generated tokens per run",
                 ylabel="held-out accuracy [95% CI]")
     ax_delta.axhline(0, color="k", lw=0.8)
-    ax_delta.set(title="Δ accuracy vs GRPO, paired by seed [95% CI]", xticks=range(len(names)), xticklabels=names,
+    ax_delta.set(title="Δ accuracy vs GRPO, paired by seed [95% CI]", xticks=range(len(names)),
+                 xticklabels=names,
                  ylabel="accuracy difference")
     ax_level.set(title="accuracy per level [95% CI]", xticks=range(len(levels)), xticklabels=levels,
                  ylabel="held-out accuracy", ylim=(0, 1.05))
@@ -168,14 +175,16 @@ def plot_early_acr_scatter(result: dict, path: Path) -> None:
     level_colors = {lv: plt.cm.viridis(i / max(1, len(levels) - 1)) for i, lv in enumerate(levels)}
     fig, ax = plt.subplots(figsize=(6.4, 4.4))
     for r in result["runs"]:
-        ax.scatter(r["early_acr"], r["accuracy"], color=level_colors[r["level"]], marker=markers[r["group_size"]],
+        ax.scatter(r["early_acr"], r["accuracy"], color=level_colors[r["level"]],
+                   marker=markers[r["group_size"]],
                    alpha=0.8)
     for level, color in level_colors.items():
         ax.scatter([], [], color=color, label=level)
     for g, marker in markers.items():
         ax.scatter([], [], color="grey", marker=marker, label=f"G={g}")
     if np.isfinite(result["slope"]):
-        x = np.array([min(r["early_acr"] for r in result["runs"]), max(r["early_acr"] for r in result["runs"])])
+        x = np.array([min(r["early_acr"] for r in result["runs"]),
+                      max(r["early_acr"] for r in result["runs"])])
         ax.plot(x, result["slope"] * x + result["intercept"], "k--", lw=1)
     ci = lambda v: f"[{v[0]:.2f}, {v[1]:.2f}]"  # noqa: E731
     ax.set(title=f"{len(result['runs'])} GRPO runs: R² = {result['r2']:.2f} {ci(result['r2_ci'])}, "
@@ -188,14 +197,14 @@ def plot_early_acr_scatter(result: dict, path: Path) -> None:
 
 
 def plot_accuracy_vs_tokens(table: dict, path: Path, title: str) -> None:
-    """Held-out accuracy at each of train.py's evaluations against the tokens generated by then: learning per unit
-    of compute. Line: the mean over seeds; band: the lowest to the highest seed."""
+    """Held-out accuracy at each of train.py's evaluations against the tokens generated by then: learning per
+    unit of compute. Line: the mean over seeds; band: the lowest to the highest seed."""
     fig, ax = plt.subplots(figsize=(7.5, 4.6))
     for name, row in table.items():
         curve, look = row["curve"], style(name)
         ax.plot(curve["gen_tokens"], curve["accuracy"], marker="o", ms=3, label=name, **look)
-        ax.fill_between(curve["gen_tokens"], curve["accuracy_low"], curve["accuracy_high"], color=look["color"],
-                        alpha=0.12)
+        ax.fill_between(curve["gen_tokens"], curve["accuracy_low"], curve["accuracy_high"],
+                        color=look["color"], alpha=0.12)
     ax.set(xlabel="generated tokens (policy, AAPO's reference, DAPO's resampling), mean over seeds",
            ylabel="held-out accuracy (greedy)")
     ax.grid(alpha=0.3)
@@ -218,10 +227,12 @@ def plot_collapse_map(runs: dict[str, Path], path: Path, title: str) -> None:
     for ax, (name, run) in zip(axes[:, 0], runs.items()):
         rows = read_jsonl(run / "metrics.jsonl")
         grid = np.array([[kinds.index(k) for k in r["groups_sampled"]] for r in rows]).T  # [B, steps]
-        ax.imshow(grid, aspect="auto", interpolation="nearest", cmap=ListedColormap(list(KIND_COLORS.values())),
-                  vmin=-0.5, vmax=len(kinds) - 0.5, extent=(0.5, len(rows) + 0.5, grid.shape[0] - 0.5, -0.5))
+        ax.imshow(grid, aspect="auto", interpolation="nearest", vmin=-0.5, vmax=len(kinds) - 0.5,
+                  cmap=ListedColormap(list(KIND_COLORS.values())),
+                  extent=(0.5, len(rows) + 0.5, grid.shape[0] - 0.5, -0.5))
         cells = [(r["step"], g, r) for r in rows for g in range(len(r["groups_sampled"]))]
-        rescued = [(s, g) for s, g, r in cells if r["groups_sampled"][g] != "M" and r["groups_signal"][g] == "1"]
+        rescued = [(s, g) for s, g, r in cells
+                   if r["groups_sampled"][g] != "M" and r["groups_signal"][g] == "1"]
         replaced = [(s, g) for s, g, r in cells if r["groups_replaced"][g] == "1"]
         for points, marker in ((rescued, "o"), (replaced, "s")):
             if points:
@@ -229,8 +240,8 @@ def plot_collapse_map(runs: dict[str, Path], path: Path, title: str) -> None:
                            edgecolors="k", linewidths=0.8)
         ax.set(ylabel=name, yticks=[])
     axes[-1, 0].set_xlabel("step")
-    handles = [Patch(color=KIND_COLORS["C"], label="all correct"), Patch(color=KIND_COLORS["W"], label="all wrong"),
-               Patch(color=KIND_COLORS["M"], label="mixed"),
+    handles = [Patch(color=KIND_COLORS["C"], label="all correct"),
+               Patch(color=KIND_COLORS["W"], label="all wrong"), Patch(color=KIND_COLORS["M"], label="mixed"),
                plt.Line2D([], [], color="k", marker="o", ls="", ms=4, label="collapsed, given signal"),
                plt.Line2D([], [], color="k", marker="s", ls="", ms=4, mfc="none", label="prompt replaced")]
     axes[0, 0].legend(handles=handles, fontsize=7, ncol=5, loc="lower left", bbox_to_anchor=(0, 1.02))
