@@ -207,13 +207,27 @@ def collapse(runs: list[Path]) -> dict:
     all-correct and all-wrong fractions over its last quarter of steps, where the papers place late collapse;
     for AVSPO, the share of steps its trigger fired."""
     rows = [read_jsonl(d / "metrics.jsonl") for d in runs]
-    spans = {"acr": slice(None), "acr_effective": slice(None),
-             "all_correct_frac": slice(-(-len(rows[0]) // 4), None), "all_wrong_frac": None}
-    spans["all_wrong_frac"] = spans["all_correct_frac"]
+    everything, last_quarter = slice(None), slice(-(-len(rows[0]) // 4), None)
+    spans = {"acr": ("acr", everything), "acr_effective": ("acr_effective", everything),
+             "acr_effective_last_quarter": ("acr_effective", last_quarter),
+             "all_correct_frac": ("all_correct_frac", last_quarter), "all_wrong_frac": ("all_wrong_frac", last_quarter)}
     if "avspo_triggered" in rows[0][0]:  # AVSPO: the share of steps on which its trigger fired
-        spans["avspo_triggered"] = slice(None)
-    per_seed = {k: [float(np.mean([x[k] for x in r[span]])) for r in rows] for k, span in spans.items()}
+        spans["avspo_triggered"] = ("avspo_triggered", everything)
+    per_seed = {name: [float(np.mean([x[key] for x in r[span]])) for r in rows] for name, (key, span) in spans.items()}
     return {k: {"mean": float(np.mean(v)), "std": float(np.std(v)), "per_seed": v} for k, v in per_seed.items()}
+
+
+def seed_deltas(table: dict, resamples: int, seed: int = 0) -> None:
+    """Add to each method's collapse and cost numbers their difference to BASELINE, paired by seed, with a 95%
+    bootstrap CI over the seeds: for claims about collapse and cost, where each seed gives one number."""
+    rng = np.random.default_rng(seed)
+    for group in ("collapse", "cost"):
+        for key, base in table[BASELINE][group].items():
+            picks = rng.integers(0, len(base["per_seed"]), size=(resamples, len(base["per_seed"])))  # [R, S]
+            for row in table.values():
+                if key in row[group]:
+                    diff = np.array(row[group][key]["per_seed"]) - np.array(base["per_seed"])  # [S]
+                    row[group][key]["delta"] = interval(diff.mean(), diff[picks].mean(axis=1))
 
 
 def accuracy_curves(runs: list[Path]) -> dict:
@@ -248,6 +262,7 @@ def compare(out: Path, methods: list[str], seeds: list[int], flags: list[str], p
         same_problems = per_level is None and json.loads((runs[0] / "config.json").read_text())["eval_size"] >= 336
         if same_problems and not np.allclose(logged, table[name]["per_seed"]):  # greedy: should be identical
             print(f"warning: {name}: re-evaluated checkpoints {table[name]['per_seed']} != train.py's {logged}")
+    seed_deltas(table, resamples)
     return table
 
 

@@ -91,7 +91,12 @@ def test_quick_pipeline_writes_every_number_and_figure(tmp_path):
             assert stat["ci"][0] <= stat["mean"] <= stat["ci"][1]
         assert row["cost"]["gen_tokens"]["mean"] > 0 and row["cost"]["seconds"]["mean"] > 0
         assert (experiments.run_dir(tmp_path, name, 0) / "summary.json").exists()
-        assert set(row["collapse"]) - {"avspo_triggered"} == {"acr", "acr_effective", "all_correct_frac", "all_wrong_frac"}
+        assert set(row["collapse"]) - {"avspo_triggered"} == {"acr", "acr_effective", "acr_effective_last_quarter",
+                                                             "all_correct_frac", "all_wrong_frac"}
+        paired = [v for k, v in row["collapse"].items() if k != "avspo_triggered"] + list(row["cost"].values())
+        for stat in paired:  # paired by seed with GRPO's (which has no trigger)
+            assert stat["delta"]["ci"][0] <= stat["delta"]["mean"] <= stat["delta"]["ci"][1]
+            assert name != "grpo" or stat["delta"]["ci"] == [0.0, 0.0]
         assert ("avspo_triggered" in row["collapse"]) == name.startswith("avspo")
         curve = row["curve"]  # train.py's evals at steps 0, 1, 2 (--eval-every 1), tokens spent by then
         assert curve["steps"] == [0, 1, 2] and curve["gen_tokens"][0] == 0 < curve["gen_tokens"][1]
