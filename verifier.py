@@ -33,7 +33,10 @@ Conventions for formulas: ``\\frac \\dfrac \\tfrac \\cfrac`` (also ``\\frac12``)
 ``!``, ``\\binom``. Values are exact ``Fraction`` where possible, complex floats otherwise;
 formulas with variables are compared at three fixed rational points. Two exact values that
 include an integer must be equal exactly (999999 is not 1000000); other exact values may differ
-by a relative 1e-6 (a rounded 0.3333333 for 1/3); computed (irrational) values by 1e-9.
+by a relative 1e-6 (a rounded 0.3333333 for 1/3); computed (irrational) values by 1e-9. A gold
+written as a number (``35815``, ``0.25``, ``3/4``, ``2.5 \\times 10^{-5}``) is matched only by a
+number: ``551 * 65`` leaves the arithmetic undone (it restates "What is 551 * 65?"), while a gold
+written as a formula (``2\\sqrt{3}``) takes anything of its value (``\\sqrt{12}``, ``3.4641016``).
 Cosmetics: thousands separators (``1,000``, ``1\\,000``, ``1 000``), a decimal comma where no
 thousands reading fits (``1,22`` is 1.22, or the list 1, 22; ``1,234`` stays 1234) with semicolons
 between items (``1,5; 2,5``), ``\\left``/``\\right``, units in ``\\text{}``/``\\mbox{}`` and
@@ -706,6 +709,28 @@ class Raw(NamedTuple):
 Answer = Union[Formula, Seq, Matrix, Equation, Text, AnyOf, Raw]
 
 
+def _is_number(node: Node) -> bool:
+    """A number written out, with no arithmetic left to do: 12, -3, 0.25, 3/4, \\frac{-2}{3}, 2.5 \\times
+    10^{-5}. A gold that is one is matched only by one: a policy rewarded for 551 * 65 against 35815 learns to
+    restate the question's arithmetic instead of doing it (DAPO did, within 40 steps: docs/results.md)."""
+    tag = node[0]
+    if tag == "neg":
+        return _is_number(node[1])
+    if tag == "div":  # a fraction of integers (a decimal is already one "num")
+        return node[2][0] == "num" and (node[1][0] == "num" or node[1][0] == "neg" and node[1][1][0] == "num")
+    if tag == "mul":  # scientific notation
+        return _is_number(node[1]) and _is_power_of_ten(node[2])
+    return tag == "num" or _is_power_of_ten(node)
+
+
+def _is_power_of_ten(node: Node) -> bool:
+    """10^k for an integer k: 10^{-4}, the exponent of scientific notation."""
+    exponent = node[2] if node[0] == "pow" else None
+    exponent = exponent[1] if exponent and exponent[0] == "neg" else exponent
+    return (node[0] == "pow" and node[1] == ("num", 10) and exponent[0] == "num"
+            and exponent[1].denominator == 1)
+
+
 def _formula_equal(a: Formula, b: Formula) -> bool:
     """Same value, or for formulas with variables, the same value at three fixed points."""
     if a.value is not None and b.value is not None:
@@ -966,6 +991,8 @@ def _same(a: Answer | None, b: Answer | None) -> bool:
     if type(a) is not type(b):  # a Text and a Raw of the same string still differ
         return False
     if isinstance(a, Formula):
+        if _is_number(b.ast) and not _is_number(a.ast):  # "What is 551 * 65?" is not answered by 551 * 65
+            return False
         return _formula_equal(a, b)
     if isinstance(a, Matrix):
         return len(a.rows) == len(b.rows) and all(len(r) == len(s) and all(

@@ -136,8 +136,9 @@ STRICT = [  # (completion, gold, expected): one check per rule a plausible bug w
     ("\\boxed{\\sqrt{12}}", "2\\sqrt{3}", 1.0),
     ("\\boxed{\\sqrt{3}}", "2\\sqrt{3}", 0.0),
     ("\\boxed{\\sqrt{2}}", "2", 0.0),
-    ("\\boxed{\\sqrt[3]{27}}", "3", 1.0),
-    ("\\boxed{\\sqrt[3]{-8}}", "-2", 1.0),
+    ("\\boxed{\\sqrt[3]{27}}", "\\sqrt{9}", 1.0),  # two formulas: by value
+    ("\\boxed{\\sqrt[3]{-8}}", "-\\sqrt{4}", 1.0),
+    ("\\boxed{\\sqrt[3]{27}}", "3", 0.0),  # a number's answer is a number: arithmetic left undone is none
     ("\\boxed{1/2}", "2", 0.0),
     ("\\boxed{0.3333333}", "\\frac{1}{3}", 1.0),
     ("\\boxed{0.33333}", "\\frac{1}{3}", 0.0),  # tolerance is 1e-6, not 1e-5
@@ -151,8 +152,13 @@ STRICT = [  # (completion, gold, expected): one check per rule a plausible bug w
     ("\\boxed{x^2}", "x^3", 0.0),
     ("\\boxed{7x^2}", "3x", 0.0),  # equal at x = 3/7, the first test point: all points count
     ("\\boxed{2 3}", "6", 0.0),  # two numbers side by side are no product
-    ("\\boxed{2 \\cdot 3}", "6", 1.0),
-    ("\\boxed{2^{10}}", "1024", 1.0),
+    ("\\boxed{2 \\cdot 3}", "6", 0.0),  # the question's arithmetic restated, not done
+    ("\\boxed{2^{10}}", "1024", 0.0),
+    ("551 * 65", "35815", 0.0),  # a whole completion that restates "What is 551 * 65?"
+    ("8 + 5", "13", 0.0),
+    ("8 + 5 = 13", "13", 1.0),  # the stated result counts
+    ("\\boxed{2.5 \\times 10^{-5}}", "0.000025", 1.0),  # scientific notation is a number written out
+    ("\\boxed{2^{10}}", "4^5", 1.0),
     ("\\boxed{\\frac{x}{2} + \\frac12}", "\\frac{x+1}{2}", 1.0),
     ("\\boxed{\\frac{x}{2} + \\frac13}", "\\frac{x+1}{2}", 0.0),
     ("\\boxed{\\begin{pmatrix} 1 & 2 \\\\ 3 & 4 \\end{pmatrix}}", "\\begin{bmatrix} 1 & 2 \\\\ 3 & 4 \\end{bmatrix}", 1.0),
@@ -182,6 +188,14 @@ def test_gold_and_completion_are_read_alike(completion: str, gold: str) -> None:
         assert verify(f"\\boxed{{{gold}}}", inner) == 1.0
 
 
+def test_a_numbers_answer_is_a_number_and_a_formulas_any_equal_value() -> None:
+    """The one asymmetry of gold and completion: a gold written as a number wants a number (restating the
+    question's arithmetic is no answer), a gold written as a formula takes whatever has its value."""
+    assert verify("\\boxed{3}", "\\sqrt[3]{27}") == 1.0 and verify("\\boxed{\\sqrt[3]{27}}", "3") == 0.0
+    assert verify("\\boxed{1.414214}", "\\sqrt{2}") == 1.0 and verify("\\boxed{\\sqrt{2}}", "1.414214") == 0.0
+    assert verify("What is 7 * 3? 7 * 3", "21") == 0.0 and verify("7 * 3 = 21", "21") == 1.0
+
+
 def test_hostile_powers_are_refused_fast() -> None:
     for text in ("\\boxed{9^{9^{9}}}", "\\boxed{2^{10^{100}}}", "\\boxed{(10^{4000})^{4000}}",
                  "\\boxed{170!!}", "\\boxed{" + "\\sqrt{" * 200 + "2" + "}" * 200 + "}",
@@ -191,7 +205,7 @@ def test_hostile_powers_are_refused_fast() -> None:
             assert verify(text, gold) in (0.0, 1.0)
             assert time.perf_counter() - start < 0.05
     assert verify("\\boxed{9^{9^{9}}}", "9^{9^{9}}") == 1.0  # equal as written, never computed
-    assert verify("\\boxed{2^{100}}", str(2**100)) == 1.0  # exact while small enough
+    assert verify("\\boxed{2^{100}}", "4^{50}") == 1.0  # exact while small enough
 
 
 def test_formula_parser_and_values() -> None:
@@ -223,7 +237,8 @@ def test_answer_structures() -> None:
 def test_load_reward_default_is_verify() -> None:
     completions, golds = ["\\boxed{5}", "It is 6.", "so 1/2"], ["5", "5", "0.5"]
     for spec in ("verifier", ""):
-        assert load_reward(spec)(["q"] * 3, completions, golds) == [verify(c, g) for c, g in zip(completions, golds)]
+        expected = [verify(c, g) for c, g in zip(completions, golds)]
+        assert load_reward(spec)(["q"] * 3, completions, golds) == expected
 
 
 def test_load_reward_module_function(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -101,7 +101,7 @@ _ACCEPT = [
     ("equivalent", r"|-5|", r"\boxed{5}"),
     # complex numbers
     ("complex", "3 + 4i", r"\boxed{4i + 3}"),
-    ("complex", "-1", r"\boxed{i^2}"),
+    ("complex", "i^2", r"\boxed{-1}"),
     ("complex", r"1 - i", r"\boxed{\frac{2}{1+i}}"),
     ("complex", r"2i", r"\boxed{\sqrt{-4}}"),
     # thousands separators
