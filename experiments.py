@@ -59,6 +59,7 @@ METHODS = {"grpo": ("grpo", []), "avspo": ("avspo", []),  # name: (train.py --al
            "avspo-always": ("avspo", ["--acr-threshold", "0", "--fixed-threshold"]),  # ablation: no trigger
            "aapo": ("aapo", []), "dapo": ("dapo", [])}
 BASELINE = "grpo"
+ABLATIONS = {"avspo": "avspo-always"}  # method: its ablation, also compared paired (does the trigger help?)
 PRECISIONS = ("bf16", "fp32")
 
 
@@ -174,7 +175,8 @@ def interval(point: float, samples: np.ndarray) -> dict:
 
 
 def accuracy_table(correct: np.ndarray, levels: np.ndarray, names: list[str], resamples: int) -> dict:
-    """For each method: accuracy and Δ to BASELINE (paired), overall and per level, each with its 95% CI."""
+    """For each method: accuracy and Δ to BASELINE (paired), overall and per level, each with its 95% CI; for a
+    method with an ablation in ABLATIONS, also its overall Δ to the ablation (paired the same way)."""
     boot, base = bootstrap_accuracy(correct, levels, resamples), names.index(BASELINE)
     table = {}
     for i, name in enumerate(names):
@@ -189,6 +191,12 @@ def accuracy_table(correct: np.ndarray, levels: np.ndarray, names: list[str], re
                 row["by_level"][key], row["delta_by_level"][key] = acc, delta
         row["per_seed"] = correct[i].mean(axis=1).tolist()
         table[name] = row
+    overall = correct.mean(axis=(1, 2))  # [M]
+    for name, ablation in ABLATIONS.items():
+        if name in names and ablation in names:
+            i, j = names.index(name), names.index(ablation)
+            table[name]["delta_vs_ablation"] = {"ablation": ablation, **interval(
+                overall[i] - overall[j], boot["all"][:, i] - boot["all"][:, j])}
     return table
 
 

@@ -48,6 +48,20 @@ def test_paired_difference_recovers_a_known_shift():
     assert table["better"]["delta_by_level"]["easy"]["ci"] == [0.0, 0.0]
 
 
+def test_avspo_is_also_compared_with_its_ablation_paired():
+    """AVSPO against avspo-always, by the same paired bootstrap: here AVSPO is the shifted method."""
+    base = synthetic_correct(np.random.default_rng(1), 1, 5)[0]  # [S, N]
+    better = base.copy()
+    for s in range(5):
+        better[s, np.flatnonzero(base[s] == 0)[:5]] = 1
+    table = experiments.accuracy_table(np.stack([base, base, better]), LEVELS, ["grpo", "avspo-always", "avspo"],
+                                       resamples=2000)
+    against = table["avspo"]["delta_vs_ablation"]
+    assert against["ablation"] == "avspo-always" and math.isclose(against["mean"], 5 / 50)
+    assert 0 < against["ci"][0] <= 0.1 <= against["ci"][1]
+    assert "delta_vs_ablation" not in table["avspo-always"] and "delta_vs_ablation" not in table["grpo"]
+
+
 def test_bootstrap_ci_covers_the_true_accuracy():
     """Over 100 synthetic experiments (5 seeds x 50 problems) the 95% CI covers the true accuracy >= 90% of the
     time (the two-stage bootstrap counts the problem noise twice, so it errs on the wide side)."""
