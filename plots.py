@@ -1,5 +1,6 @@
 """Plots of training runs: raw and effective ACR, reward, held-out accuracy and length over steps."""
 
+import textwrap
 from pathlib import Path
 
 import matplotlib
@@ -14,9 +15,10 @@ COLORS = {"grpo": "tab:blue", "avspo": "tab:orange", "aapo": "tab:green", "dapo"
 
 
 def save_figure(fig, path: Path, dpi: int = 90, title: str | None = None) -> None:
-    """Lay out, write and close a figure (closing frees it: experiments draw many)."""
+    """Lay out, write and close a figure (closing frees it: experiments draw many). A long title is wrapped to
+    the figure's width (about 9 characters an inch at the default font)."""
     if title:
-        fig.suptitle(title)
+        fig.suptitle(textwrap.fill(title, width=int(9 * fig.get_figwidth())))
     fig.tight_layout()
     fig.savefig(path, dpi=dpi)
     plt.close(fig)
