@@ -1,33 +1,35 @@
 """Evidence that can tell the methods apart, at small scale: figures and docs/results.json.
 
-    python experiments.py                          # difficulty, compare, scatter (--dry-run: the time estimate)
-    python experiments.py --only compare           # one or more parts: difficulty, compare, scatter, precision
-    python experiments.py --quick                  # tiny model, 2 steps: the whole pipeline in ~1 min (a CI test)
+    python experiments.py                  # difficulty, compare, scatter (--dry-run: the time estimate)
+    python experiments.py --only compare   # one or more parts: difficulty, compare, scatter, precision
+    python experiments.py --quick          # tiny model, 2 steps: the whole pipeline in ~1 min (a CI test)
 
 1. difficulty: ACR of the untrained model at each arith-mix level (and all levels pooled), split into
    all-correct and all-wrong groups.
-2. compare:    GRPO, AVSPO (adaptive trigger), AVSPO always on (avspo-always: the trigger's ablation), AAPO and
-   DAPO's dynamic sampling on arith-mix, train.py's own schedule (lr decaying to 0), the same prompts per seed,
-   several seeds. train.py evaluates a stratified prefix of the held-out split every --eval-every steps (the
-   curves of accuracy against generated tokens); the final checkpoint of every run is then evaluated greedily on
-   the whole split (336 problems), its per-problem records cached in <run>/final_eval.jsonl. A bootstrap over
-   seeds AND problems gives a 95% CI for each method's accuracy (overall, per level) and for its difference to
-   GRPO paired by seed: the same resampled seeds and problems for both methods (a seed fixes the held-out split
-   too, so methods of one seed are scored on the same 336 problems). Each accuracy sits next to the collapse the
-   method left (raw and effective ACR, the all-correct and all-wrong groups of the last quarter of the steps) and
-   its cost: generated tokens (policy + AAPO's reference + DAPO's resampled groups) and seconds. A collapse map
-   shows seed 0's groups step by step, and what each method did with the collapsed ones.
-3. scatter:    the AVSPO paper's Figure 1: early raw ACR (train.py's summary: the mean over the first 20% of the
-   steps) against final held-out accuracy (train.py's last eval, on that level's test split) over a grid of
-   levels x group sizes x seeds of short GRPO runs; slope and R^2 with bootstrap CIs over runs.
-4. precision:  the default run (`python train.py`: GRPO on arith-mul1, train.py's own settings) in bf16 and in fp32
-   on the same seeds: does bf16, what `--precision auto` picks where the CPU has native bf16, learn as well as
-   fp32? Held-out accuracy, batch reward and seconds per step against steps. Only with --only precision: where
-   bf16 is emulated (a CPU with AVX2 alone) its runs take many times longer.
+2. compare:    GRPO, AVSPO (adaptive trigger), AVSPO always on (avspo-always: the trigger's ablation), AAPO
+   and DAPO's dynamic sampling on arith-mix, train.py's own schedule (lr decaying to 0), the same prompts per
+   seed, several seeds. train.py evaluates a stratified prefix of the held-out split every --eval-every steps
+   (the curves of accuracy against generated tokens); the final checkpoint of every run is then evaluated
+   greedily on the whole split (336 problems), its per-problem records cached in <run>/final_eval.jsonl. A
+   bootstrap over seeds AND problems gives a 95% CI for each method's accuracy (overall, per level) and for
+   its difference to GRPO paired by seed: the same resampled seeds and problems for both methods (a seed fixes
+   the held-out split too, so methods of one seed are scored on the same 336 problems). Each accuracy sits
+   next to the collapse the method left (raw and effective ACR, the all-correct and all-wrong groups of the
+   last quarter of the steps) and its cost: generated tokens (policy + AAPO's reference + DAPO's resampled
+   groups) and seconds. A collapse map shows seed 0's groups step by step, and what each method did with the
+   collapsed ones.
+3. scatter:    the AVSPO paper's Figure 1: early raw ACR (train.py's summary: the mean over the first 20% of
+   the steps) against final held-out accuracy (train.py's last eval, on that level's test split) over a grid
+   of levels x group sizes x seeds of short GRPO runs; slope and R^2 with bootstrap CIs over runs.
+4. precision:  the default run (`python train.py`: GRPO on arith-mul1, train.py's own settings) in bf16 and in
+   fp32 on the same seeds: does bf16, what `--precision auto` picks where the CPU has native bf16, learn as
+   well as fp32? Held-out accuracy, batch reward and seconds per step against steps. Only with
+   --only precision: where bf16 is emulated (a CPU with AVX2 alone) its runs take many times longer.
 
 Runs whose summary.json exists are skipped and unfinished ones resume from their last checkpoint, so a rerun
 (after Ctrl-C, in another session, or with more --seeds) only fills gaps.
-Time: steps x step_seconds x (B*G / 64) + evaluations x eval_seconds, summed over runs (`estimate`, printed first).
+Time: steps x step_seconds x (B*G / 64) + evaluations x eval_seconds, summed over runs
+(`estimate`, printed first).
 """
 
 import argparse
@@ -63,7 +65,8 @@ ABLATIONS = {"avspo": "avspo-always"}  # method: its ablation, also compared pai
 PRECISIONS = ("bf16", "fp32")
 
 
-def acr_by_difficulty(model_name: str, prompts: int, group_size: int, max_new_tokens: int, batch: int = 8) -> dict:
+def acr_by_difficulty(model_name: str, prompts: int, group_size: int, max_new_tokens: int,
+                      batch: int = 8) -> dict:
     """Sample G completions for `prompts` training problems of each level with the untrained model (T=1)."""
     model, tokenizer = load_model(model_name)
     net, reward = working_copy(model), load_reward()  # bf16 where the CPU has it, as train.py samples
@@ -86,18 +89,20 @@ def acr_by_difficulty(model_name: str, prompts: int, group_size: int, max_new_to
 
 
 def run_training(out: Path, seed: int, algos: list[str], flags: list[str]) -> None:
-    """One train.py invocation for the algorithms of `algos` that have no summary.json yet (same prompts); one
-    that stopped part-way goes on from its checkpoint (--resume; steps depend on seed and step alone)."""
+    """One train.py invocation for the algorithms of `algos` that have no summary.json yet (same prompts);
+    one that stopped part-way goes on from its checkpoint (--resume; steps depend on seed and step alone)."""
     missing = [a for a in algos if not (out / a / "summary.json").exists()]
     if missing:
         train.main(flags + ["--algo", ",".join(missing), "--seed", str(seed), "--out", str(out), "--resume"])
 
 
 def run_all(tasks: list[tuple], jobs: int) -> list:
-    """fn(*args) for each task (fn, *args), in order; with jobs > 1 in that many processes that split the cores.
+    """fn(*args) for each task (fn, *args), in order; with jobs > 1 in that many processes that split the
+    cores.
 
     Runs are small (16-64 rows): on 2 cores two 1-thread runs side by side did ~15% more work per second than
-    one 2-thread run (measured). Spawned, not forked: a forked child inherits torch's thread pool in a bad state."""
+    one 2-thread run (measured). Spawned, not forked: a forked child inherits torch's thread pool in a bad
+    state."""
     if jobs == 1:
         return [fn(*a) for fn, *a in tasks]
     threads = max(1, (os.cpu_count() or 1) // jobs)
@@ -125,7 +130,8 @@ def train_and_score(out: Path, method: str, seed: int, flags: list[str], problem
 
 
 def held_out(seed: int, per_level: int | None) -> list:
-    """The arith-mix test split train.py uses for this seed, or its first `per_level` problems of each level."""
+    """The arith-mix test split train.py uses for this seed, or its first `per_level` problems of each
+    level."""
     problems = load_problems("arith-mix", "test", seed)
     if per_level is None:
         return problems
@@ -133,12 +139,14 @@ def held_out(seed: int, per_level: int | None) -> list:
 
 
 def final_records(run: Path, problems: list, max_new_tokens: int) -> list[dict]:
-    """Per-problem correctness of the run's final model (greedy, deterministic): train.py's last evaluation when it
-    covered these problems (--eval-size 336), else the final checkpoint evaluated once and cached next to the run."""
+    """Per-problem correctness of the run's final model (greedy, deterministic): train.py's last evaluation
+    when it covered these problems (--eval-size 336), else the final checkpoint evaluated once and cached next
+    to the run."""
     if [r["question"] for r in read_jsonl(run / "eval_records.jsonl")] == [p.question for p in problems]:
         return read_jsonl(run / "eval_records.jsonl")
     cache = run / "final_eval.jsonl"
-    if [r["question"] for r in read_jsonl(cache)] != [p.question for p in problems]:  # absent, or other problems
+    # absent, or other problems
+    if [r["question"] for r in read_jsonl(cache)] != [p.question for p in problems]:
         model, tokenizer = load_model(str(run / "checkpoint"))
         net = working_copy(model)  # the network train.py evaluates: the same greedy answers
         result = evaluate(net, tokenizer, problems, max_new_tokens=max_new_tokens)
@@ -175,13 +183,14 @@ def interval(point: float, samples: np.ndarray) -> dict:
 
 
 def accuracy_table(correct: np.ndarray, levels: np.ndarray, names: list[str], resamples: int) -> dict:
-    """For each method: accuracy and Δ to BASELINE (paired), overall and per level, each with its 95% CI; for a
-    method with an ablation in ABLATIONS, also its overall Δ to the ablation (paired the same way)."""
+    """For each method: accuracy and Δ to BASELINE (paired), overall and per level, each with its 95% CI; for
+    a method with an ablation in ABLATIONS, also its overall Δ to the ablation (paired the same way)."""
     boot, base = bootstrap_accuracy(correct, levels, resamples), names.index(BASELINE)
     table = {}
     for i, name in enumerate(names):
         row = {"accuracy": None, "delta": None, "by_level": {}, "delta_by_level": {}}
-        for key, mask in [("all", np.ones(len(levels), bool))] + [(lv, levels == lv) for lv in dict.fromkeys(levels)]:
+        for key, mask in ([("all", np.ones(len(levels), bool))]
+                          + [(lv, levels == lv) for lv in dict.fromkeys(levels)]):
             point = correct[:, :, mask].mean(axis=(1, 2))  # [M]
             acc, delta = interval(point[i], boot[key][:, i]), interval(point[i] - point[base],
                                                                          boot[key][:, i] - boot[key][:, base])
@@ -205,24 +214,28 @@ def compute_cost(runs: list[Path]) -> dict:
     rows = [read_jsonl(d / "metrics.jsonl") for d in runs]
     values = {"gen_tokens": [r[-1]["gen_tokens_total"] for r in rows],
               "train_tokens": [r[-1]["train_tokens_total"] for r in rows],
-              "seconds": [sum(x["time_generate"] + x["time_score"] + x["time_train"] for x in r) for r in rows]}
+              "seconds": [sum(x["time_generate"] + x["time_score"] + x["time_train"] for x in r)
+                          for r in rows]}
     return {k: {"mean": float(np.mean(v)), "std": float(np.std(v)), "per_seed": v} for k, v in values.items()}
 
 
 def collapse(runs: list[Path]) -> dict:
-    """Mean over steps, then mean (and std) over seeds: the raw ACR (groups sampled all-equal) and the effective
-    ACR (groups whose advantages are all zero after the method: what it left unused), over the whole run; the
-    all-correct and all-wrong fractions over its last quarter of steps, where the papers place late collapse;
-    for AVSPO, the share of steps its trigger fired."""
+    """Mean over steps, then mean (and std) over seeds: the raw ACR (groups sampled all-equal) and the
+    effective ACR (groups whose advantages are all zero after the method: what it left unused), over the whole
+    run; the all-correct and all-wrong fractions over its last quarter of steps, where the papers place late
+    collapse; for AVSPO, the share of steps its trigger fired."""
     rows = [read_jsonl(d / "metrics.jsonl") for d in runs]
     everything, last_quarter = slice(None), slice(-(-len(rows[0]) // 4), None)
     spans = {"acr": ("acr", everything), "acr_effective": ("acr_effective", everything),
              "acr_effective_last_quarter": ("acr_effective", last_quarter),
-             "all_correct_frac": ("all_correct_frac", last_quarter), "all_wrong_frac": ("all_wrong_frac", last_quarter)}
+             "all_correct_frac": ("all_correct_frac", last_quarter),
+             "all_wrong_frac": ("all_wrong_frac", last_quarter)}
     if "avspo_triggered" in rows[0][0]:  # AVSPO: the share of steps on which its trigger fired
         spans["avspo_triggered"] = ("avspo_triggered", everything)
-    per_seed = {name: [float(np.mean([x[key] for x in r[span]])) for r in rows] for name, (key, span) in spans.items()}
-    return {k: {"mean": float(np.mean(v)), "std": float(np.std(v)), "per_seed": v} for k, v in per_seed.items()}
+    per_seed = {name: [float(np.mean([x[key] for x in r[span]])) for r in rows]
+                for name, (key, span) in spans.items()}
+    return {k: {"mean": float(np.mean(v)), "std": float(np.std(v)), "per_seed": v}
+            for k, v in per_seed.items()}
 
 
 def seed_deltas(table: dict, resamples: int, seed: int = 0) -> None:
@@ -239,9 +252,10 @@ def seed_deltas(table: dict, resamples: int, seed: int = 0) -> None:
 
 
 def accuracy_curves(runs: list[Path]) -> dict:
-    """train.py's evaluations (the held-out prefix, greedy) against the steps and generated tokens spent by then:
-    the mean over seeds, and the range of the seeds."""
-    evals, rows = [read_jsonl(d / "evals.jsonl") for d in runs], [read_jsonl(d / "metrics.jsonl") for d in runs]
+    """train.py's evaluations (the held-out prefix, greedy) against the steps and generated tokens spent by
+    then: the mean over seeds, and the range of the seeds."""
+    evals, rows = ([read_jsonl(d / "evals.jsonl") for d in runs],
+                   [read_jsonl(d / "metrics.jsonl") for d in runs])
     steps = [e["step"] for e in evals[0]]
     tokens = [[0] + [r[s - 1]["gen_tokens_total"] for s in steps[1:]] for r in rows]  # [S][evals]
     accuracy = [[e["eval_accuracy"] for e in run] for run in evals]
@@ -252,7 +266,8 @@ def accuracy_curves(runs: list[Path]) -> dict:
 
 def compare(out: Path, methods: list[str], seeds: list[int], flags: list[str], per_level: int | None,
             max_new_tokens: int, resamples: int, jobs: int) -> dict:
-    """Train every method on every seed, evaluate each final checkpoint per problem, bootstrap, account costs."""
+    """Train every method on every seed, evaluate each final checkpoint per problem, bootstrap, account
+    costs."""
     order = [(m, s) for s in seeds for m in methods]  # seed by seed: a partial sweep is whole for its seeds
     tasks = [(train_and_score, out, m, s, flags, held_out(s, per_level), max_new_tokens) for m, s in order]
     records = dict(zip(order, run_all(tasks, jobs)))
@@ -267,9 +282,11 @@ def compare(out: Path, methods: list[str], seeds: list[int], flags: list[str], p
         table[name]["curve"] = accuracy_curves(runs)
         logged = [read_jsonl(d / "evals.jsonl")[-1]["eval_accuracy"] for d in runs]  # train.py's last eval
         table[name]["train_py_final_accuracy"] = logged
-        same_problems = per_level is None and json.loads((runs[0] / "config.json").read_text())["eval_size"] >= 336
+        same_problems = (per_level is None
+                         and json.loads((runs[0] / "config.json").read_text())["eval_size"] >= 336)
         if same_problems and not np.allclose(logged, table[name]["per_seed"]):  # greedy: should be identical
-            print(f"warning: {name}: re-evaluated checkpoints {table[name]['per_seed']} != train.py's {logged}")
+            print(f"warning: {name}: re-evaluated checkpoints {table[name]['per_seed']} "
+                  f"!= train.py's {logged}")
     seed_deltas(table, resamples)
     return table
 
@@ -277,14 +294,16 @@ def compare(out: Path, methods: list[str], seeds: list[int], flags: list[str], p
 def markdown_table(table: dict) -> str:
     """method | accuracy [95% CI] | Δ vs GRPO [95% CI] | per-level accuracy | collapse | costs."""
     levels = list(next(iter(table.values()))["by_level"])
-    ci = lambda x, sign="": f"{x['mean']:{sign}.3f} [{x['ci'][0]:{sign}.3f}, {x['ci'][1]:{sign}.3f}]"  # noqa: E731
+    ci = lambda x, sign="": (f"{x['mean']:{sign}.3f} "  # noqa: E731
+                             f"[{x['ci'][0]:{sign}.3f}, {x['ci'][1]:{sign}.3f}]")
     lines = [f"| method | accuracy [95% CI] | Δ vs {BASELINE.upper()} [95% CI] | {' / '.join(levels)} | "
              "raw / effective ACR | all-correct / all-wrong, last quarter | generated tokens | seconds |",
              "|---|---|---|---|---|---|---|---|"]
     for name, row in table.items():
         cost, acr = row["cost"], row["collapse"]
         by_level = " / ".join(f"{row['by_level'][lv]['mean']:.2f}" for lv in levels)
-        lines.append(f"| {name} | {ci(row['accuracy'])} | {'-' if name == BASELINE else ci(row['delta'], '+')} | "
+        lines.append(f"| {name} | {ci(row['accuracy'])} | "
+                     f"{'-' if name == BASELINE else ci(row['delta'], '+')} | "
                      f"{by_level} | {acr['acr']['mean']:.2f} / {acr['acr_effective']['mean']:.2f} | "
                      f"{acr['all_correct_frac']['mean']:.2f} / {acr['all_wrong_frac']['mean']:.2f} | "
                      f"{cost['gen_tokens']['mean']:,.0f} | {cost['seconds']['mean']:,.0f} |")
@@ -309,8 +328,8 @@ def early_acr_scatter(runs: list[dict], resamples: int) -> dict:
         finite = boot[np.isfinite(boot[:, col]), col]
         return [float(v) for v in np.percentile(finite, [2.5, 97.5])] if len(finite) else [math.nan, math.nan]
 
-    return {"slope": float(slope), "slope_ci": ci(0), "intercept": float(intercept), "r2": float(r2), "r2_ci": ci(2),
-            "runs": runs}
+    return {"slope": float(slope), "slope_ci": ci(0), "intercept": float(intercept), "r2": float(r2),
+            "r2_ci": ci(2), "runs": runs}
 
 
 def scatter(out: Path, levels: list[str], group_sizes: list[int], seeds: list[int], flags: list[str],
@@ -320,7 +339,8 @@ def scatter(out: Path, levels: list[str], group_sizes: list[int], seeds: list[in
     grid = [(level, g, seed) for g in sorted(group_sizes, reverse=True) for level in levels for seed in seeds]
     folder = lambda level, g, seed: out / "scatter" / f"{level}-g{g}-seed{seed}"  # noqa: E731
     run_all([(run_training, folder(*cell), cell[2], ["grpo"],
-              flags + ["--dataset", f"arith-{cell[0]}", "--group-size", str(cell[1])]) for cell in grid], jobs)
+              flags + ["--dataset", f"arith-{cell[0]}", "--group-size", str(cell[1])])
+             for cell in grid], jobs)
     runs = []
     for level, g, seed in sorted(grid, key=lambda cell: (levels.index(cell[0]), cell[1], cell[2])):
         summary = json.loads((folder(level, g, seed) / "grpo" / "summary.json").read_text())
@@ -330,17 +350,21 @@ def scatter(out: Path, levels: list[str], group_sizes: list[int], seeds: list[in
 
 
 def precision(out: Path, seeds: list[int], flags: list[str], jobs: int) -> dict:
-    """The same GRPO run in bf16 and in fp32 on each seed: held-out accuracy before and after, and the costs."""
+    """The same GRPO run in bf16 and in fp32 on each seed: held-out accuracy before and after, and the
+    costs."""
     if resolve_precision("auto", pick_device()) != "bf16":
-        print("warning: this machine has no native bf16 (avx512_bf16, amx_bf16 or CUDA): the bf16 runs are emulated")
+        print("warning: this machine has no native bf16 (avx512_bf16, amx_bf16 or CUDA): "
+              "the bf16 runs are emulated")
     folder = lambda name, seed: out / "precision" / f"seed{seed}-{name}"  # noqa: E731
+    # fp32, the slower, first: balances the jobs
     run_all([(run_training, folder(name, seed), seed, ["grpo"], flags + ["--precision", name])
-             for name in reversed(PRECISIONS) for seed in seeds], jobs)  # fp32, the slower, first: balances the jobs
+             for name in reversed(PRECISIONS) for seed in seeds], jobs)
     result = {}
     for name in PRECISIONS:
         runs = [folder(name, seed) / "grpo" for seed in seeds]
         evals = [read_jsonl(run / "evals.jsonl") for run in runs]
-        result[name] = {"runs": [str(run) for run in runs], "acc_before": [e[0]["eval_accuracy"] for e in evals],
+        result[name] = {"runs": [str(run) for run in runs],
+                        "acc_before": [e[0]["eval_accuracy"] for e in evals],
                         "acc_after": [e[-1]["eval_accuracy"] for e in evals], "cost": compute_cost(runs)}
     return result
 
@@ -355,7 +379,8 @@ def estimate(args, parts: list[str]) -> tuple[int, int, float, float]:
         n = len(args.methods.split(",")) * len(args.seeds.split(","))
         runs, steps = n, n * args.steps
         step_units += n * args.steps * args.prompts_per_step * args.group_size / 64
-        evals = args.steps // args.eval_every + 1 + (args.steps % args.eval_every > 0)  # train.py's, step 0 on
+        # train.py's, step 0 on
+        evals = args.steps // args.eval_every + 1 + (args.steps % args.eval_every > 0)
         eval_units += n * (evals * min(args.eval_size, 336) + (args.per_level * len(LEVELS) or 336)) / 336
     if "scatter" in parts:
         gs = [int(g) for g in args.scatter_g.split(",")]
@@ -380,7 +405,8 @@ def main(argv: list[str] | None = None) -> dict:
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--out", default="runs/experiments")
     p.add_argument("--only", default="difficulty,compare,scatter", help="parts to run, comma list")
-    p.add_argument("--figures", default="", help="where the PNGs go (default: docs/, or <out>/figures with --quick)")
+    p.add_argument("--figures", default="",
+                   help="where the PNGs go (default: docs/, or <out>/figures with --quick)")
     p.add_argument("--quick", action="store_true", help="tiny model, tiny sizes: checks the whole pipeline")
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--methods", default=",".join(METHODS), help=f"comma list of {', '.join(METHODS)}")
@@ -389,7 +415,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--prompts-per-step", type=int, default=8, help="compare: B")
     p.add_argument("--group-size", type=int, default=8, help="compare: G")
     p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--eval-size", type=int, default=112, help="compare: train.py's own evals, a stratified prefix "
+    p.add_argument("--eval-size", type=int, default=112,
+                   help="compare: train.py's own evals, a stratified prefix "
                    "of the held-out split (336: all, which also checks the per-problem re-evaluation)")
     p.add_argument("--eval-every", type=int, default=10, help="compare: train.py's evals every N steps")
     p.add_argument("--per-level", type=int, default=0, help="compare: final per-problem eval on the first N "
@@ -398,39 +425,46 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--scatter-levels", default="add1,mul1,add2,mul2,mul3")
     p.add_argument("--scatter-g", default="2,4,8", help="group sizes of the scatter grid")
     p.add_argument("--scatter-seeds", default="0,1,2")
-    p.add_argument("--scatter-steps", type=int, default=15, help="scatter: steps per run (early ACR: the first 3)")
-    p.add_argument("--scatter-prompts", type=int, default=4, help="scatter: B (3 steps of 4 groups: 13 ACR values)")
+    p.add_argument("--scatter-steps", type=int, default=15,
+                   help="scatter: steps per run (early ACR: the first 3)")
+    p.add_argument("--scatter-prompts", type=int, default=4,
+                   help="scatter: B (3 steps of 4 groups: 13 ACR values)")
     p.add_argument("--scatter-eval-size", type=int, default=32, help="scatter: held-out problems per run")
     p.add_argument("--difficulty-prompts", type=int, default=32)
     p.add_argument("--precision-seeds", default="0,1,2,3", help="precision: seeds, each run in bf16 and fp32")
     p.add_argument("--precision-steps", type=int, default=train.Args.steps, help="precision: steps per run")
     p.add_argument("--step-seconds", type=float, default=10.5,
-                   help="estimate: wall seconds per B=8 x G=8 step, with --jobs 2 on 2 cores (docs/results.md)")
-    p.add_argument("--eval-seconds", type=float, default=40.0, help="estimate: wall seconds per 336-problem eval")
+                   help="estimate: wall seconds per B=8 x G=8 step, "
+                   "with --jobs 2 on 2 cores (docs/results.md)")
+    p.add_argument("--eval-seconds", type=float, default=40.0,
+                   help="estimate: wall seconds per 336-problem eval")
     p.add_argument("--jobs", type=int, default=2, help="training runs at once, each on cores/jobs threads")
-    p.add_argument("--dry-run", action="store_true", help="print the run count and time estimate, run nothing")
+    p.add_argument("--dry-run", action="store_true",
+                   help="print the run count and time estimate, run nothing")
     p.add_argument("--budget-minutes", type=float, default=360.0, help="warn when the estimate exceeds it")
     argv = sys.argv[1:] if argv is None else argv
     args = p.parse_args(argv)
     if args.quick:  # every part, every figure, in about a minute: tiny random model, 2 steps, a few problems
         args = p.parse_args(["--model", "tiny-qwen2", "--seeds", "0,1", "--steps", "2",
                              "--prompts-per-step", "2", "--group-size", "4", "--max-new-tokens", "8",
-                             "--eval-size", "4", "--eval-every", "1", "--per-level", "2", "--resamples", "500",
-                             "--scatter-prompts", "2", "--scatter-levels",
-                             "add1,mul1", "--scatter-g", "2,4", "--scatter-seeds", "0", "--scatter-steps", "2",
-                             "--scatter-eval-size", "4", "--difficulty-prompts", "4", "--precision-seeds", "0,1",
+                             "--eval-size", "4", "--eval-every", "1", "--per-level", "2",
+                             "--resamples", "500", "--scatter-prompts", "2", "--scatter-levels",
+                             "add1,mul1", "--scatter-g", "2,4", "--scatter-seeds", "0",
+                             "--scatter-steps", "2", "--scatter-eval-size", "4",
+                             "--difficulty-prompts", "4", "--precision-seeds", "0,1",
                              "--precision-steps", "2", "--jobs", "1", *argv])  # flags given still win
     out, parts = Path(args.out), args.only.split(",")
     methods, seeds = args.methods.split(","), [int(s) for s in args.seeds.split(",")]
     figures = Path(args.figures) if args.figures else (out / "figures" if args.quick else DOCS)
     runs, steps, step_units, eval_units = estimate(args, parts)
     minutes = (step_units * args.step_seconds + eval_units * args.eval_seconds) / 60
-    print(f"{runs} training runs, {steps} steps ({step_units:.0f} B=8 x G=8 step equivalents, {eval_units:.0f} "
-          f"336-problem evals): about {minutes:.0f} min at {args.step_seconds:g} s/step, {args.eval_seconds:g} s/eval")
+    print(f"{runs} training runs, {steps} steps ({step_units:.0f} B=8 x G=8 step equivalents, "
+          f"{eval_units:.0f} 336-problem evals): about {minutes:.0f} min at {args.step_seconds:g} s/step, "
+          f"{args.eval_seconds:g} s/eval")
     if minutes > args.budget_minutes:  # say what would fit rather than start a run that overruns
         fits = (args.budget_minutes * 60 - eval_units * args.eval_seconds) / step_units
-        print(f"warning: over the {args.budget_minutes:g}-min budget; it fits at <= {fits:.1f} s/step, or with fewer "
-              "--steps, --seeds, --scatter-steps or a smaller --scatter-g grid")
+        print(f"warning: over the {args.budget_minutes:g}-min budget; it fits at <= {fits:.1f} s/step, "
+              "or with fewer --steps, --seeds, --scatter-steps or a smaller --scatter-g grid")
     if args.dry_run:
         return {}
     figures.mkdir(parents=True, exist_ok=True)
@@ -445,9 +479,10 @@ def main(argv: list[str] | None = None) -> dict:
     if "compare" in parts:
         flags = base + ["--dataset", "arith-mix", "--steps", str(args.steps), "--prompts-per-step",
                         str(args.prompts_per_step), "--group-size", str(args.group_size), "--eval-every",
-                        str(args.eval_every), "--eval-size", str(args.eval_size), "--save-every", str(args.eval_every)]
-        table = compare(out, methods, seeds, flags, args.per_level or None, args.max_new_tokens, args.resamples,
-                        args.jobs)
+                        str(args.eval_every), "--eval-size", str(args.eval_size),
+                        "--save-every", str(args.eval_every)]
+        table = compare(out, methods, seeds, flags, args.per_level or None, args.max_new_tokens,
+                        args.resamples, args.jobs)
         results["compare"], results["compare_table"] = table, markdown_table(table)
         runs_by_method = {m: [run_dir(out, m, s) for s in seeds] for m in methods}
         title = f"{args.model} on arith-mix, B={args.prompts_per_step}, G={args.group_size}, seeds {seeds}"
@@ -456,28 +491,33 @@ def main(argv: list[str] | None = None) -> dict:
         plot_accuracy_vs_tokens(table, figures / "compare_learning.png",
                                 f"{title}: {args.eval_size} held-out problems, mean and range of the seeds")
         plot_collapse_map({m: runs[0] for m, runs in runs_by_method.items()}, figures / "collapse_map.png",
-                          f"{args.model} on arith-mix, B={args.prompts_per_step}, G={args.group_size}, seed {seeds[0]}")
+                          f"{args.model} on arith-mix, B={args.prompts_per_step}, G={args.group_size}, "
+                          f"seed {seeds[0]}")
     if "scatter" in parts:
         flags = base + ["--steps", str(args.scatter_steps), "--prompts-per-step", str(args.scatter_prompts),
                         "--eval-every", str(args.scatter_steps), "--eval-size", str(args.scatter_eval_size),
                         "--save-every", "0"]
-        group_sizes, scatter_seeds = [int(g) for g in args.scatter_g.split(",")], args.scatter_seeds.split(",")
-        results["scatter"] = scatter(out, args.scatter_levels.split(","), group_sizes, [int(s) for s in scatter_seeds],
-                                     flags, args.resamples, args.jobs)
+        group_sizes, scatter_seeds = ([int(g) for g in args.scatter_g.split(",")],
+                                      args.scatter_seeds.split(","))
+        results["scatter"] = scatter(out, args.scatter_levels.split(","), group_sizes,
+                                     [int(s) for s in scatter_seeds], flags, args.resamples, args.jobs)
         plot_early_acr_scatter(results["scatter"], figures / "early_acr_vs_accuracy.png")
     if "precision" in parts:
         flags = ["--model", args.model, "--max-new-tokens", str(args.max_new_tokens), "--steps",
                  str(args.precision_steps), "--save-every", "0"]  # otherwise the default run's own settings
         precision_seeds = [int(s) for s in args.precision_seeds.split(",")]
         results["precision"] = precision(out, precision_seeds, flags, args.jobs)
-        plot_precision_curves({name: [Path(run) for run in results["precision"][name]["runs"]] for name in PRECISIONS},
-                              figures / "precision.png", f"{args.model}, the default run, seeds {precision_seeds}")
+        plot_precision_curves({name: [Path(run) for run in results["precision"][name]["runs"]]
+                               for name in PRECISIONS},
+                              figures / "precision.png",
+                              f"{args.model}, the default run, seeds {precision_seeds}")
     results_path.write_text(json.dumps(results, indent=2))
     if "compare" in results:
         print("\n" + results["compare_table"])
     if "precision" in results:
         for name, row in results["precision"].items():
-            print(f"\n{name}: held-out accuracy {np.mean(row['acc_before']):.3f} -> {np.mean(row['acc_after']):.3f} "
+            print(f"\n{name}: held-out accuracy {np.mean(row['acc_before']):.3f} -> "
+                  f"{np.mean(row['acc_after']):.3f} "
                   f"(per seed {row['acc_after']}), {row['cost']['seconds']['mean']:.0f} s of steps a run")
     if "scatter" in results:
         s = results["scatter"]

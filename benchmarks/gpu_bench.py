@@ -1,7 +1,7 @@
 """Our training step on one CUDA GPU at Qwen2.5-0.5B and 1.5B sizes: time split, peak memory, tokens/s, MFU.
 
-    python benchmarks/gpu_bench.py --out gpu_bench.json              # one GPU, about 3 minutes on an H200
-    python benchmarks/gpu_bench.py --tiny --out /tmp/gpu_bench.json  # CPU smoke test of the same code, seconds
+  python benchmarks/gpu_bench.py --out gpu_bench.json              # one GPU, about 3 minutes on an H200
+  python benchmarks/gpu_bench.py --tiny --out /tmp/gpu_bench.json  # CPU smoke test of the same code, seconds
 
 Models are Qwen2ForCausalLM with the real Qwen2.5-0.5B / 1.5B dimensions and random weights (no download),
 bf16 working weights with float32 master weights as train.py uses on CUDA, with and without gradient
@@ -102,8 +102,10 @@ def run_step(model, net, tokenizer, optimizer, args: train.Args, problems, step:
     t3 = time.perf_counter()
     rows, total_len = rollout.input_ids.shape
     prompt_len = total_len - rollout.completion_len
-    return {"generate_s": t1 - t0, "score_s": t2 - t1, "train_s": t3 - t2, "rows": rows, "prompt_len": prompt_len,
-            "prompt_tokens": int(rollout.attention_mask[:: args.group_size, :prompt_len].sum()),  # each prompt once
+    return {"generate_s": t1 - t0, "score_s": t2 - t1, "train_s": t3 - t2,
+            "rows": rows, "prompt_len": prompt_len,
+            # each prompt once
+            "prompt_tokens": int(rollout.attention_mask[:: args.group_size, :prompt_len].sum()),
             "completion_len": rollout.completion_len,
             "gen_tokens": int(rollout.completion_mask.sum()), "train_tokens": stats["train_tokens"],
             "rows_trained": stats.get("rows_trained", rows)}
@@ -112,10 +114,12 @@ def run_step(model, net, tokenizer, optimizer, args: train.Args, problems, step:
 def model_flops(model, s: dict) -> tuple[float, float]:
     """(generation, training) model FLOPs of one step from its token counts (see the module docstring)."""
     config = model.config
-    body = sum(p.numel() for p in model.parameters()) - config.vocab_size * config.hidden_size  # all but embedding
+    # all but embedding
+    body = sum(p.numel() for p in model.parameters()) - config.vocab_size * config.hidden_size
     head = 2 * config.hidden_size * config.vocab_size  # FLOPs per position that gets logits
     rows, completion = s["rows"], s["completion_len"]
-    generate = 2 * body * (s["prompt_tokens"] + rows * completion) + head * rows * completion  # prefill + decode
+    # prefill + decode
+    generate = 2 * body * (s["prompt_tokens"] + rows * completion) + head * rows * completion
     forward = 2 * body * s["train_tokens"] + head * s["rows_trained"] * completion  # logits at all C (no EOS)
     return generate, 3 * forward
 
@@ -149,9 +153,11 @@ def bench_config(size: str, checkpointing: bool, device: torch.device, opts, pro
     step_s = s["generate_s"] + s["score_s"] + s["train_s"]
     gen_flops, train_flops = model_flops(model, s)
     result = {
-        "size": size, "grad_checkpointing": checkpointing, "params_m": sum(p.numel() for p in model.parameters()) / 1e6,
+        "size": size, "grad_checkpointing": checkpointing,
+        "params_m": sum(p.numel() for p in model.parameters()) / 1e6,
         "timed_steps": len(steps), **s, "step_s": step_s,
-        "gen_tokens_per_s": s["gen_tokens"] / s["generate_s"], "train_tokens_per_s": s["train_tokens"] / s["train_s"],
+        "gen_tokens_per_s": s["gen_tokens"] / s["generate_s"],
+        "train_tokens_per_s": s["train_tokens"] / s["train_s"],
         "peak_gib": peak_memory_bytes() / 2**30,  # CUDA: since the reset above; CPU: max RSS, all configs
         "mfu_generate": gen_flops / s["generate_s"] / (peak_tflops * 1e12),
         "mfu_train": train_flops / s["train_s"] / (peak_tflops * 1e12),
@@ -160,8 +166,9 @@ def bench_config(size: str, checkpointing: bool, device: torch.device, opts, pro
     return result
 
 
-COLUMNS = [("size", "size", "{}"), ("grad_checkpointing", "grad ckpt", "{}"), ("params_m", "params M", "{:.0f}"),
-           ("generate_s", "generate s", "{:.2f}"), ("score_s", "reward s", "{:.3f}"),
+COLUMNS = [("size", "size", "{}"), ("grad_checkpointing", "grad ckpt", "{}"),
+           ("params_m", "params M", "{:.0f}"), ("generate_s", "generate s", "{:.2f}"),
+           ("score_s", "reward s", "{:.3f}"),
            ("train_s", "logprob+backward s", "{:.2f}"), ("step_s", "step s", "{:.2f}"),
            ("gen_tokens_per_s", "gen tok/s", "{:.0f}"), ("train_tokens_per_s", "train tok/s", "{:.0f}"),
            ("peak_gib", "peak GiB", "{:.1f}"), ("mfu_generate", "MFU gen", "{:.1%}"),
@@ -184,7 +191,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=2, help="timed steps per config (median reported)")
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps before them")
     parser.add_argument("--matmul-size", type=int, default=8192, help="n of the n^3 bf16 matmul rate test")
-    parser.add_argument("--budget-s", type=float, default=420, help="skip configs that would start after this")
+    parser.add_argument("--budget-s", type=float, default=420,
+                        help="skip configs that would start after this")
     parser.add_argument("--fast", action=argparse.BooleanOptionalAction, default=True,
                         help="the fast paths (train.py --fast); --no-fast: HF generate and the plain forward")
     parser.add_argument("--tiny", action="store_true", help="CPU smoke test: tiny model, 1 step, 8 tokens")
@@ -205,8 +213,8 @@ def main(argv: list[str] | None = None) -> int:
     peak = matmul_tflops(device, opts.matmul_size, iters=50 if device.type == "cuda" else 3)
     print(f"{name}: measured bf16 matmul {peak:.1f} TFLOP/s ({opts.matmul_size}^3)", flush=True)
     report = {"device": name, "torch": torch.__version__, "matmul_bf16_tflops": peak,
-              "workload": {k: getattr(opts, k) for k in ("prompts", "group_size", "max_new_tokens", "micro_batch",
-                                                         "steps", "warmup", "fast")},
+              "workload": {k: getattr(opts, k) for k in ("prompts", "group_size", "max_new_tokens",
+                                                         "micro_batch", "steps", "warmup", "fast")},
               "results": [], "skipped": []}
     problems = load_problems("arith-mul1", "train")
     last_duration = 0.0
@@ -220,7 +228,8 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             print(f"{config}:", flush=True)
             try:
-                report["results"].append(bench_config(size, checkpointing, device, opts, problems, peak, deadline))
+                report["results"].append(
+                    bench_config(size, checkpointing, device, opts, problems, peak, deadline))
             except torch.cuda.OutOfMemoryError as e:
                 print(f"  out of memory: {e}".splitlines()[0], flush=True)
                 report["skipped"].append({"config": config, "reason": "out of memory"})
@@ -232,8 +241,8 @@ def main(argv: list[str] | None = None) -> int:
             opts.out.write_text(json.dumps(report, indent=2))
     w = report["workload"]
     print(f"\n## {name}, bf16 + fp32 master weights, B={w['prompts']} x G={w['group_size']}, "
-          f"{w['max_new_tokens']} new tokens, micro-batch {w['micro_batch']}, median of {w['steps']} steps after "
-          f"{w['warmup']} warm-up; matmul peak {peak:.0f} TFLOP/s\n")
+          f"{w['max_new_tokens']} new tokens, micro-batch {w['micro_batch']}, "
+          f"median of {w['steps']} steps after {w['warmup']} warm-up; matmul peak {peak:.0f} TFLOP/s\n")
     print(markdown(report["results"]))
     for s in report["skipped"]:
         print(f"- skipped {s['config']}: {s['reason']}")

@@ -1,4 +1,5 @@
-"""How often AVSPO's trigger fires over a simulated 40-step run, for the previous threshold rule and the current one.
+"""How often AVSPO's trigger fires over a simulated 40-step run, for the previous threshold rule and \
+the current one.
 
     python benchmarks/trigger_table.py            # the README's table: 200 runs per cell, a few seconds
 
@@ -25,7 +26,8 @@ MEAN_ACRS = (0.25, 0.35, 0.45, 0.55)
 
 @dataclass
 class PreviousThreshold:
-    """The rule before this one (commit 081436f): tau <- clip(tau + 0.01 sign(reward - prev) (acr - tau), 0.1, 0.9)."""
+    """The rule before this one (commit 081436f):
+    tau <- clip(tau + 0.01 sign(reward - prev) (acr - tau), 0.1, 0.9)."""
 
     value: float = 0.5
     prev_reward: float | None = None
@@ -67,7 +69,8 @@ def main(argv: list[str] | None = None) -> str:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--runs", type=int, default=200, help="simulated runs per cell")
     args = parser.parse_args(argv)
-    lines = ["| mean ACR | rule | rising reward | flat | falling | thresholds seen |", "|---|---|---|---|---|---|"]
+    lines = ["| mean ACR | rule | rising reward | flat | falling | thresholds seen |",
+             "|---|---|---|---|---|---|"]
     for mean_acr in MEAN_ACRS:
         for name, rule in (("previous", PreviousThreshold), ("current", AdaptiveThreshold)):
             cells = [simulate(rule, mean_acr, trend, args.runs) for trend in TRENDS]

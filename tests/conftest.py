@@ -9,6 +9,7 @@ import os
 
 from hypothesis import settings
 
-settings.register_profile("ci", derandomize=True, database=None, deadline=None, max_examples=60, print_blob=True)
+settings.register_profile("ci", derandomize=True, database=None, deadline=None, max_examples=60,
+                          print_blob=True)
 settings.register_profile("dev", deadline=None, max_examples=60)
 settings.load_profile("ci" if os.environ.get("CI", "").lower() in ("true", "1") else "dev")

@@ -1,7 +1,7 @@
 """One train.update_policy on a fixed rollout, its rows split over the processes of a torchrun job.
 
-    torchrun --standalone --nproc_per_node 2 tests/distributed_update.py OUT.pt   # N processes
-    python tests/distributed_update.py OUT.pt                                       # the same batch, one process
+  torchrun --standalone --nproc_per_node 2 tests/distributed_update.py OUT.pt  # N processes
+  python tests/distributed_update.py OUT.pt                                      # the same batch, one process
 
 Every process samples the same global rollout (same seed), keeps its share of the rows and runs one
 SGD step with lr 1 and no clipping, so the weight change is minus the gradient; process 0 saves it,
@@ -44,7 +44,8 @@ def main(out: str) -> None:
         sgd = torch.optim.SGD(model.parameters(), lr=1.0)
         args = train.Args(micro_batch=3, max_grad_norm=1e9)
         stats = train.update_policy(model, model, sgd, rows_of(rollout, mine), advantages[mine], None, args)
-        results[case] = {"delta": [b - p.detach() for b, p in zip(before, model.parameters())], "stats": stats}
+        results[case] = {"delta": [b - p.detach() for b, p in zip(before, model.parameters())],
+                         "stats": stats}
     if rank == 0:
         torch.save(results, out)
     close_processes()

@@ -66,7 +66,8 @@ def batch(num_collapsed: int, num_groups: int) -> torch.Tensor:
 @given(reward_groups(), st.sampled_from([1e-4, 0.0, 0.5, 1.0]))
 def test_grpo_matches_naive_loop(rewards, eps):
     assume(eps > 0 or not collapsed_groups(rewards).any())  # 0 / 0 with eps = 0
-    torch.testing.assert_close(grpo_advantages(rewards, eps=eps).double(), naive_grpo(rewards, eps), atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(grpo_advantages(rewards, eps=eps).double(), naive_grpo(rewards, eps),
+                               atol=1e-4, rtol=1e-4)
 
 
 def test_grpo_is_exact_in_float64():
@@ -89,7 +90,8 @@ def test_grpo_is_permutation_equivariant(rewards, rng):
 
 @given(reward_groups(), st.floats(-5.0, 5.0))
 def test_grpo_invariant_to_adding_a_constant(rewards, shift):
-    torch.testing.assert_close(grpo_advantages(rewards + shift), grpo_advantages(rewards), atol=2e-3, rtol=1e-3)
+    torch.testing.assert_close(grpo_advantages(rewards + shift), grpo_advantages(rewards),
+                               atol=2e-3, rtol=1e-3)
 
 
 @given(reward_groups(binary=True))
@@ -102,17 +104,21 @@ def test_grpo_sign_follows_reward(rewards):
 @given(reward_groups())
 def test_all_outputs_finite(rewards):
     ref = rewards.flip(1)
-    for adv in (grpo_advantages(rewards), avspo_advantages(rewards, acr_threshold=0.0), aapo_advantages(rewards, ref)):
+    for adv in (grpo_advantages(rewards), avspo_advantages(rewards, acr_threshold=0.0),
+                aapo_advantages(rewards, ref)):
         assert torch.isfinite(adv).all()
 
 
 def test_dr_grpo_unscaled():
-    torch.testing.assert_close(grpo_advantages(torch.tensor([[3.0, 1.0]]), scale=False), torch.tensor([[1.0, -1.0]]))
+    torch.testing.assert_close(grpo_advantages(torch.tensor([[3.0, 1.0]]), scale=False),
+                               torch.tensor([[1.0, -1.0]]))
 
 
 def test_eps_is_added_to_the_std():
-    # [1, 0]: centred +-0.5, unbiased std sqrt(1/2); eps = 1 makes sqrt(var + eps) or adding eps outside visible
-    torch.testing.assert_close(grpo_advantages(torch.tensor([[1.0, 0.0]]), eps=1.0)[0, 0], torch.tensor(0.5 / (0.5**0.5 + 1)))
+    # [1, 0]: centred +-0.5, unbiased std sqrt(1/2); eps = 1 makes sqrt(var + eps) or adding eps
+    # outside visible
+    torch.testing.assert_close(grpo_advantages(torch.tensor([[1.0, 0.0]]), eps=1.0)[0, 0],
+                               torch.tensor(0.5 / (0.5**0.5 + 1)))
 
 
 # ---------------------------------------------------------------- all-equal groups: exactly 0
@@ -147,7 +153,8 @@ def test_equal_groups_of_unrepresentable_values_are_exactly_collapsed(value, dty
 @given(st.integers(-(2**62), 2**62), st.sampled_from([torch.int64, torch.int32, torch.int16, torch.bool]))
 def test_equal_integer_groups_get_exactly_zero(value, dtype):
     rewards = torch.tensor([[value, value, value], [0, 1, 1]]).to(dtype)  # wraps / saturates: still equal
-    for adv in (grpo_advantages(rewards), avspo_advantages(rewards, acr_threshold=1.0), aapo_advantages(rewards, rewards)):
+    for adv in (grpo_advantages(rewards), avspo_advantages(rewards, acr_threshold=1.0),
+                aapo_advantages(rewards, rewards)):
         assert torch.equal(adv[0], torch.zeros(3))
 
 
@@ -174,7 +181,8 @@ def test_collapse_uses_population_std_strictly_below_tau():
     assert not collapsed_groups(rewards, tau=0.25)  # std < tau is strict
     assert collapsed_groups(rewards, tau=0.3)  # population, not unbiased, std
     assert advantage_collapse_rate(torch.tensor([[1.0, 1.0], [0.0, 1.0], [0.0, 1.0]])) == 1 / 3
-    assert effective_collapse_rate(torch.tensor([[0.5, -0.5], [0.0, 0.0]]), tau=0.5) == 0.5  # |A| < tau, strict
+    # |A| < tau, strict
+    assert effective_collapse_rate(torch.tensor([[0.5, -0.5], [0.0, 0.0]]), tau=0.5) == 0.5
 
 
 # ---------------------------------------------------------------- K: exhaustive against integer oracles
@@ -234,14 +242,16 @@ def test_avspo_equals_grpo_at_or_below_threshold(rewards, threshold):
 
 
 @pytest.mark.parametrize(
-    "num_collapsed, num_groups, threshold", [(2, 4, 0.5), (3, 10, 0.3), (57, 100, 0.57), (1, 3, 1 / 3), (7, 25, 0.28)]
+    "num_collapsed, num_groups, threshold",
+    [(2, 4, 0.5), (3, 10, 0.3), (57, 100, 0.57), (1, 3, 1 / 3), (7, 25, 0.28)]
 )
 def test_avspo_trigger_boundary(num_collapsed, num_groups, threshold):
     rewards = batch(num_collapsed, num_groups)
     adv, info = avspo_advantages(rewards, acr_threshold=threshold, return_info=True)
     assert info == AvspoInfo(triggered=False, num_collapsed=num_collapsed, num_virtual=0)  # ACR == threshold
     assert torch.equal(adv, grpo_advantages(rewards))
-    assert not avspo_advantages(rewards, acr_threshold=math.nextafter(threshold, 1.0), return_info=True)[1].triggered
+    assert not avspo_advantages(rewards, acr_threshold=math.nextafter(threshold, 1.0),
+                                return_info=True)[1].triggered
     _, info = avspo_advantages(rewards, acr_threshold=math.nextafter(threshold, 0.0), return_info=True)
     assert info == AvspoInfo(True, num_collapsed, num_virtual_samples(2, num_collapsed, num_groups))
 
@@ -264,7 +274,8 @@ def test_avspo_leaves_mixed_groups_alone(rewards):
 
 @given(reward_groups(binary=True), st.sampled_from([None, 1, 3]))
 def test_avspo_all_correct_positive_all_wrong_negative(rewards, num_virtual):
-    rewards = torch.cat([rewards[:, :1].expand(-1, 2), torch.ones(1, 2), torch.zeros(1, 2)])  # G=2, both kinds
+    # G=2, both kinds
+    rewards = torch.cat([rewards[:, :1].expand(-1, 2), torch.ones(1, 2), torch.zeros(1, 2)])
     adv = avspo_advantages(rewards, acr_threshold=0.0, num_virtual=num_virtual)
     all_correct, all_wrong = adv[-2], adv[-1]
     assert torch.all(all_correct > 0) and torch.all(all_correct == all_correct[0])
@@ -305,7 +316,8 @@ def test_avspo_advantage_depends_on_k_not_on_delta(g, k, delta_a, delta_b):
 def test_avspo_is_permutation_equivariant(rewards):
     perm = list(reversed(range(rewards.shape[1])))
     kwargs = dict(acr_threshold=0.0)
-    torch.testing.assert_close(avspo_advantages(rewards[:, perm], **kwargs), avspo_advantages(rewards, **kwargs)[:, perm])
+    torch.testing.assert_close(avspo_advantages(rewards[:, perm], **kwargs),
+                               avspo_advantages(rewards, **kwargs)[:, perm])
 
 
 @pytest.mark.parametrize("num_virtual", [1, 3, 8])
@@ -326,15 +338,18 @@ def test_aapo_equals_grpo_when_policy_matches_reference(rewards, scale):
 
 @given(reward_groups(), st.floats(0.0, 0.5), st.floats(0.0, 0.5), st.randoms(use_true_random=False))
 def test_aapo_margin_is_bounded(rewards, delta_low, delta_high, rng):
-    ref = rewards[:, torch.randperm(rewards.shape[1], generator=torch.Generator().manual_seed(rng.randint(0, 99)))]
-    margin = aapo_advantages(rewards, ref, delta_low=delta_low, delta_high=delta_high) - grpo_advantages(rewards)
+    ref = rewards[:, torch.randperm(rewards.shape[1],
+                                    generator=torch.Generator().manual_seed(rng.randint(0, 99)))]
+    margin = (aapo_advantages(rewards, ref, delta_low=delta_low, delta_high=delta_high)
+              - grpo_advantages(rewards))
     assert torch.all(margin >= -delta_low - 1e-6) and torch.all(margin <= delta_high + 1e-6)
     torch.testing.assert_close(margin, aapo_margin(rewards, ref, delta_low=delta_low, delta_high=delta_high))
 
 
 def test_aapo_margin_hand_values():
     rewards, ref = torch.tensor([[1.0, 0.0, 0.5, 0.6]]), torch.tensor([[0.0, 1.0, 0.4, 0.6]])
-    expected = torch.tensor([[0.28, -0.2, 0.1, 0.0]])  # clip(r - r_ref, -0.2, 0.28): above, below, inside, zero
+    # clip(r - r_ref, -0.2, 0.28): above, below, inside, zero
+    expected = torch.tensor([[0.28, -0.2, 0.1, 0.0]])
     torch.testing.assert_close(aapo_margin(rewards, ref), expected)
     with pytest.raises(ValueError, match="magnitudes"):
         aapo_margin(rewards, ref, delta_low=-0.2)
@@ -384,8 +399,9 @@ def test_adaptive_threshold_falls_to_low_while_reward_stalls(start, drops, flat)
 
 
 def test_adaptive_threshold_fires_more_when_noisy_training_stalls():
-    """Batch noise (B = 8: ACR in steps of 1/8, reward +- 0.08) does not hide the trend: at every ACR level the
-    trigger fires on more steps of a flat or falling run than of a rising one (fixed seeds: deterministic)."""
+    """Batch noise (B = 8: ACR in steps of 1/8, reward +- 0.08) does not hide the trend: at every ACR level
+    the trigger fires on more steps of a flat or falling run than of a rising one (fixed seeds:
+    deterministic)."""
     from benchmarks.trigger_table import fired_steps
 
     for mean_acr in (0.25, 0.35, 0.45, 0.55):

@@ -28,17 +28,20 @@ def test_bench_quick_prints_the_step_table(capsys, monkeypatch):
     for row in rows:
         assert len(row) == len(bench.STEP_COLUMNS) and float(row[6]) > 0  # step s
         assert float(row[-1]) > 100  # peak MB: a Python process with torch loaded
-    floor_header = next(i for i, line in enumerate(lines) if line.startswith("| impl | precision | generate s"))
+    floor_header = next(i for i, line in enumerate(lines)
+                        if line.startswith("| impl | precision | generate s"))
     assert [c.strip() for c in lines[floor_header].strip("|").split("|")] == bench.FLOOR_COLUMNS
     floor_row = [c.strip() for c in lines[floor_header + 2].strip("|").split("|")]
     assert floor_row[:2] == ["ours", "fp32"] and len(floor_row) == len(bench.FLOOR_COLUMNS)
     gen_ratios, update_ratios, rates = floor_row[4:7:2], floor_row[9:12:2], floor_row[-2:]
     assert all(float(c[:-1]) > 0 for c in gen_ratios) and all(float(c) > 0 for c in rates)  # measured here
-    assert all(c == "–" or float(c[:-1]) > 0 for c in update_ratios)  # "–": every group collapsed, nothing to train
+    # "–": every group collapsed, nothing to train
+    assert all(c == "–" or float(c[:-1]) > 0 for c in update_ratios)
     summary = "\n".join(lines)
     assert "AVSPO's is" in summary and "AAPO / GRPO step time" in summary and "ours / TRL" not in summary
     aapo = next(line for line in lines if "AAPO / GRPO step time" in line)
-    assert len(aapo.split("(rounds: ")[1].split(")")[0].split(", ")) == 2  # one ratio per round, then their median
+    # one ratio per round, then their median
+    assert len(aapo.split("(rounds: ")[1].split(")")[0].split(", ")) == 2
 
 
 def test_batch_shape_counts_what_a_minimal_update_trains():
@@ -51,9 +54,11 @@ def test_batch_shape_counts_what_a_minimal_update_trains():
 def test_step_floors_count_passes_live_rows_and_real_tokens():
     body, head, dtype = ((4, 2),), (3, 2), torch.float32  # 8 body and 6 output-layer parameters
     shape = floors.batch_shape([3, 1, 2, 2], [5, 7], [1.0, 0.0, 1.0, 1.0], group_size=2)
-    step = floors.step_floors(shape, body, head, dtype, {dtype: 1.0, "read_bytes_s": 1.0}, update_rates=(2.0, 3.0))
+    step = floors.step_floors(shape, body, head, dtype, {dtype: 1.0, "read_bytes_s": 1.0},
+                              update_rates=(2.0, 3.0))
     # prefill (12 prompt tokens, 1 output row) + passes 1 and 2 with the rows still decoding: 3, then 1
-    assert step["gen_kernel"] == (floors.kernel_seconds(body, 12, dtype) + floors.kernel_seconds((head,), 1, dtype)
+    assert step["gen_kernel"] == (floors.kernel_seconds(body, 12, dtype)
+                                  + floors.kernel_seconds((head,), 1, dtype)
                                   + floors.kernel_seconds(body + (head,), 3, dtype)
                                   + floors.kernel_seconds(body + (head,), 1, dtype))
     # 3 passes read 14 float32 weights each; FLOPs: 2 x (8 x (12 + 8) + 6 x 8) = 416 > 168 bytes at rate 1
@@ -65,7 +70,8 @@ def test_step_floors_count_passes_live_rows_and_real_tokens():
 
 @pytest.mark.parametrize("plain_s, packed_s", [(1.0, 0.5), (0.5, 1.0)])
 def test_machine_peak_is_the_faster_of_the_two_gemm_kernels(monkeypatch, plain_s, packed_s):
-    """The physical floor's peak must not be slower than a kernel the kernel floor may use (the packed one)."""
+    """The physical floor's peak must not be slower than a kernel the kernel floor may use (the packed
+    one)."""
     timed = []
 
     def fake_best_seconds(fn, reps=3):
@@ -76,7 +82,8 @@ def test_machine_peak_is_the_faster_of_the_two_gemm_kernels(monkeypatch, plain_s
     rates = floors.machine_rates([torch.float32])
     assert rates[torch.float32] == 2 * 2048**3 / 0.5
     assert rates["read_bytes_s"] == 2**27 * 4 / 2.0
-    torch.testing.assert_close(timed[1](), timed[0](), rtol=1e-4, atol=1e-3)  # the packed product is a @ b too
+    # the packed product is a @ b too
+    torch.testing.assert_close(timed[1](), timed[0](), rtol=1e-4, atol=1e-3)
 
 
 def test_phase_floors_skip_a_step_with_nothing_to_train():
@@ -108,26 +115,30 @@ def test_advantage_step_is_timed_for_each_algorithm():
         assert 0 < seconds < 0.01
 
 
-@pytest.mark.parametrize("fast", ["--fast", "--no-fast"])  # the fast paths, or HF generate and the plain forward
+# the fast paths, or HF generate and the plain forward
+@pytest.mark.parametrize("fast", ["--fast", "--no-fast"])
 def test_gpu_bench_tiny_runs_on_cpu(tmp_path, fast):
     out = tmp_path / "gpu_bench.json"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}  # CPU even on a GPU machine
-    proc = subprocess.run([sys.executable, "benchmarks/gpu_bench.py", "--tiny", fast, "--out", str(out)], cwd=ROOT,
-                          env=env, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run([sys.executable, "benchmarks/gpu_bench.py", "--tiny", fast, "--out", str(out)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     report = json.loads(out.read_text())
     assert report["workload"]["fast"] is (fast == "--fast")
-    assert [(r["size"], r["grad_checkpointing"]) for r in report["results"]] == [("tiny", False), ("tiny", True)]
+    assert ([(r["size"], r["grad_checkpointing"]) for r in report["results"]]
+            == [("tiny", False), ("tiny", True)])
     for r in report["results"]:
         assert r["completion_len"] == 8 and r["rows_trained"] == 4  # runs to max_new_tokens, every row trains
         assert 0 < r["prompt_tokens"] <= r["prompt_len"]  # the one prompt's real tokens
-        assert r["train_tokens"] == 2 * r["prompt_tokens"] + 4 * 8  # 2 micro-batches of 2 rows, each its prompt once
+        # 2 micro-batches of 2 rows, each its prompt once
+        assert r["train_tokens"] == 2 * r["prompt_tokens"] + 4 * 8
         assert r["generate_s"] > 0 and r["train_s"] > 0 and 0 < r["mfu_step"] < 1
     assert report["skipped"] == [] and "| size | grad ckpt |" in proc.stdout
 
 
 def test_fast_vs_plain_prints_both_paths_for_decoding_and_the_update():
-    proc = subprocess.run([sys.executable, "benchmarks/fast_vs_plain.py", "--model", "tiny-qwen2", "--reps", "1"],
+    proc = subprocess.run([sys.executable, "benchmarks/fast_vs_plain.py", "--model", "tiny-qwen2",
+                           "--reps", "1"],
                           cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     line = next(line for line in proc.stdout.splitlines() if line.startswith("fp32: "))

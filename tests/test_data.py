@@ -26,11 +26,13 @@ def test_arithmetic_is_deterministic_with_disjoint_splits(level):
 def test_arith_mix_balances_levels_and_holds_out_300_stratified_problems():
     train, test = load_problems("arith-mix", "train"), load_problems("arith-mix", "test")
     assert not set(train) & set(test)  # each level keeps its own train/test split
-    assert len(test) == 20 + 16 + 3 * 100 and {p.level for p in test} == set(LEVELS)  # small levels whole, others 100
+    # small levels whole, others 100
+    assert len(test) == 20 + 16 + 3 * 100 and {p.level for p in test} == set(LEVELS)
     for level in LEVELS:
         assert set(p for p in test if p.level == level) <= set(load_problems(f"arith-{level}", "test"))
     first = [p.level for p in train[: 10 * len(LEVELS)]]
-    assert all(first.count(level) == 10 for level in LEVELS)  # a random prompt is equally likely from each level
+    # a random prompt is equally likely from each level
+    assert all(first.count(level) == 10 for level in LEVELS)
     assert load_eval_problems("arith-mix") == test
     assert {p.level for p in test[:64]} == set(LEVELS)  # train.py's --eval-size prefix is stratified too
 
@@ -42,9 +44,11 @@ def write(tmp_path, lines: list[str]) -> Path:
 
 
 def test_gsm8k_and_math_forms(tmp_path):
-    path = write(tmp_path, [json.dumps({"question": "2 apples and 1,000 more?", "answer": "2 + 1000\n#### 1,002"}), "",
+    path = write(tmp_path, [json.dumps({"question": "2 apples and 1,000 more?",
+                                        "answer": "2 + 1000\n#### 1,002"}), "",
                             json.dumps({"problem": "Half of 1?", "answer": "\\frac{1}{2}", "level": 2}),
-                            json.dumps({"question": "Twice?", "answer": "#### 3 is wrong\n#### 4"})])  # the last ####
+                            # the last ####
+                            json.dumps({"question": "Twice?", "answer": "#### 3 is wrong\n#### 4"})])
     problems = load_problems(str(path), "all")
     assert [p.answer for p in problems] == ["1002", "\\frac{1}{2}", "4"]
     assert problems[0].question.startswith("2 apples") and "\\boxed{}" in problems[0].question

@@ -14,8 +14,8 @@ from verifier import per_completion
 
 
 @pytest.mark.parametrize("n, c, k, expected", [
-    (5, 0, 1, 0.0), (5, 5, 3, 1.0), (5, 1, 1, 0.2), (5, 2, 2, 1 - 3 / 10), (10, 3, 5, 1 - comb(7, 5) / comb(10, 5)),
-    (8, 4, 8, 1.0), (8, 1, 4, 0.5),
+    (5, 0, 1, 0.0), (5, 5, 3, 1.0), (5, 1, 1, 0.2), (5, 2, 2, 1 - 3 / 10),
+    (10, 3, 5, 1 - comb(7, 5) / comb(10, 5)), (8, 4, 8, 1.0), (8, 1, 4, 0.5),
 ])
 def test_pass_at_k_hand_values(n, c, k, expected):
     assert pass_at_k(n, c, k) == pytest.approx(expected)
@@ -32,7 +32,8 @@ def test_evaluate_scores_known_completions(monkeypatch):
 
     def fake_sample(model, tokenizer, questions, group_size, max_new_tokens, temperature, fast=True):
         n = len(questions) * group_size
-        return Rollout(torch.zeros(n, 1), torch.ones(n, 1), torch.ones(n, 1), texts[:n], torch.zeros(n, dtype=torch.bool))
+        return Rollout(torch.zeros(n, 1), torch.ones(n, 1), torch.ones(n, 1), texts[:n],
+                       torch.zeros(n, dtype=torch.bool))
 
     monkeypatch.setattr(evaluation, "sample", fake_sample)
     problems = [Problem("What is 7 * 8?", "56", "mul1"), Problem("What is 10 * 100?", "1000", "mul3")]
@@ -41,7 +42,8 @@ def test_evaluate_scores_known_completions(monkeypatch):
     assert result["accuracy_by_level"] == {"mul1": 0.5, "mul3": 0.75}
     assert result["pass_at_k"][1] == pytest.approx((0.5 + 0.75) / 2)
     assert result["pass_at_k"][4] == 1.0
-    assert [r["extracted"] for r in result["records"][:3]] == ["7 * 8 = 56", "56", "54"]  # an equation states its right side
+    # an equation states its right side
+    assert [r["extracted"] for r in result["records"][:3]] == ["7 * 8 = 56", "56", "54"]
     assert [r["correct"] for r in result["records"]] == [True, True, False, False, True, True, True, False]
 
 
@@ -59,20 +61,23 @@ def test_evaluate_counts_only_full_reward_as_correct_and_reports_pass_at_every_n
 
 
 def test_cli_on_tiny_model_writes_outputs(tmp_path, capsys):
-    summary = evaluation.main(["--model", "tiny-qwen2", "tiny-qwen2", "--dataset", "arith-add1", "--limit", "3",
-                               "--samples", "2", "--max-new-tokens", "4", "--out", str(tmp_path)])
+    summary = evaluation.main(["--model", "tiny-qwen2", "tiny-qwen2", "--dataset", "arith-add1",
+                               "--limit", "3", "--samples", "2", "--max-new-tokens", "4",
+                               "--out", str(tmp_path)])
     assert summary["tiny-qwen2"]["problems"] == 3
     written = json.loads((tmp_path / "summary.json").read_text())
     assert written["models"]["tiny-qwen2"]["samples"] == 2
     rows = [json.loads(line) for line in (tmp_path / "samples-tiny-qwen2.jsonl").read_text().splitlines()]
-    assert len(rows) == 6 and set(rows[0]) == {"question", "level", "completion", "extracted", "gold", "reward", "correct"}
+    assert len(rows) == 6 and set(rows[0]) == {"question", "level", "completion", "extracted", "gold",
+                                               "reward", "correct"}
     assert "mean@2" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("argv, message", [
     (["--dataset", "missing.jsonl"], "not found"),
     (["--model", "no-such-model", "--dataset", "arith-add1"], "unknown model"),
-    (["--dataset", "arith-add1", "--samples", "2", "--temperature", "0", "--model", "tiny-qwen2"], "temperature"),
+    (["--dataset", "arith-add1", "--samples", "2", "--temperature", "0", "--model", "tiny-qwen2"],
+     "temperature"),
 ])
 def test_cli_errors_are_one_line(argv, message, capsys):
     with pytest.raises(SystemExit) as info:
@@ -83,7 +88,8 @@ def test_cli_errors_are_one_line(argv, message, capsys):
 def test_cli_takes_the_reward_flag(tmp_path, monkeypatch):
     (tmp_path / "eval_test_rewards.py").write_text("def always_right(completion, gold):\n    return 1.0\n")
     monkeypatch.syspath_prepend(str(tmp_path))
-    summary = evaluation.main(["--model", "tiny-qwen2", "--dataset", "arith-mix", "--limit", "3", "--max-new-tokens", "2",
-                               "--reward", "eval_test_rewards:always_right"])
+    summary = evaluation.main(["--model", "tiny-qwen2", "--dataset", "arith-mix", "--limit", "3",
+                               "--max-new-tokens", "2", "--reward", "eval_test_rewards:always_right"])
     assert summary["tiny-qwen2"]["accuracy"] == 1.0
-    assert summary["tiny-qwen2"]["accuracy_by_level"] == {"add1": 1.0, "mul1": 1.0, "add2": 1.0}  # levels interleaved
+    # levels interleaved
+    assert summary["tiny-qwen2"]["accuracy_by_level"] == {"add1": 1.0, "mul1": 1.0, "add2": 1.0}

@@ -34,7 +34,8 @@ def test_paired_difference_of_identical_methods_is_exactly_zero():
 
 
 def test_paired_difference_recovers_a_known_shift():
-    """The second method answers 5 more hard problems per seed right: +0.1 overall, +1/6 on hard, 0 on easy."""
+    """The second method answers 5 more hard problems per seed right: +0.1 overall, +1/6 on hard, 0 on
+    easy."""
     base = synthetic_correct(np.random.default_rng(1), 1, 5)[0]  # [S, N]
     better = base.copy()
     for s in range(5):
@@ -54,8 +55,8 @@ def test_avspo_is_also_compared_with_its_ablation_paired():
     better = base.copy()
     for s in range(5):
         better[s, np.flatnonzero(base[s] == 0)[:5]] = 1
-    table = experiments.accuracy_table(np.stack([base, base, better]), LEVELS, ["grpo", "avspo-always", "avspo"],
-                                       resamples=2000)
+    table = experiments.accuracy_table(np.stack([base, base, better]), LEVELS,
+                                       ["grpo", "avspo-always", "avspo"], resamples=2000)
     against = table["avspo"]["delta_vs_ablation"]
     assert against["ablation"] == "avspo-always" and math.isclose(against["mean"], 5 / 50)
     assert 0 < against["ci"][0] <= 0.1 <= against["ci"][1]
@@ -63,8 +64,8 @@ def test_avspo_is_also_compared_with_its_ablation_paired():
 
 
 def test_bootstrap_ci_covers_the_true_accuracy():
-    """Over 100 synthetic experiments (5 seeds x 50 problems) the 95% CI covers the true accuracy >= 90% of the
-    time (the two-stage bootstrap counts the problem noise twice, so it errs on the wide side)."""
+    """Over 100 synthetic experiments (5 seeds x 50 problems) the 95% CI covers the true accuracy >= 90% of
+    the time (the two-stage bootstrap counts the problem noise twice, so it errs on the wide side)."""
     rng, truth, covered = np.random.default_rng(2), (20 * 0.8 + 30 * 0.3) / 50, 0
     for trial in range(100):
         boot = experiments.bootstrap_accuracy(synthetic_correct(rng, 1, 5), LEVELS, resamples=300, seed=trial)
@@ -100,14 +101,17 @@ def test_quick_pipeline_writes_every_number_and_figure(tmp_path):
     for name, row in table.items():
         assert len(row["per_seed"]) == 2  # two seeds
         assert set(row["by_level"]) == set(experiments.LEVELS)
-        for stat in [row["accuracy"], row["delta"], *row["by_level"].values(), *row["delta_by_level"].values()]:
+        for stat in [row["accuracy"], row["delta"], *row["by_level"].values(),
+                     *row["delta_by_level"].values()]:
             assert all(math.isfinite(v) for v in [stat["mean"], *stat["ci"], stat["half_width"]])
             assert stat["ci"][0] <= stat["mean"] <= stat["ci"][1]
         assert row["cost"]["gen_tokens"]["mean"] > 0 and row["cost"]["seconds"]["mean"] > 0
         assert (experiments.run_dir(tmp_path, name, 0) / "summary.json").exists()
-        assert set(row["collapse"]) - {"avspo_triggered"} == {"acr", "acr_effective", "acr_effective_last_quarter",
+        assert set(row["collapse"]) - {"avspo_triggered"} == {"acr", "acr_effective",
+                                                             "acr_effective_last_quarter",
                                                              "all_correct_frac", "all_wrong_frac"}
-        paired = [v for k, v in row["collapse"].items() if k != "avspo_triggered"] + list(row["cost"].values())
+        paired = ([v for k, v in row["collapse"].items() if k != "avspo_triggered"]
+                  + list(row["cost"].values()))
         for stat in paired:  # paired by seed with GRPO's (which has no trigger)
             assert stat["delta"]["ci"][0] <= stat["delta"]["mean"] <= stat["delta"]["ci"][1]
             assert name != "grpo" or stat["delta"]["ci"] == [0.0, 0.0]

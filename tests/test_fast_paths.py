@@ -1,6 +1,7 @@
 """Each fast path (decoding.py, packing.py) changes nothing it should not against the plain definition in
-model.py: same greedy tokens as HF `generate`, the same sampling distribution, the same log-probs and gradients
-as the plain pass, close log-probs from the bf16 sampling copy, and precision chosen from CPU flags."""
+model.py: same greedy tokens as HF `generate`, the same sampling distribution, the same log-probs and
+gradients as the plain pass, close log-probs from the bf16 sampling copy, and precision chosen from CPU
+flags."""
 
 import types
 
@@ -13,8 +14,8 @@ import packing
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, Qwen2ForCausalLM
 
 from decoding import DecodeCache, decode, decode_step, decode_weights, packed_linear
-from model import (accumulate_gradients, byte_tokenizer, completion_logprobs, copy_weights, load_model, next_tokens,
-                   resolve_precision, sample, sample_with_generate, tiny_qwen2, working_copy)
+from model import (accumulate_gradients, byte_tokenizer, completion_logprobs, copy_weights, load_model,
+                   next_tokens, resolve_precision, sample, sample_with_generate, tiny_qwen2, working_copy)
 from packing import TokenLogProbs
 
 QUESTIONS = ["2+3?", "What is 17 * 4?", "hi", "a"]  # different lengths: left padding is exercised
@@ -27,8 +28,9 @@ def tiny():
 
 
 def favour_eos(model, eos_token_id: int, bias: float | None) -> None:
-    """Give the output layer a bias of `bias` on the EOS logit (None removes it), so rows end at different steps
-    (a random model rarely ends). A bias, not a forward hook: decode_step runs the output layer's weights itself."""
+    """Give the output layer a bias of `bias` on the EOS logit (None removes it), so rows end at different
+    steps (a random model rarely ends). A bias, not a forward hook: decode_step runs the output layer's
+    weights itself."""
     if bias is None:
         model.lm_head.bias = None
         return
@@ -47,7 +49,8 @@ def eos_bias(tiny):
 
 @pytest.mark.parametrize("group_size", [1, 3])
 def test_greedy_decode_equals_hf_generate(tiny, eos_bias, group_size):
-    """Prefill once per prompt + repeated cache + dropping finished rows: token for token what generate gives."""
+    """Prefill once per prompt + repeated cache + dropping finished rows: token for token what generate
+    gives."""
     model, tokenizer = tiny
     eos_bias(0.4)
     fast = sample(model, tokenizer, QUESTIONS, group_size, 30, temperature=0)
@@ -84,8 +87,9 @@ def block_model(request):
     """The two block types decode_step writes out: Qwen2 (q/k/v biases, random here) and Llama (SmolLM2's)."""
     if request.param == "llama":
         tokenizer = byte_tokenizer()
-        config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                             num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
+        config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64,
+                             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                             tie_word_embeddings=True,
                              eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
         torch.manual_seed(1)
         model = LlamaForCausalLM(config)
@@ -101,7 +105,8 @@ def block_model(request):
 
 @torch.no_grad()
 def test_decode_step_logits_equal_the_transformers_forward(block_model):
-    """Step by step, left padding and a row leaving included: decode_step's logits = HF's forward with its cache."""
+    """Step by step, left padding and a row leaving included: decode_step's logits = HF's forward with its
+    cache."""
     model, tokenizer = block_model
     enc = tokenizer(QUESTIONS[:2], return_tensors="pt", padding=True, add_special_tokens=False)
     positions = (enc["attention_mask"].cumsum(1) - 1).clamp(min=0)
@@ -127,19 +132,22 @@ def test_decode_step_logits_equal_the_transformers_forward(block_model):
         tokens, position = expected.argmax(-1), position + 1
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])  # bf16: packed where oneDNN has bf16 kernels
+# bf16: packed where oneDNN has bf16 kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 3, 16, 40])
 def test_packed_linear_computes_what_f_linear_computes(dtype, rows):
     """Packed for 16 rows, right for any number of rows, with and without a bias."""
     torch.manual_seed(0)
-    weight, bias, x = torch.randn(96, 64).to(dtype), torch.randn(96).to(dtype), torch.randn(rows, 64).to(dtype)
+    weight, bias, x = (torch.randn(96, 64).to(dtype), torch.randn(96).to(dtype),
+                       torch.randn(rows, 64).to(dtype))
     for b in (None, bias):
         torch.testing.assert_close(packed_linear(weight, b, 16)(x), torch.nn.functional.linear(x, weight, b))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_packed_linear_under_autocast_computes_what_f_linear_computes(dtype):
-    """Under bf16 autocast, which a user may sample in: a float32 model and a bf16 one, both given bf16 inputs."""
+    """Under bf16 autocast, which a user may sample in: a float32 model and a bf16 one, both given bf16
+    inputs."""
     torch.manual_seed(0)
     weight, x = torch.randn(96, 64).to(dtype), torch.randn(3, 64).bfloat16()
     with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -193,9 +201,9 @@ def test_decoding_falls_back_to_f_linear_without_the_private_onednn_ops(tiny, eo
 
 @torch.no_grad()
 def test_every_decoding_step_samples_from_the_logits_of_a_full_forward(block_model, monkeypatch):
-    """The logits each token is drawn from = transformers' forward over the whole finished rows (left-padded prompt
-    + completion, positions counting real tokens), as completion_logprobs sees them: the loss's log-probs are those
-    of the distribution sampled from, at every step, not only the first."""
+    """The logits each token is drawn from = transformers' forward over the whole finished rows (left-padded
+    prompt + completion, positions counting real tokens), as completion_logprobs sees them: the loss's
+    log-probs are those of the distribution sampled from, at every step, not only the first."""
     model, tokenizer = block_model
     drawn_from, draw = [], decoding.next_tokens
 
@@ -208,7 +216,8 @@ def test_every_decoding_step_samples_from_the_logits_of_a_full_forward(block_mod
     rollout = sample(model, tokenizer, QUESTIONS, 2, 6)  # a random model does not end within 6 tokens
     assert rollout.completion_len == 6 and len(drawn_from) == 6 and rollout.truncated.all()
     ids, attention = rollout.input_ids, rollout.attention_mask
-    full = model(input_ids=ids, attention_mask=attention, position_ids=(attention.cumsum(1) - 1).clamp(min=0)).logits
+    full = model(input_ids=ids, attention_mask=attention,
+                 position_ids=(attention.cumsum(1) - 1).clamp(min=0)).logits
     prompt_len = ids.shape[1] - rollout.completion_len
     for t, logits in enumerate(drawn_from):  # token t was drawn from the output at the position before it
         torch.testing.assert_close(logits, full[:, prompt_len + t - 1], atol=1e-4, rtol=1e-4)
@@ -240,7 +249,8 @@ def test_other_architectures_decode_with_the_transformers_forward(monkeypatch):
     model.config.use_sliding_window = False
     monkeypatch.setattr(decoding, "decode_weights", lambda model, rows: None)
     fast = sample(model.eval(), tokenizer, QUESTIONS, 2, 10, temperature=0)
-    assert torch.equal(fast.input_ids, sample(model, tokenizer, QUESTIONS, 2, 10, temperature=0, fast=False).input_ids)
+    assert torch.equal(fast.input_ids,
+                       sample(model, tokenizer, QUESTIONS, 2, 10, temperature=0, fast=False).input_ids)
 
 
 def test_next_tokens_draws_from_softmax_over_temperature():
@@ -272,17 +282,20 @@ def test_next_tokens_greedy_and_never_a_zero_probability_token(monkeypatch):
     masked = torch.tensor([-float("inf"), 0.0, -float("inf"), 0.0]).expand(10_000, -1)
     assert set(next_tokens(masked, 1.0, 1.0).tolist()) == {1, 3}
     monkeypatch.setattr(torch, "rand", lambda *shape, device=None: torch.zeros(*shape, device=device))
-    assert next_tokens(masked[:1], 1.0, 1.0).item() == 1  # a uniform draw of exactly 0 (rare, possible): not token 0
+    # a uniform draw of exactly 0 (rare, possible): not token 0
+    assert next_tokens(masked[:1], 1.0, 1.0).item() == 1
 
 
 def test_decode_samples_first_tokens_from_the_models_distribution(tiny):
     """End to end: first completion tokens of many sampled rows follow exp(completion_logprobs)."""
     model, tokenizer = tiny
     torch.manual_seed(0)
-    temperature, n = 0.05, 4000  # a sharp distribution, so few tokens carry the mass and counts are informative
+    # a sharp distribution, so few tokens carry the mass and counts are informative
+    temperature, n = 0.05, 4000
     rollout = sample(model, tokenizer, ["hi"], n, 1, temperature=temperature)
-    probs = torch.softmax(model(**tokenizer(model_module.format_prompts(tokenizer, ["hi"]), return_tensors="pt",
-                                            add_special_tokens=False)).logits[0, -1] / temperature, 0)
+    probs = torch.softmax(model(**tokenizer(model_module.format_prompts(tokenizer, ["hi"]),
+                                            return_tensors="pt", add_special_tokens=False)).logits[0, -1]
+                          / temperature, 0)
     freq = torch.bincount(rollout.input_ids[:, -1], minlength=len(probs)).double() / n
     assert (freq - probs.double()).abs().sum() < 0.06  # total variation (x2) of a 4000-draw sample
     logp = completion_logprobs(model, rollout.input_ids[:8], rollout.attention_mask[:8], 1, temperature)
@@ -301,8 +314,8 @@ def test_sampled_decode_is_reproducible_for_a_seed(tiny):
 def test_sample_with_generate_reference_path_still_runs(tiny):
     model, tokenizer = tiny
     enc = tokenizer(["hi"], return_tensors="pt", add_special_tokens=False)
-    ids = sample_with_generate(model, enc["input_ids"], enc["attention_mask"], 3, 5, 1.0, 1.0, tokenizer.eos_token_id,
-                               tokenizer.pad_token_id)
+    ids = sample_with_generate(model, enc["input_ids"], enc["attention_mask"], 3, 5, 1.0, 1.0,
+                               tokenizer.eos_token_id, tokenizer.pad_token_id)
     assert ids.shape[0] == 3 and ids.shape[1] <= 5
 
 
@@ -327,7 +340,8 @@ def test_working_copy_is_bf16_follows_steps_and_matches_autocast_logprobs(tiny):
         with torch.autocast("cpu", dtype=torch.bfloat16):
             autocast_logp = completion_logprobs(model, *args)
         copy_logp = completion_logprobs(copy, *args)
-    assert (copy_logp - autocast_logp).abs().max() < 0.05  # bf16 rounding of activations, not a different model
+    # bf16 rounding of activations, not a different model
+    assert (copy_logp - autocast_logp).abs().max() < 0.05
 
 
 def test_accumulate_gradients_sums_micro_batches_in_float32_and_frees_the_bf16_ones(tiny):
@@ -338,7 +352,8 @@ def test_accumulate_gradients_sums_micro_batches_in_float32_and_frees_the_bf16_o
     rollout = sample(copy, tokenizer, QUESTIONS, 2, 8)
     grads = []
     for rows in (slice(0, 3), slice(3, None)):  # two micro-batches
-        logp = completion_logprobs(copy, rollout.input_ids[rows], rollout.attention_mask[rows], rollout.completion_len)
+        logp = completion_logprobs(copy, rollout.input_ids[rows], rollout.attention_mask[rows],
+                                   rollout.completion_len)
         (logp * rollout.completion_mask[rows]).sum().backward()
         grads.append([p.grad.clone() for p in copy.parameters()])
         accumulate_gradients(copy, into=model)
@@ -351,8 +366,8 @@ def test_accumulate_gradients_sums_micro_batches_in_float32_and_frees_the_bf16_o
 
 
 @pytest.mark.parametrize("flags,expected", [({"avx2"}, "fp32"), ({"avx2", "avx512f"}, "fp32"),
-                                            ({"avx2", "avx512f", "avx512_bf16"}, "bf16"), ({"amx_bf16"}, "bf16"),
-                                            (set(), "fp32")])
+                                            ({"avx2", "avx512f", "avx512_bf16"}, "bf16"),
+                                            ({"amx_bf16"}, "bf16"), (set(), "fp32")])
 def test_resolve_precision_auto_uses_bf16_only_with_native_bf16(monkeypatch, flags, expected):
     monkeypatch.setattr(model_module, "cpu_features", lambda: flags)
     assert resolve_precision("auto", torch.device("cpu")) == expected
@@ -363,11 +378,13 @@ def test_resolve_precision_auto_uses_bf16_only_with_native_bf16(monkeypatch, fla
 
 def test_cpu_features_reads_this_machines_flags():
     features = model_module.cpu_features()
-    assert isinstance(features, set) and features <= {"avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile"}
+    assert isinstance(features, set) and features <= {"avx2", "avx512f", "avx512_bf16", "amx_bf16",
+                                                      "amx_tile"}
 
 
 def packed_and_plain(model, ids, attn, completion_len, temperature=0.7):
-    """(log-probs, gradients) of the sum of the real tokens' log-probs, by the plain definition then the packed pass."""
+    """(log-probs, gradients) of the sum of the real tokens' log-probs, by the plain definition then the
+    packed pass."""
     results = []
     for fast in (False, True):
         model.zero_grad()
@@ -377,17 +394,20 @@ def packed_and_plain(model, ids, attn, completion_len, temperature=0.7):
     return results
 
 
-@pytest.mark.parametrize("micro_rows", [slice(0, 8), slice(2, 7), [5, 0, 6, 1]])  # whole groups, cut groups, mixed
+# whole groups, cut groups, mixed
+@pytest.mark.parametrize("micro_rows", [slice(0, 8), slice(2, 7), [5, 0, 6, 1]])
 def test_packed_logprobs_and_gradients_equal_the_plain_pass(block_model, micro_rows):
-    """One packed stream (each distinct prompt once, no padding, attention per segment): the same log-probs and
-    gradients as one plain pass over the padded rows, 0 after each row's EOS; rows of two prompts in any order,
-    and a row whose first token is EOS (no completion token to feed in); Qwen2 with q/k/v biases, and Llama."""
+    """One packed stream (each distinct prompt once, no padding, attention per segment): the same log-probs
+    and gradients as one plain pass over the padded rows, 0 after each row's EOS; rows of two prompts in any
+    order, and a row whose first token is EOS (no completion token to feed in); Qwen2 with q/k/v biases, and
+    Llama."""
     model, tokenizer = block_model
     model = model_module.copy.deepcopy(model).train()
     torch.manual_seed(0)
     rollout = sample(model, tokenizer, QUESTIONS[:2], 4, 10)  # 2 prompts of different lengths x 4
     assert rollout.completion_len == 10  # random weights never emit EOS: every row has 10 columns to cut
-    lengths = torch.tensor([10, 2, 7, 4, 10, 1, 5, 8])  # completions cut as if EOS came there: rows end at 1..10
+    # completions cut as if EOS came there: rows end at 1..10
+    lengths = torch.tensor([10, 2, 7, 4, 10, 1, 5, 8])
     completion_mask = (torch.arange(10)[None, :] < lengths[:, None]).long()[micro_rows]  # [n, 10]
     ids, attn = rollout.input_ids[micro_rows], rollout.attention_mask[micro_rows].clone()
     attn[:, -10:] = completion_mask
@@ -401,9 +421,10 @@ def test_packed_logprobs_and_gradients_equal_the_plain_pass(block_model, micro_r
 
 @pytest.mark.parametrize("tied", [True, False])
 def test_packed_embedding_gradient_is_dense_and_skips_the_padding_token(tied):
-    """SmolLM2's pad token is its EOS, <|im_end|>, which the chat template puts in every prompt: nn.Embedding gives
-    that row no gradient from the input side (padding_idx), and the packed pass must not either. Tied to the output
-    layer or not, the embedding's gradient reaches the optimizer dense (fused AdamW takes no sparse one)."""
+    """SmolLM2's pad token is its EOS, <|im_end|>, which the chat template puts in every prompt: nn.Embedding
+    gives that row no gradient from the input side (padding_idx), and the packed pass must not either. Tied to
+    the output layer or not, the embedding's gradient reaches the optimizer dense (fused AdamW takes no sparse
+    one)."""
     model, tokenizer = tiny_qwen2()
     model.config.tie_word_embeddings, model.config.pad_token_id = tied, tokenizer.eos_token_id
     torch.manual_seed(0)
@@ -411,7 +432,8 @@ def test_packed_embedding_gradient_is_dense_and_skips_the_padding_token(tied):
     tokenizer.padding_side = "left"
     rollout = sample(model, tokenizer, QUESTIONS[:2], 4, 6)
     ids, attn, prompt_len = rollout.input_ids, rollout.attention_mask, -rollout.completion_len
-    assert (ids[:, :prompt_len][attn[:, :prompt_len].bool()] == tokenizer.eos_token_id).any()  # a real input token
+    # a real input token
+    assert (ids[:, :prompt_len][attn[:, :prompt_len].bool()] == tokenizer.eos_token_id).any()
     (plain, plain_grads), (packed, packed_grads) = packed_and_plain(model, ids, attn, rollout.completion_len)
     assert torch.allclose(plain, packed, atol=1e-5)
     for g_plain, g_packed in zip(plain_grads, packed_grads):
@@ -423,8 +445,8 @@ def test_packed_embedding_gradient_is_dense_and_skips_the_padding_token(tied):
 
 
 def test_packed_logprobs_with_gradient_checkpointing_equal_the_plain_pass(tiny, monkeypatch):
-    """--grad-checkpointing wraps each packed block in torch's checkpoint (recomputed in backward): same log-probs and
-    gradients as without it, and as the plain path."""
+    """--grad-checkpointing wraps each packed block in torch's checkpoint (recomputed in backward): same
+    log-probs and gradients as without it, and as the plain path."""
     model, tokenizer = tiny
     model = model_module.copy.deepcopy(model).train()
     torch.manual_seed(3)
@@ -449,8 +471,8 @@ def test_packed_logprobs_with_gradient_checkpointing_equal_the_plain_pass(tiny, 
 
 @pytest.mark.parametrize("bf16", ["working copy", "autocast"])
 def test_packed_logprobs_in_bf16_are_as_close_to_fp32_as_the_plain_pass(tiny, bf16):
-    """bf16 rounds differently along the two paths; each stays as close to the float32 log-probs as the other. On
-    train.py's bf16 working copy, and under autocast (a user's float32 model)."""
+    """bf16 rounds differently along the two paths; each stays as close to the float32 log-probs as the other.
+    On train.py's bf16 working copy, and under autocast (a user's float32 model)."""
     model, tokenizer = tiny
     torch.manual_seed(4)
     rollout = sample(model, tokenizer, QUESTIONS[:2], 4, 10)
@@ -460,14 +482,15 @@ def test_packed_logprobs_in_bf16_are_as_close_to_fp32_as_the_plain_pass(tiny, bf
     with torch.no_grad():
         exact = completion_logprobs(model, *args, fast=False)[mask]
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16 == "autocast"):
-            errors = [(completion_logprobs(net, *args, fast=fast)[mask] - exact).abs().max() for fast in (False, True)]
+            errors = [(completion_logprobs(net, *args, fast=fast)[mask] - exact).abs().max()
+                      for fast in (False, True)]
     assert 0 < errors[1] < 2 * errors[0] + 1e-3, errors
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_segment_attention_written_out_equals_sdpa(dtype):
-    """The written-out attention (CPU) against torch's SDPA (what CUDA runs), GQA with 3 query heads per kv head,
-    values and gradients; a query slot that may attend to only its first key as well."""
+    """The written-out attention (CPU) against torch's SDPA (what CUDA runs), GQA with 3 query heads per kv
+    head, values and gradients; a query slot that may attend to only its first key as well."""
     torch.manual_seed(0)
     q, k, v = (torch.randn(2, *shape, 8).to(dtype).requires_grad_() for shape in ((5, 6), (7, 2), (7, 2)))
     attend = torch.rand(2, 1, 5, 7) < 0.5
@@ -475,7 +498,8 @@ def test_segment_attention_written_out_equals_sdpa(dtype):
     results = []
     for fused in (False, True):
         out = packing.segment_attention(q, k, v, attend, 0.3, fused)
-        grads = torch.autograd.grad((out.float() * torch.linspace(-1, 1, out.numel()).view_as(out)).sum(), (q, k, v))
+        grads = torch.autograd.grad((out.float() * torch.linspace(-1, 1, out.numel()).view_as(out)).sum(),
+                                    (q, k, v))
         results.append((out, grads))
     (written, written_grads), (sdpa, sdpa_grads) = results
     assert written.shape == (10, 48)
@@ -486,8 +510,9 @@ def test_segment_attention_written_out_equals_sdpa(dtype):
 
 
 def test_pack_rows_streams_each_prompt_once_and_each_completion_but_its_last_token():
-    """Prompts [1 2 3] (left-padded) and [4 5]; completions of 3, 1 and 2 tokens: 3 + 2 prompt tokens and 2 + 0 + 1
-    completion tokens, 8 in all, then 8 dummies; each target is predicted by the token before it in its own row."""
+    """Prompts [1 2 3] (left-padded) and [4 5]; completions of 3, 1 and 2 tokens: 3 + 2 prompt tokens and
+    2 + 0 + 1 completion tokens, 8 in all, then 8 dummies; each target is predicted by the token before it in
+    its own row."""
     ids = torch.tensor([[1, 2, 3, 7, 8, 9], [1, 2, 3, 6, 0, 0], [0, 4, 5, 7, 8, 0]])
     attn = torch.tensor([[1, 1, 1, 1, 1, 1], [1, 1, 1, 1, 0, 0], [0, 1, 1, 1, 1, 0]])
     rows = packing.pack_rows(ids, attn, 3)
@@ -496,36 +521,43 @@ def test_pack_rows_streams_each_prompt_once_and_each_completion_but_its_last_tok
     assert rows.targets.tolist()[: rows.num_targets] == [7, 8, 9, 6, 7, 8] and len(rows.targets) == 16
     assert rows.predictors.tolist()[: rows.num_targets] == [2, 3, 4, 2, 6, 7]
     keys = [[k for k in segment if k < 16] for segment in rows.key_slots.tolist()]
-    assert keys == [[0, 1, 2], [0, 1, 2, 3, 4], [5, 6], [5, 6, 7]]  # a prompt; row 0; a prompt; row 2 (row 1: none)
+    # a prompt; row 0; a prompt; row 2 (row 1: none)
+    assert keys == [[0, 1, 2], [0, 1, 2, 3, 4], [5, 6], [5, 6, 7]]
     row_0 = rows.attend[1, 0, :, :5].tolist()  # its 2 queries, then an empty slot (the longest segment has 3)
-    assert row_0 == [[True, True, True, True, False], [True] * 5, [True] + [False] * 4]  # causal; empty: one key
+    # causal; empty: one key
+    assert row_0 == [[True, True, True, True, False], [True] * 5, [True] + [False] * 4]
     assert (rows.output_slots[8:] == rows.output_slots.max()).all()  # dummies take the empty output slot
 
 
 def test_completion_logprobs_packs_written_out_blocks_only(tiny, monkeypatch):
-    """The Llama/Qwen2 block runs packed (transformers' forward is never called); another block runs its own forward."""
+    """The Llama/Qwen2 block runs packed (transformers' forward is never called); another block runs its own
+    forward."""
     model, tokenizer = tiny
     rollout = sample(model, tokenizer, QUESTIONS[:2], 2, 4)
     calls = []
     hook = model.model.register_forward_hook(lambda *_: calls.append(1))
     try:
         with torch.no_grad():
-            packed = completion_logprobs(model, rollout.input_ids, rollout.attention_mask, rollout.completion_len)
+            packed = completion_logprobs(model, rollout.input_ids, rollout.attention_mask,
+                                         rollout.completion_len)
             assert calls == []
             monkeypatch.setattr(packing, "writes_out_block", lambda config: False)
-            plain = completion_logprobs(model, rollout.input_ids, rollout.attention_mask, rollout.completion_len)
+            plain = completion_logprobs(model, rollout.input_ids, rollout.attention_mask,
+                                        rollout.completion_len)
             assert calls == [1]
     finally:
         hook.remove()
     torch.testing.assert_close(packed, plain, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("tied", [False, True])  # tied: the embedding's sparse gradient is added into the dense one
+# tied: the embedding's sparse gradient is added into the dense one
+@pytest.mark.parametrize("tied", [False, True])
 def test_packed_gradients_are_the_same_every_time(tied):
     """Bitwise, over repeated backward passes: the G rows of a group share one predictor (their prompt's last
-    token), and gathering it with tensor indexing made CPU backward add the G gradients into it in a thread-dependent
-    order (fp32 runs of train.py parted after a few steps). One group, as in a micro-batch of train.py: its rows
-    then lie in both halves of the stream that two threads split; sizes large enough for the backward to thread."""
+    token), and gathering it with tensor indexing made CPU backward add the G gradients into it in a
+    thread-dependent order (fp32 runs of train.py parted after a few steps). One group, as in a micro-batch of
+    train.py: its rows then lie in both halves of the stream that two threads split; sizes large enough for
+    the backward to thread."""
     config = LlamaConfig(vocab_size=320, hidden_size=256, intermediate_size=512, num_hidden_layers=1,
                          num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=tied)
     torch.manual_seed(0)
@@ -555,18 +587,21 @@ def test_packed_rows_tell_prompts_apart_by_mask_too(tiny):
 @pytest.mark.parametrize("fast", [False, True])
 def test_logprobs_equal_the_textbook_definition_over_a_full_forward(tiny, fast):
     """log_softmax(logits / T) at the targets, from the logits of every position of a full forward: the plain
-    definition (logits of the completion positions only) and the packed pass (its stream rounded up to a multiple
-    of 16 with dummy tokens, which must change no real token's log-prob)."""
+    definition (logits of the completion positions only) and the packed pass (its stream rounded up to a
+    multiple of 16 with dummy tokens, which must change no real token's log-prob)."""
     model, tokenizer = tiny
     torch.manual_seed(1)
     rollout = sample(model, tokenizer, QUESTIONS[:2], 3, 7)
-    ids, attn = model_module.trim_padding(rollout.input_ids, rollout.attention_mask, rollout.completion_mask)[:2]
+    ids, attn = model_module.trim_padding(rollout.input_ids, rollout.attention_mask,
+                                          rollout.completion_mask)[:2]
     c = rollout.completion_len
     streamed = model_module.real_tokens(ids, attn, c) - len(ids)  # each row's last token predicts nothing
     assert streamed % 16 != 0 and len(packing.pack_rows(ids, attn, c).tokens) % 16 == 0  # dummies to add
     with torch.no_grad():
-        logits = model(input_ids=ids, attention_mask=attn, position_ids=(attn.cumsum(1) - 1).clamp(min=0)).logits
-        direct = torch.log_softmax(logits[:, -c - 1:-1].float() / 0.8, -1).gather(2, ids[:, -c:, None]).squeeze(2)
+        logits = model(input_ids=ids, attention_mask=attn,
+                       position_ids=(attn.cumsum(1) - 1).clamp(min=0)).logits
+        direct = (torch.log_softmax(logits[:, -c - 1:-1].float() / 0.8, -1)
+                  .gather(2, ids[:, -c:, None]).squeeze(2))
         logp = completion_logprobs(model, ids, attn, c, temperature=0.8, fast=fast)
     assert logp.shape == direct.shape
     mask = rollout.completion_mask.bool()
@@ -580,7 +615,8 @@ def test_output_layer_sees_the_real_completion_tokens_rounded_up_to_a_multiple_o
     rollout = sample(model, tokenizer, QUESTIONS[:2], 3, 7)
     assert rollout.completion_len == 7  # random weights never emit EOS: every row has 7 columns to cut
     attn = rollout.attention_mask.clone()
-    attn[:, -7:] = (torch.arange(7)[None, :] < torch.tensor([7, 1, 3, 7, 2, 5])[:, None]).long()  # 25 real tokens
+    # 25 real tokens
+    attn[:, -7:] = (torch.arange(7)[None, :] < torch.tensor([7, 1, 3, 7, 2, 5])[:, None]).long()
     rows = []
     hook = model.lm_head.register_forward_hook(lambda module, args, out: rows.append(args[0].shape[0]))
     try:
@@ -631,14 +667,16 @@ def test_token_logprobs_keep_every_buffer_on_the_logits_device():
 
 
 def test_other_blocks_take_fast_logprobs_from_their_own_forward(tiny, monkeypatch):
-    """A block packed_states does not write out: its own forward, logits at the real completion tokens only, the
-    log-softmax by TokenLogProbs; the same log-probs and gradients as the plain definition, 0 after EOS."""
+    """A block packed_states does not write out: its own forward, logits at the real completion tokens only,
+    the log-softmax by TokenLogProbs; the same log-probs and gradients as the plain definition, 0 after
+    EOS."""
     model, tokenizer = tiny
     model = model_module.copy.deepcopy(model)
     torch.manual_seed(0)
     rollout = sample(model, tokenizer, QUESTIONS[:2], 3, 6)
     attn = rollout.attention_mask.clone()
-    attn[:, -6:] = (torch.arange(6)[None, :] < torch.tensor([6, 1, 3, 6, 2, 5])[:, None]).long()  # rows end early
+    # rows end early
+    attn[:, -6:] = (torch.arange(6)[None, :] < torch.tensor([6, 1, 3, 6, 2, 5])[:, None]).long()
     monkeypatch.setattr(packing, "writes_out_block", lambda config: False)
     token_logprobs_rows, apply = [], TokenLogProbs.apply
     monkeypatch.setattr(TokenLogProbs, "apply", lambda logits, *a: token_logprobs_rows.append(len(logits))
@@ -656,8 +694,8 @@ def test_decode_pads_prompts_to_a_multiple_of_16_for_its_prefill(tiny):
     rollout keeps the tokenizer's own prompt columns, as sampling with generate does."""
     model, tokenizer = tiny
     widths = []
-    hook = model.register_forward_pre_hook(lambda module, args, kwargs: widths.append(kwargs["input_ids"].shape[1]),
-                                           with_kwargs=True)
+    hook = model.register_forward_pre_hook(
+        lambda module, args, kwargs: widths.append(kwargs["input_ids"].shape[1]), with_kwargs=True)
     try:
         rollout = sample(model, tokenizer, QUESTIONS, 2, 5)
     finally:
@@ -684,7 +722,8 @@ def test_sample_pads_prompts_on_the_left_whatever_the_tokenizer_says():
 
 
 def test_dataclass_parser_gives_a_true_bool_field_a_no_flag():
-    """A config field `fast: bool = arg(True, ...)` (train.py's way) is --fast/--no-fast; a False one stays --x."""
+    """A config field `fast: bool = arg(True, ...)` (train.py's way) is --fast/--no-fast; a False one
+    stays --x."""
     import dataclasses
 
     from common import arg, dataclass_parser

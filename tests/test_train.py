@@ -1,4 +1,5 @@
-"""The training loop on the tiny random Qwen2 model: loss, masking, gradients, resume, torchrun, end to end."""
+"""The training loop on the tiny random Qwen2 model: loss, masking, gradients, resume, torchrun, end to
+end."""
 
 import json
 import os
@@ -13,8 +14,8 @@ import torch
 
 import train
 from advantage import avspo_advantages, grpo_advantages
-from common import (arg, collapse_warning, dataclass_parser, early_steps, find_checkpoint, group_map, read_jsonl,
-                    start_logs, step_metrics, write_jsonl)
+from common import (arg, collapse_warning, dataclass_parser, early_steps, find_checkpoint, group_map,
+                    read_jsonl, start_logs, step_metrics, write_jsonl)
 from data.tasks import Problem, step_problems
 from model import completion_logprobs, completion_mask_from_eos, load_model, sample, working_copy
 
@@ -36,10 +37,12 @@ def rollout(tiny):
 
 
 def run_update(tiny, rollout, advantages, fused=True, **overrides):
-    """One update_policy call on a fresh copy of the tiny model; returns (stats, weights before, weights after)."""
+    """One update_policy call on a fresh copy of the tiny model; returns (stats, weights before, weights
+    after)."""
     model, _ = load_model("tiny-qwen2", torch.device("cpu"))
     args = train.Args(**{"micro_batch": 3, **overrides})  # 3 does not divide 8 rows: uneven micro-batches
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.0, fused=fused)  # fused: as train.py
+    # fused: as train.py
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.0, fused=fused)
     before = [p.detach().clone() for p in model.parameters()]
     stats = train.update_policy(model, model, optimizer, rollout, advantages, None, args)
     return stats, before, [p.detach() for p in model.parameters()]
@@ -47,8 +50,10 @@ def run_update(tiny, rollout, advantages, fused=True, **overrides):
 
 def test_ratio_is_one_and_gradient_is_reinforce():
     logp = torch.randn(3, 5, requires_grad=True)
-    advantages, mask = torch.tensor([1.0, -0.5, 0.0]), torch.tensor([[1, 1, 1, 0, 0], [1] * 5, [1, 1, 0, 0, 0]])
-    loss, _ = train.policy_loss(logp, logp.detach(), None, advantages, mask, **LOSS, num_tokens=int(mask.sum()))
+    advantages, mask = (torch.tensor([1.0, -0.5, 0.0]),
+                        torch.tensor([[1, 1, 1, 0, 0], [1] * 5, [1, 1, 0, 0, 0]]))
+    loss, _ = train.policy_loss(logp, logp.detach(), None, advantages, mask, **LOSS,
+                                num_tokens=int(mask.sum()))
     (grad,) = torch.autograd.grad(loss, logp)
     reinforce = -(advantages[:, None] * logp * mask).sum() / mask.sum()
     (expected,) = torch.autograd.grad(reinforce, logp)
@@ -68,10 +73,11 @@ def test_kl_is_zero_against_itself_and_positive_otherwise():
 
 
 def test_kl_is_k3_whose_mean_over_the_policys_samples_is_kl_to_the_reference():
-    """k3 = r - 1 - log r, r = pi_ref / pi (Schulman, 2020), per token: weighted by the policy's probabilities of
-    sampling each token, it sums to KL(pi || pi_ref) exactly; with r = pi / pi_ref it would not."""
+    """k3 = r - 1 - log r, r = pi_ref / pi (Schulman, 2020), per token: weighted by the policy's probabilities
+    of sampling each token, it sums to KL(pi || pi_ref) exactly; with r = pi / pi_ref it would not."""
     torch.manual_seed(0)
-    logp, ref_logp = torch.log_softmax(torch.randn(6), 0), torch.log_softmax(torch.randn(6), 0)  # pi, pi_ref [V]
+    # pi, pi_ref [V]
+    logp, ref_logp = torch.log_softmax(torch.randn(6), 0), torch.log_softmax(torch.randn(6), 0)
     loss_args = dict(clip_low=0.2, clip_high=0.2, beta=0.1, num_tokens=1)
     k3 = [train.policy_loss(logp[v].view(1, 1), logp[v].view(1, 1), ref_logp[v].view(1, 1), torch.zeros(1),
                             torch.ones(1, 1), **loss_args)[1] for v in range(6)]  # one sampled token each
@@ -80,8 +86,8 @@ def test_kl_is_k3_whose_mean_over_the_policys_samples_is_kl_to_the_reference():
 
 
 def test_step_metrics_describe_the_whole_batch():
-    """Groups all-correct, mixed (partial credit 0.5 is not correct), all-wrong (G=2); completions of 1, 2, 3, 4, 1
-    and 1 tokens, two truncated."""
+    """Groups all-correct, mixed (partial credit 0.5 is not correct), all-wrong (G=2); completions of
+    1, 2, 3, 4, 1 and 1 tokens, two truncated."""
     rewards = torch.tensor([[1.0, 1.0], [0.5, 1.0], [0.0, 0.0]])  # [B, G]
     lengths = torch.tensor([1, 2, 3, 4, 1, 1])
     completion_mask = (torch.arange(4)[None, :] < lengths[:, None]).long()  # [N, C]
@@ -92,12 +98,14 @@ def test_step_metrics_describe_the_whole_batch():
     assert (m["reward_mean"], m["accuracy"]) == (pytest.approx(3.5 / 6), 0.5)
     assert m["acr"] == m["acr_effective"] == pytest.approx(2 / 3)
     assert m["all_correct_frac"] == m["all_wrong_frac"] == pytest.approx(1 / 3)
-    assert (m["completion_len"], m["truncated_frac"]) == (2.0, pytest.approx(1 / 3))  # per completion, not per group
+    # per completion, not per group
+    assert (m["completion_len"], m["truncated_frac"]) == (2.0, pytest.approx(1 / 3))
     assert (m["gen_tokens"], m["gen_tokens_per_s"], m["time_score"]) == (12, 6.0, 0.5)
 
 
 def test_resampling_rounds_draw_other_prompts():
-    """DAPO's rounds of a step draw other prompts than its first round (and than each other), the same every time."""
+    """DAPO's rounds of a step draw other prompts than its first round (and than each other), the same every
+    time."""
     problems = [Problem(f"What is {i} + 1?", str(i + 1), "add1") for i in range(50)]
     for step in (1, 2, 3):
         rounds = [[p.question for p in step_problems(problems, 4, 0, step, round)] for round in range(3)]
@@ -142,7 +150,8 @@ def test_skipping_zero_advantage_rows_keeps_the_gradient(tiny, rollout):
     advantages = torch.tensor([0.0, 0.0, 0.0, 0.0, 1.5, -0.5, -0.5, -0.5])  # first group collapsed
     mask = rollout.completion_mask
     logp = completion_logprobs(model, rollout.input_ids, rollout.attention_mask, rollout.completion_len)
-    loss, _ = train.policy_loss(logp, logp.detach(), None, advantages, mask, **LOSS, num_tokens=int(mask.sum()))
+    loss, _ = train.policy_loss(logp, logp.detach(), None, advantages, mask, **LOSS,
+                                num_tokens=int(mask.sum()))
     expected = torch.autograd.grad(loss, list(model.parameters()))  # every row, no skipping, no trimming
     before = [p.detach().clone() for p in model.parameters()]
     sgd = torch.optim.SGD(model.parameters(), lr=1.0)  # weight change = -gradient
@@ -154,8 +163,8 @@ def test_skipping_zero_advantage_rows_keeps_the_gradient(tiny, rollout):
 
 
 def test_bf16_update_steps_the_float32_weights_and_the_working_copy_follows(rollout):
-    """--precision bf16: forward and backward on the bf16 copy, the step on the float32 weights, which move as the
-    float32 update moves them up to bf16 rounding; then the copy holds them, rounded."""
+    """--precision bf16: forward and backward on the bf16 copy, the step on the float32 weights, which move as
+    the float32 update moves them up to bf16 rounding; then the copy holds them, rounded."""
     advantages = torch.tensor([1.0, -1.0, 0.5, -0.5, 1.5, -0.5, -0.5, -0.5])
     deltas = {}
     for precision in ("fp32", "bf16"):
@@ -163,8 +172,10 @@ def test_bf16_update_steps_the_float32_weights_and_the_working_copy_follows(roll
         net = working_copy(model, precision)
         before = [p.detach().clone() for p in model.parameters()]
         sgd = torch.optim.SGD(model.parameters(), lr=1.0)  # weight change = -gradient
-        train.update_policy(model, net, sgd, rollout, advantages, None, train.Args(micro_batch=3, max_grad_norm=1e9))
-        deltas[precision] = torch.cat([(b - a.detach()).flatten() for b, a in zip(before, model.parameters())])
+        train.update_policy(model, net, sgd, rollout, advantages, None,
+                            train.Args(micro_batch=3, max_grad_norm=1e9))
+        deltas[precision] = torch.cat([(b - a.detach()).flatten()
+                                       for b, a in zip(before, model.parameters())])
         assert all(p.dtype == torch.float32 for p in model.parameters())
         assert all(p.grad is None for p in net.parameters())
         for p, q in zip(net.parameters(), model.parameters()):
@@ -188,11 +199,11 @@ def test_avspo_triggers_on_the_acr_of_groups_and_adapts_its_threshold_from_the_r
     would not trigger). The first step starts the reward average; as the reward rises the threshold rises by
     one step (intervene less), and it acts from the next step on."""
     args, state = train.Args(algo="avspo"), train.algo_state(train.Args(algo="avspo"))
-    _, log = train.compute_advantages(args, torch.tensor([[0.0, 0.0], [0.0, 0.0], [1.0, 0.0], [1.0, 0.0]]), state,
-                                      None)
+    _, log = train.compute_advantages(args, torch.tensor([[0.0, 0.0], [0.0, 0.0], [1.0, 0.0], [1.0, 0.0]]),
+                                      state, None)
     assert state["threshold"].value == 0.5 and not log["avspo_triggered"]  # ACR 0.5 is not above 0.5
-    _, log = train.compute_advantages(args, torch.tensor([[1.0, 1.0], [0.0, 0.0], [0.0, 0.0], [1.0, 0.0]]), state,
-                                      None)
+    _, log = train.compute_advantages(args, torch.tensor([[1.0, 1.0], [0.0, 0.0], [0.0, 0.0], [1.0, 0.0]]),
+                                      state, None)
     assert log["avspo_triggered"] and log["acr_threshold"] == 0.5 and log["virtual_samples"] == 3 * 2  # K = 2
     assert state["threshold"].value == pytest.approx(0.55)  # the reward rose from 0.25 to 0.375
 
@@ -208,12 +219,14 @@ def test_find_checkpoint_takes_the_old_one_when_a_save_stopped_between_renames(t
 
 
 def rollout_cut_at(prompt_ids: torch.Tensor, lengths: list[int], width: int = 5) -> train.Rollout:
-    """Prompts [N, P] (no padding) followed by `width` random completion tokens, row i's ending after lengths[i]."""
+    """Prompts [N, P] (no padding) followed by `width` random completion tokens, row i's ending after
+    lengths[i]."""
     n = len(prompt_ids)
     completion_mask = torch.tensor([[1] * k + [0] * (width - k) for k in lengths])  # [N, width]
     input_ids = torch.cat([prompt_ids, torch.randint(30, 200, (n, width))], dim=1)
     attention_mask = torch.cat([torch.ones_like(prompt_ids), completion_mask], dim=1)
-    return train.Rollout(input_ids, attention_mask, completion_mask, [""] * n, torch.zeros(n, dtype=torch.bool))
+    return train.Rollout(input_ids, attention_mask, completion_mask, [""] * n,
+                         torch.zeros(n, dtype=torch.bool))
 
 
 def test_micro_batches_hold_rows_of_similar_length(tiny, monkeypatch):
@@ -232,18 +245,19 @@ def test_micro_batches_hold_rows_of_similar_length(tiny, monkeypatch):
 
 
 def test_train_tokens_count_each_prompt_once_and_no_padding(tiny):
-    """Two prompts (6 and 4 real tokens, the second left-padded) x G=2, completions of 1, 5 | 2, 3 tokens, in one
-    micro-batch: trained tokens = 6 + 4 prompt tokens + 11 completion tokens, not the padded rectangle."""
-    rollout = rollout_cut_at(torch.tensor([[10] * 6, [10] * 6, [0, 0, 20, 21, 22, 23], [0, 0, 20, 21, 22, 23]]),
-                             [1, 5, 2, 3])
+    """Two prompts (6 and 4 real tokens, the second left-padded) x G=2, completions of 1, 5 | 2, 3 tokens, in
+    one micro-batch: trained tokens = 6 + 4 prompt tokens + 11 completion tokens, not the padded rectangle."""
+    rollout = rollout_cut_at(torch.tensor([[10] * 6, [10] * 6, [0, 0, 20, 21, 22, 23],
+                                           [0, 0, 20, 21, 22, 23]]), [1, 5, 2, 3])
     rollout.attention_mask[2:, :2] = 0  # the second prompt's left padding
     stats, _, _ = run_update(tiny, rollout, torch.tensor([1.0, -1.0, 0.5, -0.5]), micro_batch=4, group_size=2)
     assert stats["train_tokens"] == 6 + 4 + (1 + 5 + 2 + 3)
 
 
 def test_micro_batches_hold_one_prompts_rows(tiny, monkeypatch):
-    """Two prompts x G=2, lengths 5, 1 | 1, 5, micro-batches of 2: by length alone the two 1-token rows (one of each
-    prompt) would go together; each micro-batch holds one prompt's rows instead, so it runs one prompt pass."""
+    """Two prompts x G=2, lengths 5, 1 | 1, 5, micro-batches of 2: by length alone the two 1-token rows (one
+    of each prompt) would go together; each micro-batch holds one prompt's rows instead, so it runs one prompt
+    pass."""
     rollout = rollout_cut_at(torch.tensor([[10] * 6, [10] * 6, [20] * 6, [20] * 6]), [5, 1, 1, 5])
     prompts_per_pass, logprobs = [], train.completion_logprobs
 
@@ -288,7 +302,8 @@ def test_each_algorithm_runs_end_to_end(tmp_path):
         evals = [json.loads(line) for line in (tmp_path / algo / "evals.jsonl").read_text().splitlines()]
         assert [e["step"] for e in evals] == [0, 1, 2]
         assert (tmp_path / algo / "checkpoint" / "model" / "config.json").exists()
-        records = (tmp_path / algo / "eval_records.jsonl").read_text().splitlines()  # the final eval, per problem
+        # the final eval, per problem
+        records = (tmp_path / algo / "eval_records.jsonl").read_text().splitlines()
         assert len(records) == 4 and {"question", "gold", "correct"} <= set(json.loads(records[0]))
     assert "virtual_samples" in json.loads((tmp_path / "avspo" / "metrics.jsonl").read_text().splitlines()[0])
     assert "margin_mean" in json.loads((tmp_path / "aapo" / "metrics.jsonl").read_text().splitlines()[0])
@@ -306,14 +321,16 @@ def test_resume_reproduces_the_next_step(tmp_path, algo):
     rows = {}
     for run in ("straight", "resumed"):
         lines = (tmp_path / run / algo / "metrics.jsonl").read_text().splitlines()
-        rows[run] = [{k: v for k, v in json.loads(line).items() if not any(t in k for t in volatile)} for line in lines]
+        rows[run] = [{k: v for k, v in json.loads(line).items() if not any(t in k for t in volatile)}
+                     for line in lines]
     assert [r["step"] for r in rows["resumed"]] == [1, 2, 3]
     assert len(rows["resumed"]) == len(rows["straight"])
     for resumed, straight in zip(rows["resumed"], rows["straight"]):
         assert resumed == pytest.approx(straight)
 
 
-@pytest.mark.parametrize("last_step, kept_evals, kept_steps", [(0, [], []), (1, [0], [1]), (2, [0, 2], [1, 2])])
+@pytest.mark.parametrize("last_step, kept_evals, kept_steps",
+                         [(0, [], []), (1, [0], [1]), (2, [0, 2], [1, 2])])
 def test_logs_keep_what_the_checkpoint_covers_and_a_fresh_run_keeps_nothing(tmp_path, last_step, kept_evals,
                                                                              kept_steps):
     """A fresh run in the folder of an earlier one must not inherit its step-0 evaluation: the summary's
@@ -324,7 +341,8 @@ def test_logs_keep_what_the_checkpoint_covers_and_a_fresh_run_keeps_nothing(tmp_
     totals = start_logs(tmp_path, {"seed": 1}, last_step)
     assert [r["step"] for r in read_jsonl(tmp_path / "evals.jsonl")] == kept_evals
     assert [r["step"] for r in read_jsonl(tmp_path / "metrics.jsonl")] == kept_steps
-    assert totals == {"gen_tokens": 10 * last_step, "train_tokens": last_step}  # where the resumed run goes on
+    # where the resumed run goes on
+    assert totals == {"gen_tokens": 10 * last_step, "train_tokens": last_step}
 
 
 @pytest.mark.parametrize("decay, expected", [("0.5", [1.0, 1.0, 1.0, 0.5]), ("1", [1.0, 0.75, 0.5, 0.25]),
@@ -361,8 +379,9 @@ def test_unknown_model_is_one_line_error(tmp_path):
 
 
 def ctrl_c_during_update(presses: int):
-    """An update_policy that, on the second step, gets `presses` Ctrl-Cs before it runs: one real SIGINT, or the
-    installed handler called `presses` times (quick SIGINTs can merge into one before Python runs its handler)."""
+    """An update_policy that, on the second step, gets `presses` Ctrl-Cs before it runs: one real SIGINT, or
+    the installed handler called `presses` times (quick SIGINTs can merge into one before Python runs its
+    handler)."""
     real_update, calls = train.update_policy, []
 
     def update(*args, **kwargs):
@@ -379,7 +398,8 @@ def ctrl_c_during_update(presses: int):
 def test_ctrl_c_ends_the_step_saves_it_and_resumes(tmp_path, monkeypatch, capfd):
     common = TINY + ["--algo", "grpo", "--eval-every", "0", "--steps", "3", "--out", str(tmp_path)]
     monkeypatch.setattr(train, "update_policy", ctrl_c_during_update(presses=1))
-    handler_before = signal.getsignal(signal.SIGINT)  # SIG_IGN, not Python's, in a job started in the background
+    # SIG_IGN, not Python's, in a job started in the background
+    handler_before = signal.getsignal(signal.SIGINT)
     with pytest.raises(SystemExit) as exit_info:
         train.main(common)
     assert exit_info.value.code == 130  # the shell's code for Ctrl-C, and no traceback
@@ -424,9 +444,10 @@ def test_a_second_ctrl_c_stops_at_once_without_saving_half_a_step(tmp_path, monk
 
 
 @pytest.mark.parametrize("flag, value", [("--group-size", "1"), ("--micro-batch", "0"), ("--algo", "ppo"),
-                                         ("--lr-decay", "1.5"), ("--temperature", "0"), ("--temperature", "-1"),
-                                         ("--lr", "nan"), ("--lr", "0"), ("--lr", "inf"), ("--top-p", "0"),
-                                         ("--top-p", "1.5"), ("--beta", "-0.1"), ("--epsilon", "1"),
+                                         ("--lr-decay", "1.5"), ("--temperature", "0"),
+                                         ("--temperature", "-1"), ("--lr", "nan"), ("--lr", "0"),
+                                         ("--lr", "inf"), ("--top-p", "0"), ("--top-p", "1.5"),
+                                         ("--beta", "-0.1"), ("--epsilon", "1"),
                                          ("--max-grad-norm", "0"), ("--acr-threshold", "2"),
                                          ("--virtual-delta", "0"), ("--virtual-delta", "1.5"),
                                          ("--delta-low", "-1"), ("--eval-size", "0"), ("--alpha", "nan")])
@@ -441,7 +462,8 @@ def test_bad_flags_are_rejected_before_anything_runs(flag, value, tmp_path, monk
 
 
 def test_clipped_ratio_uses_each_bound():
-    """With old != new log-probs the clip acts: above 1 + clip_high for A > 0, below 1 - clip_low for A < 0."""
+    """With old != new log-probs the clip acts: above 1 + clip_high for A > 0, below 1 - clip_low for
+    A < 0."""
     logp = torch.log(torch.tensor([[2.0], [0.5]]))  # ratios 2 and 0.5 against old log-probs of 0
     old, mask = torch.zeros(2, 1), torch.ones(2, 1)
     loss, _ = train.policy_loss(logp, old, None, torch.tensor([1.0, 0.0]), mask, clip_low=0.2, clip_high=0.3,
@@ -460,7 +482,8 @@ def test_import_train_does_not_load_matplotlib():
 
 def torchrun(*args: str, processes: int = 2) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}  # one thread per process on a 2-core machine
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={processes}", *args]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={processes}",
+           *args]
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
 
 
@@ -477,7 +500,8 @@ def test_two_processes_give_the_single_process_gradient(tmp_path):
         assert sum(d.abs().sum() for d in one["delta"]) > 0  # the check compares a real update
         for a, b in zip(one["delta"], two["delta"]):
             torch.testing.assert_close(b, a, atol=1e-6, rtol=1e-4, msg=case)
-        for key in ("loss", "grad_norm", "rows_trained"):  # not train_tokens: split, rows share other micro-batches
+        # not train_tokens: split, rows share other micro-batches
+        for key in ("loss", "grad_norm", "rows_trained"):
             assert two["stats"][key] == pytest.approx(one["stats"][key], rel=1e-4, abs=1e-7), (case, key)
 
 
@@ -486,20 +510,24 @@ def test_torchrun_writes_the_same_logs_and_one_checkpoint_and_resumes(tmp_path):
     assert train.main(common + ["--steps", "2", "--out", str(tmp_path / "one")])
     proc = torchrun("train.py", *common, "--steps", "2", "--out", str(tmp_path / "two"))
     assert proc.returncode == 0, proc.stderr[-3000:]
-    others = torchrun("train.py", *TINY, "--algo", "aapo,dapo", "--eval-every", "0", "--prompts-per-step", "2",
-                      "--steps", "1", "--out", str(tmp_path / "others"))  # AAPO's and DAPO's gathers across processes
+    # AAPO's and DAPO's gathers across processes
+    others = torchrun("train.py", *TINY, "--algo", "aapo,dapo", "--eval-every", "0",
+                      "--prompts-per-step", "2", "--steps", "1", "--out", str(tmp_path / "others"))
     assert others.returncode == 0, others.stderr[-3000:]
     for algo, key in (("aapo", "ref_reward_mean"), ("dapo", "resampled_groups")):
         assert key in json.loads((tmp_path / "others" / algo / "metrics.jsonl").read_text().splitlines()[0])
-    rows = {run: [json.loads(line) for line in (tmp_path / run / "avspo" / "metrics.jsonl").read_text().splitlines()]
+    rows = {run: [json.loads(line)
+                  for line in (tmp_path / run / "avspo" / "metrics.jsonl").read_text().splitlines()]
             for run in ("one", "two")}
     assert [r["step"] for r in rows["two"]] == [1, 2]  # written once, by process 0
     assert [sorted(r) for r in rows["two"]] == [sorted(r) for r in rows["one"]]
     assert all(r["rows_trained"] <= 8 and r["completion_len"] > 0 for r in rows["two"])
-    assert sorted(p.name for p in (tmp_path / "two" / "avspo").iterdir() if "checkpoint" in p.name) == ["checkpoint"]
+    assert sorted(p.name for p in (tmp_path / "two" / "avspo").iterdir()
+                  if "checkpoint" in p.name) == ["checkpoint"]
     proc = torchrun("train.py", *common, "--steps", "3", "--out", str(tmp_path / "two"), "--resume")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    steps = [json.loads(line)["step"] for line in (tmp_path / "two" / "avspo" / "metrics.jsonl").read_text().splitlines()]
+    steps = [json.loads(line)["step"]
+             for line in (tmp_path / "two" / "avspo" / "metrics.jsonl").read_text().splitlines()]
     assert steps == [1, 2, 3]
 
 
@@ -539,7 +567,8 @@ def test_replace_groups_keeps_every_row_its_own_log_probs(tiny):
 
 @pytest.mark.parametrize("algo, rounds, expected_resampled", [("grpo", 2, 0), ("dapo", 2, 2), ("dapo", 1, 1)])
 def test_dynamic_sampling_replaces_collapsed_groups_only(tiny, algo, rounds, expected_resampled):
-    """Prompt 'ok-*' gets mixed rewards, 'dead-*' all zeros: DAPO redraws only dead groups, for `rounds` rounds."""
+    """Prompt 'ok-*' gets mixed rewards, 'dead-*' all zeros: DAPO redraws only dead groups, for `rounds`
+    rounds."""
     model, tokenizer = tiny
     draws = {0: ["ok-0", "dead-0"], 1: ["dead-1", "dead-1b"], 2: ["x", "ok-2"]}  # round -> the B prompts
 
@@ -564,11 +593,13 @@ def test_a_users_reward_function_is_used_for_training_and_eval(tmp_path, monkeyp
     """--reward module:function: every completion is scored by the user's function (here: always 1)."""
     (tmp_path / "train_test_rewards.py").write_text("def always_right(completion, gold):\n    return 1.0\n")
     monkeypatch.syspath_prepend(str(tmp_path))
-    train.main(TINY + ["--steps", "1", "--eval-every", "0", "--dataset", "arith-mix", "--prompts-per-step", "5",
-                       "--reward", "train_test_rewards:always_right", "--out", str(tmp_path / "run")])
+    train.main(TINY + ["--steps", "1", "--eval-every", "0", "--dataset", "arith-mix",
+                       "--prompts-per-step", "5", "--reward", "train_test_rewards:always_right",
+                       "--out", str(tmp_path / "run")])
     row = json.loads((tmp_path / "run" / "grpo" / "metrics.jsonl").read_text())
     assert row["reward_mean"] == 1.0 and row["acr"] == 1.0 and row["all_correct_frac"] == 1.0
-    evals = [json.loads(line) for line in (tmp_path / "run" / "grpo" / "evals.jsonl").read_text().splitlines()]
+    evals = [json.loads(line)
+             for line in (tmp_path / "run" / "grpo" / "evals.jsonl").read_text().splitlines()]
     assert [e["eval_accuracy"] for e in evals] == [1.0, 1.0]
     assert set(evals[0]["eval_accuracy_by_level"]) <= {"add1", "mul1", "add2", "mul2", "mul3"}
 
@@ -583,7 +614,8 @@ def test_help_lists_every_flag(capsys):
     with pytest.raises(SystemExit) as exit_info:
         train.parse_args(["--help"])
     out = capsys.readouterr().out
-    assert exit_info.value.code == 0 and "--fast, --no-fast" in out  # a field defaulting to True: a switch pair
+    # a field defaulting to True: a switch pair
+    assert exit_info.value.code == 0 and "--fast, --no-fast" in out
     for f in train.dataclasses.fields(train.Args):
         assert "--" + f.name.replace("_", "-") in out
 
@@ -606,15 +638,17 @@ def test_fused_adamw_updates_the_weights_as_the_default_adamw(tiny, rollout):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
 
 
-@pytest.mark.parametrize("reward, end", [("", "too hard for this model, or G = 4"), ("always_right", "too easy")])
+@pytest.mark.parametrize("reward, end",
+                         [("", "too hard for this model, or G = 4"), ("always_right", "too easy")])
 def test_a_collapsed_start_prints_one_line_naming_its_end(tmp_path, monkeypatch, capsys, reward, end):
-    """The tiny random model gets every arithmetic answer wrong: early ACR 1.0 at the all-wrong end; a reward of
-    1 for everything collapses every group at the all-correct end. Either way, one line, once, after step 1 of 5
-    (the first 20% of the steps), and the early ACR goes into summary.json."""
+    """The tiny random model gets every arithmetic answer wrong: early ACR 1.0 at the all-wrong end; a reward
+    of 1 for everything collapses every group at the all-correct end. Either way, one line, once, after
+    step 1 of 5 (the first 20% of the steps), and the early ACR goes into summary.json."""
     (tmp_path / "early_acr_rewards.py").write_text("def always_right(completion, gold):\n    return 1.0\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     flags = ["--reward", f"early_acr_rewards:{reward}"] if reward else []
-    train.main(TINY + flags + ["--steps", "5", "--eval-every", "0", "--save-every", "0", "--out", str(tmp_path)])
+    train.main(TINY + flags + ["--steps", "5", "--eval-every", "0", "--save-every", "0",
+                               "--out", str(tmp_path)])
     warnings = [line for line in capsys.readouterr().out.split("\n") if "early ACR" in line]
     assert len(warnings) == 1 and end in warnings[0] and "--algo avspo or dapo" in warnings[0]
     assert "over the first 1 steps" in warnings[0]
@@ -634,7 +668,8 @@ def test_collapse_warning_stays_quiet_below_three_groups_in_four(tmp_path):
 
 def test_group_map_marks_what_each_group_was_and_what_the_method_gave_it():
     first = torch.tensor([[1.0, 1.0], [0.0, 0.0], [1.0, 0.0], [0.5, 0.5]])  # [B, G]
-    advantages = torch.tensor([[0.3, 0.3], [0.0, 0.0], [0.7, -0.7], [0.0, 0.0]])  # the all-correct one got signal
+    # the all-correct one got signal
+    advantages = torch.tensor([[0.3, 0.3], [0.0, 0.0], [0.7, -0.7], [0.0, 0.0]])
     groups = group_map(first, advantages, torch.tensor([False, True, False, False]))
     assert groups == {"groups_sampled": "CWM=", "groups_signal": "1010", "groups_replaced": "0100"}
 

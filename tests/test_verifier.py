@@ -161,8 +161,10 @@ STRICT = [  # (completion, gold, expected): one check per rule a plausible bug w
     ("\\boxed{2^{10}}", "4^5", 1.0),
     ("\\boxed{\\frac{x}{2} + \\frac12}", "\\frac{x+1}{2}", 1.0),
     ("\\boxed{\\frac{x}{2} + \\frac13}", "\\frac{x+1}{2}", 0.0),
-    ("\\boxed{\\begin{pmatrix} 1 & 2 \\\\ 3 & 4 \\end{pmatrix}}", "\\begin{bmatrix} 1 & 2 \\\\ 3 & 4 \\end{bmatrix}", 1.0),
-    ("\\boxed{\\begin{pmatrix} 1 & 2 \\\\ 4 & 3 \\end{pmatrix}}", "\\begin{bmatrix} 1 & 2 \\\\ 3 & 4 \\end{bmatrix}", 0.0),
+    ("\\boxed{\\begin{pmatrix} 1 & 2 \\\\ 3 & 4 \\end{pmatrix}}",
+     "\\begin{bmatrix} 1 & 2 \\\\ 3 & 4 \\end{bmatrix}", 1.0),
+    ("\\boxed{\\begin{pmatrix} 1 & 2 \\\\ 4 & 3 \\end{pmatrix}}",
+     "\\begin{bmatrix} 1 & 2 \\\\ 3 & 4 \\end{bmatrix}", 0.0),
     ("\\boxed{3} and \\boxed{5}", "3, 5", 1.0),
     ("\\boxed{3} and \\boxed{5}", "5", 1.0),  # one gold answer: the last box
     ("\\boxed{3} and \\boxed{5}", "3", 0.0),
@@ -224,13 +226,15 @@ def test_answer_structures() -> None:
     sets, lists = ("\\{1, 3\\}", "{1, 3}", "3 \\pm 2", "1 \\text{ or } 5"), ("1, 3", "1 \\text{ and } 3")
     assert [verifier._interpret(s).kind for s in sets] == ["set"] * 4
     assert [verifier._interpret(s).kind for s in lists] == ["list"] * 2
-    assert verifier._interpret("(1, 3]") == verifier.Seq("tuple", "(]", [verifier._interpret(x) for x in "13"])
+    assert verifier._interpret("(1, 3]") == verifier.Seq("tuple", "(]",
+                                                         [verifier._interpret(x) for x in "13"])
     assert verifier._interpret("0 < f(x) \\le 1").brackets == "(]"
     decimal, listed = verifier._interpret("1,22").options  # a decimal comma, or the list 1, 22
     assert decimal.value == verifier.Fraction(122, 100) and listed.kind == "list"
     assert verifier._interpret("1,000; 2").items[0].value == 1000  # no decimal reading fits 1,000
     assert verifier._interpret("AB = 4").names_value and verifier._interpret("|AB| = 4").names_value
-    assert not verifier._interpret("2x + z = 4").names_value and not verifier._interpret("|x| = 4").names_value
+    assert (not verifier._interpret("2x + z = 4").names_value
+            and not verifier._interpret("|x| = 4").names_value)
 
 
 # ------------------------------------------------------------------ pluggable rewards

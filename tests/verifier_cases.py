@@ -273,7 +273,8 @@ _REJECT = [
     ("matrix", r"\begin{pmatrix} 1 & 2 \\ 3 & 4 \end{pmatrix}",
      r"\boxed{\begin{pmatrix} 1 & 3 \\ 2 & 4 \end{pmatrix}}"),
     ("matrix", r"\begin{pmatrix} 1 \\ 2 \end{pmatrix}", r"\boxed{\begin{pmatrix} 1 & 2 \end{pmatrix}}"),
-    ("matrix", r"\begin{pmatrix} 1 & 2 \\ 3 & 4 \end{pmatrix}", r"\boxed{\begin{pmatrix} 1 & 2 \end{pmatrix}}"),
+    ("matrix", r"\begin{pmatrix} 1 & 2 \\ 3 & 4 \end{pmatrix}",
+     r"\boxed{\begin{pmatrix} 1 & 2 \end{pmatrix}}"),
     ("matrix", r"\begin{pmatrix} 1 \\ 32 \end{pmatrix}", r"\boxed{\begin{pmatrix} 13 \\ 2 \end{pmatrix}}"),
     # different values that look alike
     ("strict", r"\sqrt{2}", r"\boxed{2}"),
