@@ -200,12 +200,12 @@ def accuracy_table(correct: np.ndarray, levels: np.ndarray, names: list[str], re
                 row["by_level"][key], row["delta_by_level"][key] = acc, delta
         row["per_seed"] = correct[i].mean(axis=1).tolist()
         table[name] = row
-    overall = correct.mean(axis=(1, 2))  # [M]
     for name, ablation in ABLATIONS.items():
         if name in names and ablation in names:
             i, j = names.index(name), names.index(ablation)
-            table[name]["delta_vs_ablation"] = {"ablation": ablation, **interval(
-                overall[i] - overall[j], boot["all"][:, i] - boot["all"][:, j])}
+            point = table[name]["accuracy"]["mean"] - table[ablation]["accuracy"]["mean"]
+            table[name]["delta_vs_ablation"] = {"ablation": ablation,
+                                                **interval(point, boot["all"][:, i] - boot["all"][:, j])}
     return table
 
 

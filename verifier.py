@@ -725,10 +725,10 @@ def _is_number(node: Node) -> bool:
 
 def _is_power_of_ten(node: Node) -> bool:
     """10^k for an integer k: 10^{-4}, the exponent of scientific notation."""
-    exponent = node[2] if node[0] == "pow" else None
-    exponent = exponent[1] if exponent and exponent[0] == "neg" else exponent
-    return (node[0] == "pow" and node[1] == ("num", 10) and exponent[0] == "num"
-            and exponent[1].denominator == 1)
+    if node[0] != "pow" or node[1] != ("num", 10):
+        return False
+    exponent = node[2][1] if node[2][0] == "neg" else node[2]
+    return exponent[0] == "num" and exponent[1].denominator == 1
 
 
 def _formula_equal(a: Formula, b: Formula) -> bool:
@@ -960,7 +960,8 @@ def _unordered_equal(xs: list[Answer], ys: list[Answer]) -> bool:
 
 
 def _same(a: Answer | None, b: Answer | None) -> bool:
-    """Structural equality of two interpreted answers."""
+    """Structural equality of two interpreted answers: a the completion's, b the gold's (not symmetric: a gold
+    written as a number is matched only by a number)."""
     if a is None or b is None:
         return False
     if isinstance(a, AnyOf):
