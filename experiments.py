@@ -403,7 +403,8 @@ def estimate(args, parts: list[str]) -> tuple[int, int, float, float]:
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--out", default="runs/experiments")
+    p.add_argument("--out", default="runs/experiments",
+                   help="the runs; git keeps their logs, not their checkpoints (.gitignore)")
     p.add_argument("--only", default="difficulty,compare,scatter", help="parts to run, comma list")
     p.add_argument("--figures", default="",
                    help="where the PNGs go (default: docs/, or <out>/figures with --quick)")
@@ -444,9 +445,11 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--budget-minutes", type=float, default=360.0, help="warn when the estimate exceeds it")
     argv = sys.argv[1:] if argv is None else argv
     args = p.parse_args(argv)
-    if args.quick:  # every part, every figure, in about a minute: tiny random model, 2 steps, a few problems
-        args = p.parse_args(["--model", "tiny-qwen2", "--seeds", "0,1", "--steps", "2",
-                             "--prompts-per-step", "2", "--group-size", "4", "--max-new-tokens", "8",
+    if args.quick:  # every part, every figure, in about a minute: tiny random model, 2 steps, a few problems;
+        # its own folder, or its tiny runs would stand in for the real ones (finished runs are skipped)
+        args = p.parse_args(["--out", "runs/quick", "--model", "tiny-qwen2", "--seeds", "0,1",
+                             "--steps", "2", "--prompts-per-step", "2", "--group-size", "4",
+                             "--max-new-tokens", "8",
                              "--eval-size", "4", "--eval-every", "1", "--per-level", "2",
                              "--resamples", "500", "--scatter-prompts", "2", "--scatter-levels",
                              "add1,mul1", "--scatter-g", "2,4", "--scatter-seeds", "0",

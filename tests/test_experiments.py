@@ -5,9 +5,11 @@ import json
 import math
 import operator
 import os
+import subprocess
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 
 import common
@@ -151,3 +153,18 @@ def test_quick_precision_part_trains_each_seed_in_both_precisions(tmp_path):
             assert len(common.read_jsonl(Path(run) / "metrics.jsonl")) == 2  # --precision-steps 2
         assert row["cost"]["seconds"]["mean"] > 0
     assert (tmp_path / "figures" / "precision.png").stat().st_size > 5_000
+
+
+def test_git_keeps_the_experiments_logs_but_not_weights_or_scratch_runs():
+    """The logs of runs/experiments are committed, so a sweep resumes in another checkout and results.json
+    can be recomputed; checkpoints and every other run folder (the default run, --quick's) stay out."""
+    root = Path(experiments.__file__).resolve().parent
+    if not (root / ".git").exists():
+        pytest.skip("not a git checkout")
+    run = "runs/experiments/compare/seed0-grpo/grpo"
+    paths = [f"{run}/metrics.jsonl", f"{run}/final_eval.jsonl", f"{run}/summary.json",
+             f"{run}/checkpoint/model/model.safetensors", f"{run}/checkpoint.old/optimizer.pt",
+             "runs/default/grpo/metrics.jsonl", "runs/quick/compare/seed0-grpo/grpo/metrics.jsonl"]
+    ignored = subprocess.run(["git", "check-ignore", "--no-index", *paths], cwd=root, capture_output=True,
+                             text=True).stdout.split()
+    assert ignored == paths[3:]
