@@ -329,7 +329,7 @@ def early_acr_scatter(runs: list[dict], resamples: int) -> dict:
         return [float(v) for v in np.percentile(finite, [2.5, 97.5])] if len(finite) else [math.nan, math.nan]
 
     return {"slope": float(slope), "slope_ci": ci(0), "intercept": float(intercept), "r2": float(r2),
-            "r2_ci": ci(2), "runs": runs}
+            "r2_ci": ci(2), "distinct_early_acr": len(set(x.tolist())), "runs": runs}
 
 
 def scatter(out: Path, levels: list[str], group_sizes: list[int], seeds: list[int], flags: list[str],

@@ -191,7 +191,8 @@ def plot_early_acr_scatter(result: dict, path: Path) -> None:
     ci = lambda v: f"[{v[0]:.2f}, {v[1]:.2f}]"  # noqa: E731
     ax.set(title=f"{len(result['runs'])} GRPO runs: R² = {result['r2']:.2f} {ci(result['r2_ci'])}, "
                  f"slope = {result['slope']:.2f} {ci(result['slope_ci'])}",
-           xlabel="early raw ACR (mean over the first 20% of steps)", ylabel="final held-out accuracy")
+           xlabel=f"early raw ACR (mean over the first 20% of steps; {result['distinct_early_acr']} values)",
+           ylabel="final held-out accuracy")
     ax.title.set_fontsize(9)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7, ncol=2)

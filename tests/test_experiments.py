@@ -92,6 +92,9 @@ def test_early_acr_fit_recovers_a_line_with_finite_cis():
     fit = experiments.early_acr_scatter(runs, resamples=2000)
     assert fit["slope_ci"][0] < -0.5 < fit["slope_ci"][1] and fit["slope_ci"][1] < 0
     assert 0.7 < fit["r2"] < 1 and fit["r2_ci"][0] < fit["r2"] <= fit["r2_ci"][1] <= 1
+    assert fit["distinct_early_acr"] == 32
+    runs[1]["early_acr"] = runs[0]["early_acr"]  # two runs at one early ACR: one x value fewer
+    assert experiments.early_acr_scatter(runs, resamples=10)["distinct_early_acr"] == 31
 
 
 def test_quick_pipeline_writes_every_number_and_figure(tmp_path):
