@@ -222,11 +222,14 @@ def compute_cost(runs: list[Path]) -> dict:
 def collapse(runs: list[Path]) -> dict:
     """Mean over steps, then mean (and std) over seeds: the raw ACR (groups sampled all-equal) and the
     effective ACR (groups whose advantages are all zero after the method: what it left unused), over the whole
-    run; the all-correct and all-wrong fractions over its last quarter of steps, where the papers place late
-    collapse; for AVSPO, the share of steps its trigger fired."""
+    run and over its first and last quarters of steps, and the last minus the first (late_rise: does collapse
+    rise late in training, as AAPO says?); the all-correct and all-wrong fractions over its last quarter,
+    where the papers place late collapse; for AVSPO, the share of steps its trigger fired."""
     rows = [read_jsonl(d / "metrics.jsonl") for d in runs]
-    everything, last_quarter = slice(None), slice(-(-len(rows[0]) // 4), None)
+    quarter = -(-len(rows[0]) // 4)
+    everything, first_quarter, last_quarter = slice(None), slice(None, quarter), slice(-quarter, None)
     spans = {"acr": ("acr", everything), "acr_effective": ("acr_effective", everything),
+             "acr_effective_first_quarter": ("acr_effective", first_quarter),
              "acr_effective_last_quarter": ("acr_effective", last_quarter),
              "all_correct_frac": ("all_correct_frac", last_quarter),
              "all_wrong_frac": ("all_wrong_frac", last_quarter)}
@@ -234,21 +237,27 @@ def collapse(runs: list[Path]) -> dict:
         spans["avspo_triggered"] = ("avspo_triggered", everything)
     per_seed = {name: [float(np.mean([x[key] for x in r[span]])) for r in rows]
                 for name, (key, span) in spans.items()}
+    per_seed["late_rise"] = [last - first for first, last in zip(per_seed["acr_effective_first_quarter"],
+                                                                 per_seed["acr_effective_last_quarter"])]
     return {k: {"mean": float(np.mean(v)), "std": float(np.std(v)), "per_seed": v}
             for k, v in per_seed.items()}
 
 
 def seed_deltas(table: dict, resamples: int, seed: int = 0) -> None:
-    """Add to each method's collapse and cost numbers their difference to BASELINE, paired by seed, with a 95%
-    bootstrap CI over the seeds: for claims about collapse and cost, where each seed gives one number."""
+    """Add to each method's collapse and cost numbers a 95% bootstrap CI over the seeds ("ci"), and their
+    difference to BASELINE paired by seed, with its CI ("delta"): for claims about collapse and cost, where
+    each seed gives one number."""
     rng = np.random.default_rng(seed)
-    for group in ("collapse", "cost"):
-        for key, base in table[BASELINE][group].items():
-            picks = rng.integers(0, len(base["per_seed"]), size=(resamples, len(base["per_seed"])))  # [R, S]
-            for row in table.values():
-                if key in row[group]:
-                    diff = np.array(row[group][key]["per_seed"]) - np.array(base["per_seed"])  # [S]
-                    row[group][key]["delta"] = interval(diff.mean(), diff[picks].mean(axis=1))
+    seeds = len(table[BASELINE]["cost"]["seconds"]["per_seed"])
+    picks = rng.integers(0, seeds, size=(resamples, seeds))  # [R, S]: the same draws for every number
+    for row in table.values():
+        for group in ("collapse", "cost"):
+            for key, stat in row[group].items():
+                values = np.array(stat["per_seed"])  # [S]
+                stat["ci"] = interval(values.mean(), values[picks].mean(axis=1))["ci"]
+                if key in table[BASELINE][group]:
+                    diff = values - np.array(table[BASELINE][group][key]["per_seed"])  # [S]
+                    stat["delta"] = interval(diff.mean(), diff[picks].mean(axis=1))
 
 
 def accuracy_curves(runs: list[Path]) -> dict:

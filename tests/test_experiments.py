@@ -65,6 +65,21 @@ def test_avspo_is_also_compared_with_its_ablation_paired():
     assert "delta_vs_ablation" not in table["avspo-always"] and "delta_vs_ablation" not in table["grpo"]
 
 
+def test_seed_deltas_pair_collapse_and_cost_by_seed():
+    """A method whose every per-seed number is GRPO's + 0.1 differs by exactly 0.1, with a CI of one point;
+    each number's own CI over seeds lies within its seeds' range."""
+    grpo = [0.5, 0.2, 0.9, 0.4, 0.6]
+    stat = lambda values: {"mean": float(np.mean(values)), "per_seed": values}  # noqa: E731
+    table = {name: {"collapse": {"acr": stat([v + shift for v in grpo])},
+                    "cost": {"seconds": stat([1.0] * 5)}} for name, shift in (("grpo", 0.0), ("later", 0.1))}
+    experiments.seed_deltas(table, resamples=500)
+    delta = table["later"]["collapse"]["acr"]["delta"]
+    assert math.isclose(delta["mean"], 0.1) and np.allclose(delta["ci"], [0.1, 0.1])
+    low, high = table["grpo"]["collapse"]["acr"]["ci"]
+    assert 0.2 <= low < np.mean(grpo) < high <= 0.9
+    assert table["grpo"]["collapse"]["acr"]["delta"]["ci"] == [0.0, 0.0]
+
+
 def test_bootstrap_ci_covers_the_true_accuracy():
     """Over 100 synthetic experiments (5 seeds x 50 problems) the 95% CI covers the true accuracy >= 90% of
     the time (the two-stage bootstrap counts the problem noise twice, so it errs on the wide side)."""
@@ -112,11 +127,15 @@ def test_quick_pipeline_writes_every_number_and_figure(tmp_path):
             assert stat["ci"][0] <= stat["mean"] <= stat["ci"][1]
         assert row["cost"]["gen_tokens"]["mean"] > 0 and row["cost"]["seconds"]["mean"] > 0
         assert (experiments.run_dir(tmp_path, name, 0) / "summary.json").exists()
-        assert set(row["collapse"]) - {"avspo_triggered"} == {"acr", "acr_effective",
-                                                             "acr_effective_last_quarter",
-                                                             "all_correct_frac", "all_wrong_frac"}
-        paired = ([v for k, v in row["collapse"].items() if k != "avspo_triggered"]
-                  + list(row["cost"].values()))
+        acr = row["collapse"]
+        assert set(acr) - {"avspo_triggered"} == {"acr", "acr_effective", "acr_effective_first_quarter",
+                                                  "acr_effective_last_quarter", "late_rise",
+                                                  "all_correct_frac", "all_wrong_frac"}
+        assert acr["late_rise"]["per_seed"] == [last - first for first, last in zip(
+            acr["acr_effective_first_quarter"]["per_seed"], acr["acr_effective_last_quarter"]["per_seed"])]
+        for stat in [*acr.values(), *row["cost"].values()]:  # a CI over seeds
+            assert stat["ci"][0] <= stat["mean"] <= stat["ci"][1]
+        paired = [v for k, v in acr.items() if k != "avspo_triggered"] + list(row["cost"].values())
         for stat in paired:  # paired by seed with GRPO's (which has no trigger)
             assert stat["delta"]["ci"][0] <= stat["delta"]["mean"] <= stat["delta"]["ci"][1]
             assert name != "grpo" or stat["delta"]["ci"] == [0.0, 0.0]
