@@ -32,7 +32,7 @@ from advantage import (AdaptiveThreshold, aapo_advantages, aapo_margin, avspo_ad
                        grpo_advantages)
 from common import (all_sum, arg, at_least, collapse_warning, dataclass_parser, early_steps, exits_cleanly,
                     find_checkpoint, gather_groups, group_map, in_range, init_processes, log_eval, log_step,
-                    restore_checkpoint, save_checkpoint, start_logs, step_metrics, sum_gradients,
+                    read_jsonl, restore_checkpoint, save_checkpoint, start_logs, step_metrics, sum_gradients,
                     summarise_run)
 from data.tasks import Problem, load_eval_problems, load_problems, step_problems
 from eval import evaluate, score_groups
@@ -287,11 +287,17 @@ def train(args: Args, run_dir: Path, stop_requested: Sequence = ()) -> dict | No
         return log_eval(run_dir, step, evaluate(policy, tokenizer, eval_problems, reward_fn=reward_fn,
                                                 max_new_tokens=args.max_new_tokens, fast=args.fast))
 
+    def eval_due(step: int) -> bool:  # every --eval-every steps, and after the last
+        return bool(args.eval_every) and step % args.eval_every == 0 or step == args.steps
+
     if is_main:
         totals = start_logs(run_dir, dataclasses.asdict(args), done)  # generated and trained tokens so far
         if not checkpoint and not stop_requested:
             print(f"[{args.algo}] held-out accuracy before training: {run_eval(0):.3f} "
                   f"({len(eval_problems)} problems)")
+        elif (checkpoint and eval_due(done) and not stop_requested
+              and done not in [e["step"] for e in read_jsonl(run_dir / "evals.jsonl")]):
+            run_eval(done)  # the run stopped after saving this step, before evaluating it (Ctrl-C skips it)
     mine = slice(rank * args.prompts_per_step // world, (rank + 1) * args.prompts_per_step // world)
     if all_sum([len(stop_requested)], device)[0] > 0:  # Ctrl-C while loading: stop before the first step
         raise KeyboardInterrupt
@@ -323,7 +329,7 @@ def train(args: Args, run_dir: Path, stop_requested: Sequence = ()) -> dict | No
                 tqdm.write(f"[{args.algo}] {warning}")  # the paper's early-ACR diagnostic, once
             if args.save_every and (step % args.save_every == 0 or step == args.steps or stop):
                 save_checkpoint(run_dir, master, tokenizer, optimizer, step, state)
-            if (args.eval_every and step % args.eval_every == 0 and not stop) or step == args.steps:
+            if eval_due(step) and (not stop or step == args.steps):
                 run_eval(step)
         if stop:
             break

@@ -416,6 +416,20 @@ def test_ctrl_c_ends_the_step_saves_it_and_resumes(tmp_path, monkeypatch, capfd)
     assert [r["lr"] for r in rows] == pytest.approx([2e-5, 2e-5 * 2 / 3, 2e-5 / 3])  # the resumed step's too
 
 
+def test_resume_makes_up_the_evaluation_of_the_saved_step(tmp_path, monkeypatch):
+    """Ctrl-C on an evaluation step saves it without evaluating (a kill between the checkpoint and the
+    evaluation leaves the same files): the resumed run evaluates that step before it goes on."""
+    common = TINY + ["--algo", "grpo", "--eval-every", "2", "--steps", "3", "--out", str(tmp_path)]
+    monkeypatch.setattr(train, "update_policy", ctrl_c_during_update(presses=1))
+    with pytest.raises(SystemExit):
+        train.main(common)
+    evals = tmp_path / "grpo" / "evals.jsonl"
+    assert [e["step"] for e in read_jsonl(evals)] == [0]
+    monkeypatch.undo()
+    train.main(common + ["--resume"])
+    assert [e["step"] for e in read_jsonl(evals)] == [0, 2, 3]
+
+
 def test_ctrl_c_while_loading_starts_no_step(tmp_path, monkeypatch, capsys):
     """Python can drop a KeyboardInterrupt raised inside a weakref callback (seen while models load); the flag
     cannot be dropped, and the loop reads it before its first step."""
