@@ -266,6 +266,10 @@ def accuracy_curves(runs: list[Path]) -> dict:
     evals, rows = ([read_jsonl(d / "evals.jsonl") for d in runs],
                    [read_jsonl(d / "metrics.jsonl") for d in runs])
     steps = [e["step"] for e in evals[0]]
+    for run, logged in zip(runs, evals):  # curves average the seeds step by step
+        if [e["step"] for e in logged] != steps:
+            raise SystemExit(f"{run / 'evals.jsonl'}: evaluated at steps {[e['step'] for e in logged]}, "
+                             f"not {steps} like {runs[0]}")
     tokens = [[0] + [r[s - 1]["gen_tokens_total"] for s in steps[1:]] for r in rows]  # [S][evals]
     accuracy = [[e["eval_accuracy"] for e in run] for run in evals]
     return {"steps": steps, "gen_tokens": np.mean(tokens, axis=0).tolist(),

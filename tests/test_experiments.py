@@ -158,6 +158,23 @@ def test_quick_pipeline_writes_every_number_and_figure(tmp_path):
     assert again["compare"] == results["compare"]
 
 
+def test_accuracy_curves_average_seeds_by_step_and_name_a_run_with_a_missing_evaluation(tmp_path):
+    runs = [tmp_path / "seed0", tmp_path / "seed1"]
+    for run, (accuracy, tokens) in zip(runs, [((0.2, 0.4, 0.6), 10), ((0.4, 0.6, 1.0), 30)]):
+        run.mkdir()
+        common.write_jsonl(run / "evals.jsonl", [{"step": s, "eval_accuracy": a}
+                                                 for s, a in zip((0, 2, 4), accuracy)])
+        common.write_jsonl(run / "metrics.jsonl", [{"step": s, "gen_tokens_total": tokens * s}
+                                                   for s in (1, 2, 3, 4)])
+    curve = experiments.accuracy_curves(runs)
+    assert curve["steps"] == [0, 2, 4] and curve["gen_tokens"] == [0, 40, 80]
+    assert curve["accuracy"] == pytest.approx([0.3, 0.5, 0.8])
+    assert curve["accuracy_low"] == [0.2, 0.4, 0.6] and curve["accuracy_high"] == [0.4, 0.6, 1.0]
+    common.write_jsonl(runs[1] / "evals.jsonl", [{"step": s, "eval_accuracy": 0.5} for s in (0, 4)])
+    with pytest.raises(SystemExit, match=r"seed1/evals.jsonl: evaluated at steps \[0, 4\], not \[0, 2, 4\]"):
+        experiments.accuracy_curves(runs)
+
+
 def test_run_all_in_parallel_processes_keeps_the_task_order():
     tasks = [(operator.add, 1, 2), (operator.mul, 3, 4), (torch.get_num_threads,)]
     assert experiments.run_all(tasks, jobs=1)[:2] == experiments.run_all(tasks, jobs=2)[:2] == [3, 12]
