@@ -447,9 +447,9 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--difficulty-prompts", type=int, default=32)
     p.add_argument("--precision-seeds", default="0,1,2,3", help="precision: seeds, each run in bf16 and fp32")
     p.add_argument("--precision-steps", type=int, default=train.Args.steps, help="precision: steps per run")
-    p.add_argument("--step-seconds", type=float, default=10.5,
+    p.add_argument("--step-seconds", type=float, default=13.0,
                    help="estimate: wall seconds per B=8 x G=8 step, "
-                   "with --jobs 2 on 2 cores (docs/results.md)")
+                   "with --jobs 2 on 2 cores (compare's wall time, docs/results.md)")
     p.add_argument("--eval-seconds", type=float, default=40.0,
                    help="estimate: wall seconds per 336-problem eval")
     p.add_argument("--jobs", type=int, default=2, help="training runs at once, each on cores/jobs threads")
