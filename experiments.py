@@ -267,8 +267,8 @@ def accuracy_curves(runs: list[Path]) -> dict:
                    [read_jsonl(d / "metrics.jsonl") for d in runs])
     steps = [e["step"] for e in evals[0]]
     for run, logged in zip(runs, evals):  # curves average the seeds step by step
-        if [e["step"] for e in logged] != steps:
-            raise SystemExit(f"{run / 'evals.jsonl'}: evaluated at steps {[e['step'] for e in logged]}, "
+        if (run_steps := [e["step"] for e in logged]) != steps:
+            raise SystemExit(f"{run / 'evals.jsonl'}: evaluated at steps {run_steps}, "
                              f"not {steps} like {runs[0]}")
     tokens = [[0] + [r[s - 1]["gen_tokens_total"] for s in steps[1:]] for r in rows]  # [S][evals]
     accuracy = [[e["eval_accuracy"] for e in run] for run in evals]
