@@ -127,13 +127,22 @@ def virtual_rewards(values: torch.Tensor, num_virtual: int, delta: float,
             [0.1000, 0.1000]])
     """
     lo, hi = reward_range
-    if not lo < hi:
-        raise ValueError(f"reward_range must be (lo, hi) with lo < hi; got {reward_range}")
     if not 0 < delta <= hi - lo:
         raise ValueError(f"delta must lie in (0, hi - lo] = (0, {hi - lo}]; got {delta}")
-    at_top = values - lo >= hi - values  # [C]: the all-correct end
-    virtual = torch.where(at_top, values - delta, values + delta)  # [C], AVSPO: stratified
+    virtual = torch.where(at_top(values, reward_range), values - delta, values + delta)  # [C], stratified
     return virtual[:, None].expand(-1, num_virtual)  # [C, K]
+
+
+def at_top(values: torch.Tensor, reward_range: tuple[float, float]) -> torch.Tensor:
+    """Bool [C]: True where a collapsed group's common reward lies in the upper half of reward_range, the
+    all-correct end; False at the all-wrong end."""
+    lo, hi = reward_range
+    if not lo < hi:
+        raise ValueError(f"reward_range must be (lo, hi) with lo < hi; got {reward_range}")
+    return values - lo >= hi - values
+
+
+AVSPO_ENDS = ("both", "all-wrong", "all-correct")  # which collapsed groups AVSPO treats (`avspo_advantages`)
 
 
 class AvspoInfo(NamedTuple):
@@ -141,7 +150,8 @@ class AvspoInfo(NamedTuple):
 
     triggered: bool  # ACR > acr_threshold, so collapsed groups got virtual rewards
     num_collapsed: int  # collapsed groups in the batch: ACR = num_collapsed / B
-    num_virtual: int  # K virtual rewards added to each collapsed group; 0 when not triggered
+    num_treated: int  # collapsed groups given virtual rewards (those at `ends`); 0 when not triggered
+    num_virtual: int  # K virtual rewards added to each treated group; 0 when not triggered
 
 
 def avspo_advantages(
@@ -152,6 +162,7 @@ def avspo_advantages(
     num_virtual: int | None = None,
     delta: float = 0.1,
     reward_range: tuple[float, float] = (0.0, 1.0),
+    ends: str = "both",
     tau: float = 1e-6,
     eps: float = 1e-4,
     return_info: bool = False,
@@ -160,7 +171,9 @@ def avspo_advantages(
     together with K virtual rewards V: A_i = (r_i - mean(R u V)) / (std(R u V) + eps).
 
     Virtual samples only shift the statistics: they get no advantage and carry no gradient. K is
-    `num_virtual` if given, else `num_virtual_samples`; V is `virtual_rewards`. With return_info=True,
+    `num_virtual` if given, else `num_virtual_samples`; V is `virtual_rewards`. `ends` chooses the collapsed
+    groups treated: "both" (AVSPO), or only "all-wrong" or "all-correct" ones (at_top), the paper's ablation
+    that separates the two ends; the trigger and K still count every collapsed group. With return_info=True,
     returns (advantages, AvspoInfo).
 
     Only K sets the size, delta only the sign. The G real rewards all equal v and the K virtual ones
@@ -174,27 +187,34 @@ def avspo_advantages(
     The trigger compares ACR = c / B, a correctly rounded float, with the threshold, so an ACR equal to a
     threshold written as a fraction does not trigger (`c > threshold * B` would: 0.57 * 100 < 57).
 
-    >>> avspo_advantages(torch.tensor([[1.0, 1.0, 1.0]]), num_virtual=1, eps=0.0, return_info=True)
-    (tensor([[0.5000, 0.5000, 0.5000]]), AvspoInfo(triggered=True, num_collapsed=1, num_virtual=1))
+    >>> advantages, info = avspo_advantages(torch.ones(1, 3), num_virtual=1, eps=0.0, return_info=True)
+    >>> advantages, info.triggered, info.num_treated, info.num_virtual
+    (tensor([[0.5000, 0.5000, 0.5000]]), True, 1, 1)
     """
     if num_virtual is not None and num_virtual < 1:
         raise ValueError(f"num_virtual must be >= 1 (or None for the adaptive K); got {num_virtual}")
+    if ends not in AVSPO_ENDS:
+        raise ValueError(f"ends must be one of {', '.join(AVSPO_ENDS)}; got {ends!r}")
     r = _as_float_groups(rewards)  # [B, G]
     advantages = grpo_advantages(r, eps=eps)  # [B, G]
     collapsed = collapsed_groups(r, tau=tau)  # [B]
     (num_groups, group_size), num_collapsed = r.shape, int(collapsed.sum())
     triggered = num_collapsed / num_groups > acr_threshold  # ours: strict ACR > threshold (see above)
-    k = 0
+    k, treated = 0, torch.zeros_like(collapsed)  # [B]
     if triggered:
         k = num_virtual or num_virtual_samples(group_size, num_collapsed, num_groups, alpha)
-        real = r[collapsed]  # [C, G]
+        treated = collapsed if ends == "both" else collapsed & (at_top(r[:, 0], reward_range)
+                                                                == (ends == "all-correct"))  # [B]
+    if treated.any():
+        real = r[treated]  # [C, G]
         virtual = virtual_rewards(real[:, 0], k, delta, reward_range)  # [C, K]
         augmented = torch.cat([real, virtual], dim=1)  # [C, G + K]
         mean = augmented.mean(dim=1, keepdim=True)  # [C, 1]
         std = augmented.std(dim=1, keepdim=True)  # [C, 1], unbiased over G + K values
-        advantages[collapsed] = (real - mean) / (std + eps)  # AVSPO (He et al.): real samples only, [C, G]
+        advantages[treated] = (real - mean) / (std + eps)  # AVSPO (He et al.): real samples only, [C, G]
     advantages = advantages.to(_output_dtype(rewards))
-    return (advantages, AvspoInfo(triggered, num_collapsed, k)) if return_info else advantages
+    info = AvspoInfo(triggered, num_collapsed, int(treated.sum()), k)
+    return (advantages, info) if return_info else advantages
 
 
 @dataclass
@@ -206,27 +226,41 @@ class AdaptiveThreshold:
     smoothed batch reward, and moves one `step` per update, so one noisy batch cannot move it far:
 
         ema   <- smoothing * ema + (1 - smoothing) * reward_mean
-        value <- clip(value + step if ema > best else value - step, low, high),  best <- max(best, ema)
+        moves <- moves + 1 if ema > best else moves - 1,  best <- max(best, ema)
+        value  = clip(start + moves * step, low, high)     (no move past a bound: it turns back at once)
 
     From the middle, 8 steps reach a bound, 16 cross the range. A step with no collapsed group (acr = 0)
     leaves the value: there was nothing to intervene on. The first update only starts the average. All
     constants are ours; `benchmarks/trigger_table.py` simulates how often it fires. A checkpoint saves
     `dataclasses.asdict(threshold)` and restores `AdaptiveThreshold(**saved)`.
+
+    The count of moves is an integer and the value is computed from it in exact decimals (start and step
+    as written), rounded to a float once: 0.5 + 5 x 0.05 is the float 0.75, the same float as an ACR of
+    6/8. Adding 0.05 step by step in floats drifts to 0.7499999999999999, and that ACR would then trigger.
     """
 
-    value: float = 0.5
+    start: float = 0.5
     step: float = 0.05
     low: float = 0.1
     high: float = 0.9
     smoothing: float = 0.8  # weight of the past in the reward average: about the last 5 steps count
+    moves: int = 0  # steps up minus steps down so far
     reward_ema: float | None = None  # smoothed batch mean reward; None before the first update
     best_ema: float | None = None  # the highest reward_ema so far
 
     def __post_init__(self) -> None:
-        if not self.low <= self.value <= self.high:
-            raise ValueError(f"value={self.value} must lie in [low, high] = [{self.low}, {self.high}]")
+        if not all(math.isfinite(x) for x in (self.start, self.step, self.low, self.high)):
+            raise ValueError(f"start, step, low and high must be finite; got {self}")
+        if not self.low <= self.start <= self.high:
+            raise ValueError(f"start={self.start} must lie in [low, high] = [{self.low}, {self.high}]")
         if not (self.step > 0 and 0 <= self.smoothing < 1):
             raise ValueError(f"need step > 0 and 0 <= smoothing < 1; got {self.step}, {self.smoothing}")
+
+    @property
+    def value(self) -> float:
+        """clip(start + moves * step, low, high), exact in decimals, then one rounding to a float."""
+        exact = Fraction(repr(self.start)) + self.moves * Fraction(repr(self.step))
+        return float(min(Fraction(repr(self.high)), max(Fraction(repr(self.low)), exact)))
 
     def update(self, acr: float, reward_mean: float) -> float:
         """Fold this step's ACR and batch mean reward in; returns the threshold for the next step."""
@@ -237,8 +271,10 @@ class AdaptiveThreshold:
         improving = self.reward_ema > self.best_ema
         self.best_ema = max(self.best_ema, self.reward_ema)
         if acr > 0:  # ours: the threshold adapts on the steps it could act on
-            moved = self.value + (self.step if improving else -self.step)
-            self.value = min(self.high, max(self.low, moved))
+            if improving and self.value < self.high:
+                self.moves += 1
+            elif not improving and self.value > self.low:
+                self.moves -= 1
         return self.value
 
 

@@ -6,7 +6,7 @@
 
 1. difficulty: ACR of the untrained model at each arith-mix level (and all levels pooled), split into
    all-correct and all-wrong groups.
-2. compare:    GRPO, AVSPO (adaptive trigger), AVSPO always on (avspo-always: the trigger's ablation), AAPO
+2. compare:    GRPO, AVSPO and its readings (`METHODS`: always on, K = 1, a fixed threshold, one end only), AAPO
    and DAPO's dynamic sampling on arith-mix, train.py's own schedule (lr decaying to 0), the same prompts per
    seed, several seeds. train.py evaluates a stratified prefix of the held-out split every --eval-every steps
    (the curves of accuracy against generated tokens); the final checkpoint of every run is then evaluated
@@ -58,10 +58,15 @@ from verifier import load_reward
 
 DOCS = Path(__file__).resolve().parent / "docs"
 METHODS = {"grpo": ("grpo", []), "avspo": ("avspo", []),  # name: (train.py --algo, extra flags)
-           "avspo-always": ("avspo", ["--acr-threshold", "0", "--fixed-threshold"]),  # ablation: no trigger
+           # AVSPO's readings: each changes one choice that is ours or unverified (advantage.py's docstring)
+           "avspo-always": ("avspo", ["--acr-threshold", "0", "--fixed-threshold"]),  # no trigger
+           "avspo-fixed": ("avspo", ["--fixed-threshold"]),  # the paper's ablation: a fixed threshold, 0.5
+           "avspo-k1": ("avspo", ["--num-virtual", "1"]),  # "a few" virtual rewards: K = 1, |A| = 1/3 at G = 8
+           "avspo-wrong": ("avspo", ["--virtual-ends", "all-wrong"]),  # the paper's ablation of the two ends
+           "avspo-correct": ("avspo", ["--virtual-ends", "all-correct"]),
            "aapo": ("aapo", []), "dapo": ("dapo", [])}
 BASELINE = "grpo"
-ABLATIONS = {"avspo": "avspo-always"}  # method: its ablation, also compared paired (does the trigger help?)
+ABLATIONS = {"avspo": ("avspo-always", "avspo-fixed")}  # also compared paired: does its trigger help?
 PRECISIONS = ("bf16", "fp32")
 
 
@@ -184,7 +189,7 @@ def interval(point: float, samples: np.ndarray) -> dict:
 
 def accuracy_table(correct: np.ndarray, levels: np.ndarray, names: list[str], resamples: int) -> dict:
     """For each method: accuracy and Δ to BASELINE (paired), overall and per level, each with its 95% CI; for
-    a method with an ablation in ABLATIONS, also its overall Δ to the ablation (paired the same way)."""
+    a method with ablations in ABLATIONS, also its overall Δ to each (paired the same way)."""
     boot, base = bootstrap_accuracy(correct, levels, resamples), names.index(BASELINE)
     table = {}
     for i, name in enumerate(names):
@@ -200,12 +205,12 @@ def accuracy_table(correct: np.ndarray, levels: np.ndarray, names: list[str], re
                 row["by_level"][key], row["delta_by_level"][key] = acc, delta
         row["per_seed"] = correct[i].mean(axis=1).tolist()
         table[name] = row
-    for name, ablation in ABLATIONS.items():
-        if name in names and ablation in names:
+    for name, ablations in ABLATIONS.items():
+        for ablation in [a for a in ablations if name in names and a in names]:
             i, j = names.index(name), names.index(ablation)
             point = table[name]["accuracy"]["mean"] - table[ablation]["accuracy"]["mean"]
-            table[name]["delta_vs_ablation"] = {"ablation": ablation,
-                                                **interval(point, boot["all"][:, i] - boot["all"][:, j])}
+            table[name].setdefault("delta_vs_ablation", {})[ablation] = interval(
+                point, boot["all"][:, i] - boot["all"][:, j])
     return table
 
 
@@ -224,8 +229,11 @@ def collapse(runs: list[Path]) -> dict:
     effective ACR (groups whose advantages are all zero after the method: what it left unused), over the whole
     run and over its first and last quarters of steps, and the last minus the first (late_rise: does collapse
     rise late in training, as AAPO says?); the all-correct and all-wrong fractions over its last quarter,
-    where the papers place late collapse; for AVSPO, the share of steps its trigger fired."""
+    where the papers place late collapse; for AVSPO, the share of steps its trigger fired. Also the share of
+    steps whose gradient norm exceeded --max-grad-norm and was clipped: while the clip binds, signal given
+    to collapsed groups shrinks the mixed groups' share of the step."""
     rows = [read_jsonl(d / "metrics.jsonl") for d in runs]
+    max_norms = [json.loads((d / "config.json").read_text())["max_grad_norm"] for d in runs]
     quarter = -(-len(rows[0]) // 4)
     everything, first_quarter, last_quarter = slice(None), slice(None, quarter), slice(-quarter, None)
     spans = {"acr": ("acr", everything), "acr_effective": ("acr_effective", everything),
@@ -239,6 +247,8 @@ def collapse(runs: list[Path]) -> dict:
                 for name, (key, span) in spans.items()}
     per_seed["late_rise"] = [last - first for first, last in zip(per_seed["acr_effective_first_quarter"],
                                                                  per_seed["acr_effective_last_quarter"])]
+    per_seed["clipped"] = [float(np.mean([x["grad_norm"] > max_norm for x in r]))
+                           for r, max_norm in zip(rows, max_norms)]
     return {k: {"mean": float(np.mean(v)), "std": float(np.std(v)), "per_seed": v}
             for k, v in per_seed.items()}
 
@@ -305,20 +315,23 @@ def compare(out: Path, methods: list[str], seeds: list[int], flags: list[str], p
 
 
 def markdown_table(table: dict) -> str:
-    """method | accuracy [95% CI] | Δ vs GRPO [95% CI] | per-level accuracy | collapse | costs."""
+    """method | accuracy [95% CI] | Δ vs GRPO [95% CI] | per-level accuracy | collapse | AVSPO's trigger and
+    the clipped steps (shares of steps) | costs."""
     levels = list(next(iter(table.values()))["by_level"])
     ci = lambda x, sign="": (f"{x['mean']:{sign}.3f} "  # noqa: E731
                              f"[{x['ci'][0]:{sign}.3f}, {x['ci'][1]:{sign}.3f}]")
     lines = [f"| method | accuracy [95% CI] | Δ vs {BASELINE.upper()} [95% CI] | {' / '.join(levels)} | "
-             "raw / effective ACR | all-correct / all-wrong, last quarter | generated tokens | seconds |",
-             "|---|---|---|---|---|---|---|---|"]
+             "raw / effective ACR | all-correct / all-wrong, last quarter | trigger | clipped | generated tokens "
+             "| seconds |", "|---|---|---|---|---|---|---|---|---|---|"]
     for name, row in table.items():
         cost, acr = row["cost"], row["collapse"]
         by_level = " / ".join(f"{row['by_level'][lv]['mean']:.2f}" for lv in levels)
+        trigger = f"{acr['avspo_triggered']['mean']:.2f}" if "avspo_triggered" in acr else "-"
         lines.append(f"| {name} | {ci(row['accuracy'])} | "
                      f"{'-' if name == BASELINE else ci(row['delta'], '+')} | "
                      f"{by_level} | {acr['acr']['mean']:.2f} / {acr['acr_effective']['mean']:.2f} | "
                      f"{acr['all_correct_frac']['mean']:.2f} / {acr['all_wrong_frac']['mean']:.2f} | "
+                     f"{trigger} | {acr['clipped']['mean']:.2f} | "
                      f"{cost['gen_tokens']['mean']:,.0f} | {cost['seconds']['mean']:,.0f} |")
     return "\n".join(lines)
 

@@ -28,8 +28,8 @@ from typing import Callable, Sequence
 import torch
 from tqdm import tqdm
 
-from advantage import (AdaptiveThreshold, aapo_advantages, aapo_margin, avspo_advantages, collapsed_groups,
-                       grpo_advantages)
+from advantage import (AVSPO_ENDS, AdaptiveThreshold, aapo_advantages, aapo_margin, avspo_advantages,
+                       collapsed_groups, grpo_advantages)
 from common import (all_sum, arg, at_least, collapse_warning, dataclass_parser, early_steps, exits_cleanly,
                     find_checkpoint, gather_groups, group_map, in_range, init_processes, log_eval, log_step,
                     read_jsonl, restore_checkpoint, save_checkpoint, start_logs, step_metrics, sum_gradients,
@@ -81,6 +81,7 @@ class Args:
     alpha: float = arg(0.5, "AVSPO: K = ceil(G * ACR^alpha) virtual samples", type=NON_NEGATIVE)
     num_virtual: int = arg(0, "AVSPO: K virtual rewards per collapsed group (0: adaptive)", type=at_least(0))
     virtual_delta: float = arg(0.1, "AVSPO: virtual rewards at max - delta, min + delta", type=UNIT_OPEN)
+    virtual_ends: str = arg("both", "AVSPO: collapsed groups given virtual rewards", choices=AVSPO_ENDS)
     delta_low: float = arg(0.2, "AAPO: margin clip below", type=NON_NEGATIVE)
     delta_high: float = arg(0.28, "AAPO: margin clip above", type=NON_NEGATIVE)
     resample_rounds: int = arg(2, "DAPO: most rounds of new prompts for collapsed groups", type=at_least(0))
@@ -142,7 +143,7 @@ def reference_rewards(args: Args, sample_and_score: SampleAndScore, reference, p
 def algo_state(args: Args) -> dict:
     """What a method carries from step to step: AVSPO's adaptive threshold (with its reward average)."""
     if args.algo == "avspo":
-        return {"threshold": AdaptiveThreshold(value=args.acr_threshold, low=min(0.1, args.acr_threshold),
+        return {"threshold": AdaptiveThreshold(start=args.acr_threshold, low=min(0.1, args.acr_threshold),
                                                high=max(0.9, args.acr_threshold))}
     return {}
 
@@ -155,9 +156,9 @@ def compute_advantages(args: Args, rewards: torch.Tensor, state: dict, ref_rewar
         threshold = state["threshold"]
         advantages, info = avspo_advantages(rewards, acr_threshold=threshold.value, alpha=args.alpha,
                                             num_virtual=args.num_virtual or None, delta=args.virtual_delta,
-                                            return_info=True)
+                                            ends=args.virtual_ends, return_info=True)
         log = {"acr_threshold": threshold.value, "avspo_triggered": info.triggered,
-               "virtual_samples": info.num_virtual * info.num_collapsed}
+               "virtual_samples": info.num_virtual * info.num_treated}
         if not args.fixed_threshold:  # the new value acts from the next step on
             threshold.update(info.num_collapsed / len(rewards), rewards.mean().item())
         return advantages, log

@@ -24,6 +24,7 @@ from advantage import (
     effective_collapse_rate,
     grpo_advantages,
     num_virtual_samples,
+    at_top,
     virtual_rewards,
 )
 
@@ -248,18 +249,20 @@ def test_avspo_equals_grpo_at_or_below_threshold(rewards, threshold):
 def test_avspo_trigger_boundary(num_collapsed, num_groups, threshold):
     rewards = batch(num_collapsed, num_groups)
     adv, info = avspo_advantages(rewards, acr_threshold=threshold, return_info=True)
-    assert info == AvspoInfo(triggered=False, num_collapsed=num_collapsed, num_virtual=0)  # ACR == threshold
+    assert info == AvspoInfo(triggered=False, num_collapsed=num_collapsed, num_treated=0,
+                             num_virtual=0)  # ACR == threshold
     assert torch.equal(adv, grpo_advantages(rewards))
     assert not avspo_advantages(rewards, acr_threshold=math.nextafter(threshold, 1.0),
                                 return_info=True)[1].triggered
     _, info = avspo_advantages(rewards, acr_threshold=math.nextafter(threshold, 0.0), return_info=True)
-    assert info == AvspoInfo(True, num_collapsed, num_virtual_samples(2, num_collapsed, num_groups))
+    k = num_virtual_samples(2, num_collapsed, num_groups)
+    assert info == AvspoInfo(True, num_collapsed, num_collapsed, k)
 
 
 def test_avspo_info_reports_k_used():
     rewards = batch(2, 3).repeat(1, 4)  # G = 8, ACR 2/3: K = ceil(8 * sqrt(2/3)) = 7
-    assert avspo_advantages(rewards, return_info=True)[1] == AvspoInfo(True, 2, 7)
-    assert avspo_advantages(rewards, num_virtual=3, return_info=True)[1] == AvspoInfo(True, 2, 3)
+    assert avspo_advantages(rewards, return_info=True)[1] == AvspoInfo(True, 2, 2, 7)
+    assert avspo_advantages(rewards, num_virtual=3, return_info=True)[1] == AvspoInfo(True, 2, 2, 3)
     assert avspo_advantages(rewards, alpha=1.0, return_info=True)[1].num_virtual == 6
     with pytest.raises(ValueError):
         avspo_advantages(rewards, num_virtual=0)
@@ -281,6 +284,34 @@ def test_avspo_all_correct_positive_all_wrong_negative(rewards, num_virtual):
     assert torch.all(all_correct > 0) and torch.all(all_correct == all_correct[0])
     assert torch.all(all_wrong < 0) and torch.all(all_wrong == all_wrong[0])
     assert effective_collapse_rate(adv) == 0.0
+
+
+@given(reward_groups(binary=True, min_b=2), st.sampled_from(["all-wrong", "all-correct"]),
+       st.sampled_from([None, 1, 3]))
+def test_avspo_one_end_treats_only_that_end(rewards, end, num_virtual):
+    """The ends ablation: the chosen end gets both-ends AVSPO's advantages, the other end stays at 0, mixed
+    groups keep GRPO's; the trigger and K count every collapsed group."""
+    both, info_both = avspo_advantages(rewards, acr_threshold=0.0, num_virtual=num_virtual, return_info=True)
+    one, info = avspo_advantages(rewards, acr_threshold=0.0, num_virtual=num_virtual, ends=end,
+                                 return_info=True)
+    collapsed = collapsed_groups(rewards)
+    chosen = collapsed & (at_top(rewards[:, 0], (0.0, 1.0)) == (end == "all-correct"))  # [B]
+    assert torch.equal(one[chosen], both[chosen]) and torch.equal(one[~collapsed], both[~collapsed])
+    assert torch.all(one[collapsed & ~chosen] == 0)
+    assert (info.triggered, info.num_collapsed, info.num_virtual) == (
+        info_both.triggered, info_both.num_collapsed, info_both.num_virtual)
+    assert info.num_treated == int(chosen.sum()) and info_both.num_treated == info_both.num_collapsed
+
+
+def test_avspo_ends_by_hand():
+    rewards = torch.tensor([[1.0, 1.0], [0.0, 0.0], [0.0, 1.0]])  # all-correct, all-wrong, mixed
+    wrong = avspo_advantages(rewards, acr_threshold=0.0, num_virtual=1, ends="all-wrong")
+    right = avspo_advantages(rewards, acr_threshold=0.0, num_virtual=1, ends="all-correct")
+    a = closed_form(2, 1)  # sqrt(1 * 2 / (2 * 3)); eps = 1e-4 moves it by under 1%
+    torch.testing.assert_close(wrong[:2], torch.tensor([[0.0, 0.0], [-a, -a]]), rtol=0.01, atol=0.0)
+    torch.testing.assert_close(right[:2], torch.tensor([[a, a], [0.0, 0.0]]), rtol=0.01, atol=0.0)
+    with pytest.raises(ValueError, match="ends"):
+        avspo_advantages(rewards, ends="neither")
 
 
 def test_virtual_rewards_are_stratified():
@@ -380,9 +411,23 @@ def test_adaptive_threshold_moves_one_step_by_the_rule(history):
             assert value == pytest.approx(max(0.1, old - 0.05))  # intervene more
 
 
+@given(st.lists(st.tuples(st.sampled_from([0.125, 0.5, 1.0]), st.floats(0.0, 1.0)), max_size=60))
+@example([(0.5, 0.0)] + [(0.5, 0.1 * i) for i in range(1, 6)])  # five steps up: 0.75, not 0.7499999999999999
+def test_adaptive_threshold_stays_exactly_on_its_grid(history):
+    """After any updates the threshold is 0.5 + k * 0.05 exactly, so an ACR of exactly (10 + k) / 20 does not
+    trigger AVSPO (strictly above) and one group more does. Floats stepped by 0.05 drift off the grid."""
+    threshold = AdaptiveThreshold()
+    for acr, reward in history:
+        threshold.update(acr, reward)
+    c = round(threshold.value * 20)  # the grid point it should be on, as collapsed groups out of B = 20
+    assert threshold.value == c / 20
+    assert not avspo_advantages(batch(c, 20), acr_threshold=threshold.value, return_info=True)[1].triggered
+    assert avspo_advantages(batch(c + 1, 20), acr_threshold=threshold.value, return_info=True)[1].triggered
+
+
 @given(st.floats(0.1, 0.9), st.lists(st.floats(0.001, 0.05), min_size=40, max_size=40))
 def test_adaptive_threshold_rises_to_high_while_reward_improves(start, gains):
-    threshold, reward = AdaptiveThreshold(value=start), 0.0
+    threshold, reward = AdaptiveThreshold(start=start), 0.0
     for gain in gains[:17]:  # 16 updates cross [0.1, 0.9]; the first one only starts the average
         reward += gain
         threshold.update(0.5, reward)
@@ -391,7 +436,7 @@ def test_adaptive_threshold_rises_to_high_while_reward_improves(start, gains):
 
 @given(st.floats(0.1, 0.9), st.lists(st.floats(0.0, 0.05), min_size=40, max_size=40), st.booleans())
 def test_adaptive_threshold_falls_to_low_while_reward_stalls(start, drops, flat):
-    threshold, reward = AdaptiveThreshold(value=start), 0.9
+    threshold, reward = AdaptiveThreshold(start=start), 0.9
     for drop in drops[:17]:
         reward -= 0.0 if flat else drop
         threshold.update(0.5, reward)
@@ -411,20 +456,22 @@ def test_adaptive_threshold_fires_more_when_noisy_training_stalls():
 
 
 def test_adaptive_threshold_hand_values():
-    t = AdaptiveThreshold(value=0.5, step=0.1, smoothing=0.5)
+    t = AdaptiveThreshold(start=0.5, step=0.1, smoothing=0.5)
     assert t.update(0.5, 0.2) == 0.5 and t.reward_ema == t.best_ema == 0.2  # starts the average only
     assert t.update(0.5, 0.6) == pytest.approx(0.6)  # ema 0.4: a new best, up
     assert t.update(0.5, 0.4) == pytest.approx(0.5)  # ema 0.4: no new best (flat), down
     assert t.update(0.0, 0.0) == pytest.approx(0.5) and t.reward_ema == 0.2  # no collapse: stays
     assert t.update(1.0, 0.0) == pytest.approx(0.4)  # ema 0.1, falling: down
-    t = AdaptiveThreshold(value=0.85, step=1.0, reward_ema=0.0, best_ema=0.0)
+    t = AdaptiveThreshold(start=0.85, step=1.0, reward_ema=0.0, best_ema=0.0)
     assert t.update(1.0, 1.0) == 0.9  # clipped at high
-    t = AdaptiveThreshold(value=0.15, step=1.0, reward_ema=1.0, best_ema=1.0)
+    assert t.update(1.0, 0.0) == 0.85  # and back: start + moves * step, not the bound - step
+    t = AdaptiveThreshold(start=0.15, step=1.0, reward_ema=1.0, best_ema=1.0)
     assert t.update(0.9, 0.0) == 0.1  # clipped at low
 
 
 def test_adaptive_threshold_validates_and_round_trips():
-    for bad in (dict(value=0.95), dict(value=0.3, low=0.4, high=0.9), dict(step=0.0), dict(smoothing=1.0)):
+    for bad in (dict(start=0.95), dict(start=0.3, low=0.4, high=0.9), dict(step=0.0), dict(smoothing=1.0),
+                dict(step=math.nan), dict(high=math.inf)):
         with pytest.raises(ValueError):
             AdaptiveThreshold(**bad)
     t = AdaptiveThreshold()

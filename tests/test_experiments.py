@@ -51,18 +51,20 @@ def test_paired_difference_recovers_a_known_shift():
     assert table["better"]["delta_by_level"]["easy"]["ci"] == [0.0, 0.0]
 
 
-def test_avspo_is_also_compared_with_its_ablation_paired():
-    """AVSPO against avspo-always, by the same paired bootstrap: here AVSPO is the shifted method."""
+def test_avspo_is_also_compared_with_its_ablations_paired():
+    """AVSPO against avspo-always and avspo-fixed, by the same paired bootstrap: AVSPO is the shifted
+    method."""
     base = synthetic_correct(np.random.default_rng(1), 1, 5)[0]  # [S, N]
     better = base.copy()
     for s in range(5):
         better[s, np.flatnonzero(base[s] == 0)[:5]] = 1
-    table = experiments.accuracy_table(np.stack([base, base, better]), LEVELS,
-                                       ["grpo", "avspo-always", "avspo"], resamples=2000)
+    table = experiments.accuracy_table(np.stack([base, base, better, base]), LEVELS,
+                                       ["grpo", "avspo-always", "avspo", "avspo-fixed"], resamples=2000)
     against = table["avspo"]["delta_vs_ablation"]
-    assert against["ablation"] == "avspo-always" and math.isclose(against["mean"], 5 / 50)
-    assert 0 < against["ci"][0] <= 0.1 <= against["ci"][1]
-    assert "delta_vs_ablation" not in table["avspo-always"] and "delta_vs_ablation" not in table["grpo"]
+    assert list(against) == ["avspo-always", "avspo-fixed"]
+    for delta in against.values():
+        assert math.isclose(delta["mean"], 5 / 50) and 0 < delta["ci"][0] <= 0.1 <= delta["ci"][1]
+    assert all("delta_vs_ablation" not in table[name] for name in ("grpo", "avspo-always", "avspo-fixed"))
 
 
 def test_seed_deltas_pair_collapse_and_cost_by_seed():
@@ -117,7 +119,7 @@ def test_quick_pipeline_writes_every_number_and_figure(tmp_path):
     assert set(results) >= {"scale", "difficulty", "compare", "compare_table", "scatter"}
     assert set(results["difficulty"]) == {*experiments.LEVELS, "mix"}
     table = results["compare"]
-    assert list(table) == ["grpo", "avspo", "avspo-always", "aapo", "dapo"]
+    assert list(table) == list(experiments.METHODS)
     for name, row in table.items():
         assert len(row["per_seed"]) == 2  # two seeds
         assert set(row["by_level"]) == set(experiments.LEVELS)
@@ -130,7 +132,7 @@ def test_quick_pipeline_writes_every_number_and_figure(tmp_path):
         acr = row["collapse"]
         assert set(acr) - {"avspo_triggered"} == {"acr", "acr_effective", "acr_effective_first_quarter",
                                                   "acr_effective_last_quarter", "late_rise",
-                                                  "all_correct_frac", "all_wrong_frac"}
+                                                  "all_correct_frac", "all_wrong_frac", "clipped"}
         assert acr["late_rise"]["per_seed"] == [last - first for first, last in zip(
             acr["acr_effective_first_quarter"]["per_seed"], acr["acr_effective_last_quarter"]["per_seed"])]
         for stat in [*acr.values(), *row["cost"].values()]:  # a CI over seeds
@@ -173,6 +175,20 @@ def test_accuracy_curves_average_seeds_by_step_and_name_a_run_with_a_missing_eva
     common.write_jsonl(runs[1] / "evals.jsonl", [{"step": s, "eval_accuracy": 0.5} for s in (0, 4)])
     with pytest.raises(SystemExit, match=r"seed1/evals.jsonl: evaluated at steps \[0, 4\], not \[0, 2, 4\]"):
         experiments.accuracy_curves(runs)
+
+
+def test_collapse_counts_the_steps_whose_gradient_norm_was_clipped(tmp_path):
+    """A step is clipped when its gradient norm exceeds the run's --max-grad-norm (equal is not clipped);
+    a step that trained no row logs a norm of 0."""
+    runs = [tmp_path / "seed0", tmp_path / "seed1"]
+    for run, (max_norm, norms) in zip(runs, [(1.0, [0.5, 1.0, 1.5, 3.0]), (2.0, [0.0, 1.5, 2.5, 0.1])]):
+        run.mkdir()
+        (run / "config.json").write_text(json.dumps({"max_grad_norm": max_norm}))
+        common.write_jsonl(run / "metrics.jsonl", [
+            {"step": s, "grad_norm": n, "acr": 0.5, "acr_effective": 0.5, "all_correct_frac": 0.25,
+             "all_wrong_frac": 0.25} for s, n in enumerate(norms, 1)])
+    clipped = experiments.collapse(runs)["clipped"]
+    assert clipped["per_seed"] == [0.5, 0.25] and clipped["mean"] == 0.375
 
 
 def test_run_all_in_parallel_processes_keeps_the_task_order():
