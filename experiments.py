@@ -6,8 +6,8 @@
 
 1. difficulty: ACR of the untrained model at each arith-mix level (and all levels pooled), split into
    all-correct and all-wrong groups.
-2. compare:    GRPO, AVSPO and its readings (`METHODS`: always on, K = 1, a fixed threshold, one end only), AAPO
-   and DAPO's dynamic sampling on arith-mix, train.py's own schedule (lr decaying to 0), the same prompts per
+2. compare:    GRPO, AVSPO, AVSPO always on (avspo-always: no trigger), AAPO and DAPO's dynamic sampling on
+   arith-mix, train.py's own schedule (lr decaying to 0), the same prompts per
    seed, several seeds. train.py evaluates a stratified prefix of the held-out split every --eval-every steps
    (the curves of accuracy against generated tokens); the final checkpoint of every run is then evaluated
    greedily on the whole split (336 problems), its per-problem records cached in <run>/final_eval.jsonl. A
@@ -18,10 +18,15 @@
    last quarter of the steps) and its cost: generated tokens (policy + AAPO's reference + DAPO's resampled
    groups) and seconds. A collapse map shows seed 0's groups step by step, and what each method did with the
    collapsed ones.
-3. scatter:    the AVSPO paper's Figure 1: early raw ACR (train.py's summary: the mean over the first 20% of
+3. readings:   AVSPO's readings side by side, each changing one choice of ours or an unverified one (a fixed
+   threshold, K = 1, one end only: `METHODS`), with GRPO rerun beside them; as compare, in its own folder.
+   bf16 kernels round differently per CPU (the untrained model's greedy accuracy on the same 112 problems was
+   0.223 on an AMD EPYC, 0.188 on an Intel Xeon), so the arms of a seed are compared only on one machine: each
+   run folder's machines.jsonl says which CPU trained it.
+4. scatter:    the AVSPO paper's Figure 1: early raw ACR (train.py's summary: the mean over the first 20% of
    the steps) against final held-out accuracy (train.py's last eval, on that level's test split) over a grid
    of levels x group sizes x seeds of short GRPO runs; slope and R^2 with bootstrap CIs over runs.
-4. precision:  the default run (`python train.py`: GRPO on arith-mul1, train.py's own settings) in bf16 and in
+5. precision:  the default run (`python train.py`: GRPO on arith-mul1, train.py's own settings) in bf16 and in
    fp32 on the same seeds: does bf16, what `--precision auto` picks where the CPU has native bf16, learn as
    well as fp32? Held-out accuracy, batch reward and seconds per step against steps. Only with
    --only precision: where bf16 is emulated (a CPU with AVX2 alone) its runs take many times longer.
@@ -37,6 +42,7 @@ import json
 import math
 import multiprocessing
 import os
+import platform
 import sys
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
@@ -48,20 +54,22 @@ from tqdm import tqdm
 
 import train
 from advantage import advantage_collapse_rate
-from common import read_jsonl
+from common import append_jsonl, read_jsonl
 from data.tasks import LEVELS, load_problems
 from eval import evaluate, score_groups
-from model import load_model, pick_device, resolve_precision, sample, working_copy
+from model import cpu_features, load_model, pick_device, resolve_precision, sample, working_copy
 from plots import (plot_accuracy_vs_compute, plot_accuracy_vs_tokens, plot_collapse_map, plot_compare_curves,
                    plot_difficulty, plot_early_acr_scatter, plot_precision_curves)
 from verifier import load_reward
 
 DOCS = Path(__file__).resolve().parent / "docs"
+COMPARE = ("grpo", "avspo", "avspo-always", "aapo", "dapo")
+READINGS = ("grpo", "avspo", "avspo-fixed", "avspo-k1", "avspo-wrong", "avspo-correct")
 METHODS = {"grpo": ("grpo", []), "avspo": ("avspo", []),  # name: (train.py --algo, extra flags)
            # AVSPO's readings: each changes one choice that is ours or unverified (advantage.py's docstring)
            "avspo-always": ("avspo", ["--acr-threshold", "0", "--fixed-threshold"]),  # no trigger
            "avspo-fixed": ("avspo", ["--fixed-threshold"]),  # the paper's ablation: a fixed threshold, 0.5
-           "avspo-k1": ("avspo", ["--num-virtual", "1"]),  # "a few" virtual rewards: K = 1, |A| = 1/3 at G = 8
+           "avspo-k1": ("avspo", ["--num-virtual", "1"]),  # "a few" virtual rewards: K = 1, |A| = 1/3
            "avspo-wrong": ("avspo", ["--virtual-ends", "all-wrong"]),  # the paper's ablation of the two ends
            "avspo-correct": ("avspo", ["--virtual-ends", "all-correct"]),
            "aapo": ("aapo", []), "dapo": ("dapo", [])}
@@ -98,7 +106,18 @@ def run_training(out: Path, seed: int, algos: list[str], flags: list[str]) -> No
     one that stopped part-way goes on from its checkpoint (--resume; steps depend on seed and step alone)."""
     missing = [a for a in algos if not (out / a / "summary.json").exists()]
     if missing:
+        out.mkdir(parents=True, exist_ok=True)
+        append_jsonl(out / "machines.jsonl", {"algos": missing, **machine()})  # one line per (re)start
         train.main(flags + ["--algo", ",".join(missing), "--seed", str(seed), "--out", str(out), "--resume"])
+
+
+def machine() -> dict:
+    """The CPU that trains a run (its model name and matmul flags), and torch's version and threads: bf16
+    kernels round differently per CPU, so a run repeats token for token only on the same kind of CPU."""
+    cpuinfo = Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").exists() else []
+    names = [line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name")]
+    return {"cpu": names[0] if names else platform.processor(), "cpu_features": sorted(cpu_features()),
+            "torch": torch.__version__, "threads": torch.get_num_threads()}
 
 
 def run_all(tasks: list[tuple], jobs: int) -> list:
@@ -122,16 +141,17 @@ def with_threads(threads: int, fn: Callable, *args):
     return fn(*args)
 
 
-def run_dir(out: Path, method: str, seed: int) -> Path:
-    """compare/seed0-grpo/grpo: one train.py folder per method and seed, so parallel runs share no file."""
-    return out / "compare" / f"seed{seed}-{method}" / METHODS[method][0]
+def run_dir(folder: Path, method: str, seed: int) -> Path:
+    """<folder>/seed0-grpo/grpo: one train.py folder per method and seed, so parallel runs share no file."""
+    return folder / f"seed{seed}-{method}" / METHODS[method][0]
 
 
-def train_and_score(out: Path, method: str, seed: int, flags: list[str], problems: list,
+def train_and_score(folder: Path, method: str, seed: int, flags: list[str], problems: list,
                     max_new_tokens: int) -> list[dict]:
     """Train one method on one seed, then its final model's per-problem records on `problems`."""
-    run_training(run_dir(out, method, seed).parent, seed, [METHODS[method][0]], flags + METHODS[method][1])
-    return final_records(run_dir(out, method, seed), problems, max_new_tokens)
+    run = run_dir(folder, method, seed)
+    run_training(run.parent, seed, [METHODS[method][0]], flags + METHODS[method][1])
+    return final_records(run, problems, max_new_tokens)
 
 
 def held_out(seed: int, per_level: int | None) -> list:
@@ -287,12 +307,13 @@ def accuracy_curves(runs: list[Path]) -> dict:
             "accuracy_high": np.max(accuracy, axis=0).tolist()}
 
 
-def compare(out: Path, methods: list[str], seeds: list[int], flags: list[str], per_level: int | None,
+def compare(folder: Path, methods: list[str], seeds: list[int], flags: list[str], per_level: int | None,
             max_new_tokens: int, resamples: int, jobs: int) -> dict:
-    """Train every method on every seed, evaluate each final checkpoint per problem, bootstrap, account
-    costs."""
+    """Train every method on every seed into `folder`, evaluate each final checkpoint per problem,
+    bootstrap, account costs."""
     order = [(m, s) for s in seeds for m in methods]  # seed by seed: a partial sweep is whole for its seeds
-    tasks = [(train_and_score, out, m, s, flags, held_out(s, per_level), max_new_tokens) for m, s in order]
+    tasks = [(train_and_score, folder, m, s, flags, held_out(s, per_level), max_new_tokens)
+             for m, s in order]
     records = dict(zip(order, run_all(tasks, jobs)))
     correct = [[[r["correct"] for r in records[m, s]] for s in seeds] for m in methods]  # [M][S][N]
     levels = {s: [r["level"] for r in records[methods[0], s]] for s in seeds}
@@ -300,7 +321,7 @@ def compare(out: Path, methods: list[str], seeds: list[int], flags: list[str], p
     levels = np.array(levels[seeds[0]])
     table = accuracy_table(np.array(correct, dtype=float), levels, methods, resamples)
     for name in methods:
-        runs = [run_dir(out, name, s) for s in seeds]
+        runs = [run_dir(folder, name, s) for s in seeds]
         table[name]["cost"], table[name]["collapse"] = compute_cost(runs), collapse(runs)
         table[name]["curve"] = accuracy_curves(runs)
         logged = [read_jsonl(d / "evals.jsonl")[-1]["eval_accuracy"] for d in runs]  # train.py's last eval
@@ -321,8 +342,8 @@ def markdown_table(table: dict) -> str:
     ci = lambda x, sign="": (f"{x['mean']:{sign}.3f} "  # noqa: E731
                              f"[{x['ci'][0]:{sign}.3f}, {x['ci'][1]:{sign}.3f}]")
     lines = [f"| method | accuracy [95% CI] | Δ vs {BASELINE.upper()} [95% CI] | {' / '.join(levels)} | "
-             "raw / effective ACR | all-correct / all-wrong, last quarter | trigger | clipped | generated tokens "
-             "| seconds |", "|---|---|---|---|---|---|---|---|---|---|"]
+             "raw / effective ACR | all-correct / all-wrong, last quarter | trigger | clipped "
+             "| generated tokens | seconds |", "|---|---|---|---|---|---|---|---|---|---|"]
     for name, row in table.items():
         cost, acr = row["cost"], row["collapse"]
         by_level = " / ".join(f"{row['by_level'][lv]['mean']:.2f}" for lv in levels)
@@ -401,13 +422,14 @@ def estimate(args, parts: list[str]) -> tuple[int, int, float, float]:
     units (sampling 8 x 8 for the difficulty part: half a unit), an evaluation of n problems n/336 eval units;
     a compare run evaluates 3 times (train.py before and after, the per-problem one), a scatter run twice."""
     runs = steps = step_units = eval_units = 0
-    if "compare" in parts:
-        n = len(args.methods.split(",")) * len(args.seeds.split(","))
-        runs, steps = n, n * args.steps
-        step_units += n * args.steps * args.prompts_per_step * args.group_size / 64
-        # train.py's, step 0 on
-        evals = args.steps // args.eval_every + 1 + (args.steps % args.eval_every > 0)
-        eval_units += n * (evals * min(args.eval_size, 336) + (args.per_level * len(LEVELS) or 336)) / 336
+    for part, methods in (("compare", args.methods), ("readings", args.readings)):
+        if part in parts:
+            n = len(methods.split(",")) * len(args.seeds.split(","))
+            runs, steps = runs + n, steps + n * args.steps
+            step_units += n * args.steps * args.prompts_per_step * args.group_size / 64
+            # train.py's, step 0 on
+            evals = args.steps // args.eval_every + 1 + (args.steps % args.eval_every > 0)
+            eval_units += n * (evals * min(args.eval_size, 336) + (args.per_level * len(LEVELS) or 336)) / 336
     if "scatter" in parts:
         gs = [int(g) for g in args.scatter_g.split(",")]
         n = len(args.scatter_levels.split(",")) * len(args.scatter_seeds.split(","))
@@ -431,12 +453,14 @@ def main(argv: list[str] | None = None) -> dict:
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--out", default="runs/experiments",
                    help="the runs; git keeps their logs, not their checkpoints (.gitignore)")
-    p.add_argument("--only", default="difficulty,compare,scatter", help="parts to run, comma list")
+    p.add_argument("--only", default="difficulty,compare,readings,scatter", help="parts to run, comma list")
     p.add_argument("--figures", default="",
                    help="where the PNGs go (default: docs/, or <out>/figures with --quick)")
     p.add_argument("--quick", action="store_true", help="tiny model, tiny sizes: checks the whole pipeline")
     p.add_argument("--model", default="smollm2-135m")
-    p.add_argument("--methods", default=",".join(METHODS), help=f"comma list of {', '.join(METHODS)}")
+    p.add_argument("--methods", default=",".join(COMPARE),
+                   help=f"compare: comma list of {', '.join(METHODS)}")
+    p.add_argument("--readings", default=",".join(READINGS), help="readings: comma list, as --methods")
     p.add_argument("--seeds", default="0,1,2,3,4")
     p.add_argument("--steps", type=int, default=40, help="compare: steps per run (train.py's default run)")
     p.add_argument("--prompts-per-step", type=int, default=8, help="compare: B")
@@ -505,15 +529,15 @@ def main(argv: list[str] | None = None) -> dict:
     if "difficulty" in parts:
         results["difficulty"] = acr_by_difficulty(args.model, args.difficulty_prompts, 8, args.max_new_tokens)
         plot_difficulty(results["difficulty"], figures / "acr_vs_difficulty.png", f"{args.model}, G=8, T=1")
+    compare_flags = base + ["--dataset", "arith-mix", "--steps", str(args.steps), "--prompts-per-step",
+                            str(args.prompts_per_step), "--group-size", str(args.group_size), "--eval-every",
+                            str(args.eval_every), "--eval-size", str(args.eval_size),
+                            "--save-every", str(args.eval_every)]
     if "compare" in parts:
-        flags = base + ["--dataset", "arith-mix", "--steps", str(args.steps), "--prompts-per-step",
-                        str(args.prompts_per_step), "--group-size", str(args.group_size), "--eval-every",
-                        str(args.eval_every), "--eval-size", str(args.eval_size),
-                        "--save-every", str(args.eval_every)]
-        table = compare(out, methods, seeds, flags, args.per_level or None, args.max_new_tokens,
-                        args.resamples, args.jobs)
+        table = compare(out / "compare", methods, seeds, compare_flags, args.per_level or None,
+                        args.max_new_tokens, args.resamples, args.jobs)
         results["compare"], results["compare_table"] = table, markdown_table(table)
-        runs_by_method = {m: [run_dir(out, m, s) for s in seeds] for m in methods}
+        runs_by_method = {m: [run_dir(out / "compare", m, s) for s in seeds] for m in methods}
         title = f"{args.model} on arith-mix, B={args.prompts_per_step}, G={args.group_size}, seeds {seeds}"
         plot_compare_curves(runs_by_method, figures / "compare.png", title)
         plot_accuracy_vs_compute(table, figures / "compare_accuracy.png", title)
@@ -522,6 +546,10 @@ def main(argv: list[str] | None = None) -> dict:
         plot_collapse_map({m: runs[0] for m, runs in runs_by_method.items()}, figures / "collapse_map.png",
                           f"{args.model} on arith-mix, B={args.prompts_per_step}, G={args.group_size}, "
                           f"seed {seeds[0]}")
+    if "readings" in parts:  # GRPO rerun beside AVSPO's readings, on this machine (see the docstring)
+        table = compare(out / "readings", args.readings.split(","), seeds, compare_flags,
+                        args.per_level or None, args.max_new_tokens, args.resamples, args.jobs)
+        results["readings"], results["readings_table"] = table, markdown_table(table)
     if "scatter" in parts:
         flags = base + ["--steps", str(args.scatter_steps), "--prompts-per-step", str(args.scatter_prompts),
                         "--eval-every", str(args.scatter_steps), "--eval-size", str(args.scatter_eval_size),
@@ -541,8 +569,9 @@ def main(argv: list[str] | None = None) -> dict:
                               figures / "precision.png",
                               f"{args.model}, the default run, seeds {precision_seeds}")
     results_path.write_text(json.dumps(results, indent=2))
-    if "compare" in results:
-        print("\n" + results["compare_table"])
+    for part in ("compare", "readings"):
+        if part in parts:
+            print(f"\n{part}:\n" + results[f"{part}_table"])
     if "precision" in results:
         for name, row in results["precision"].items():
             print(f"\n{name}: held-out accuracy {np.mean(row['acc_before']):.3f} -> "

@@ -116,10 +116,12 @@ def test_early_acr_fit_recovers_a_line_with_finite_cis():
 
 def test_quick_pipeline_writes_every_number_and_figure(tmp_path):
     results = experiments.main(["--quick", "--out", str(tmp_path)])
-    assert set(results) >= {"scale", "difficulty", "compare", "compare_table", "scatter"}
+    assert set(results) >= {"scale", "difficulty", "compare", "compare_table", "readings", "readings_table",
+                            "scatter"}
     assert set(results["difficulty"]) == {*experiments.LEVELS, "mix"}
     table = results["compare"]
-    assert list(table) == list(experiments.METHODS)
+    assert list(table) == list(experiments.COMPARE)
+    assert list(results["readings"]) == list(experiments.READINGS)
     for name, row in table.items():
         assert len(row["per_seed"]) == 2  # two seeds
         assert set(row["by_level"]) == set(experiments.LEVELS)
@@ -128,7 +130,7 @@ def test_quick_pipeline_writes_every_number_and_figure(tmp_path):
             assert all(math.isfinite(v) for v in [stat["mean"], *stat["ci"], stat["half_width"]])
             assert stat["ci"][0] <= stat["mean"] <= stat["ci"][1]
         assert row["cost"]["gen_tokens"]["mean"] > 0 and row["cost"]["seconds"]["mean"] > 0
-        assert (experiments.run_dir(tmp_path, name, 0) / "summary.json").exists()
+        assert (experiments.run_dir(tmp_path / "compare", name, 0) / "summary.json").exists()
         acr = row["collapse"]
         assert set(acr) - {"avspo_triggered"} == {"acr", "acr_effective", "acr_effective_first_quarter",
                                                   "acr_effective_last_quarter", "late_rise",
