@@ -171,21 +171,21 @@ def avspo_advantages(
     together with K virtual rewards V: A_i = (r_i - mean(R u V)) / (std(R u V) + eps).
 
     Virtual samples only shift the statistics: they get no advantage and carry no gradient. K is
-    `num_virtual` if given, else `num_virtual_samples`; V is `virtual_rewards`. `ends` chooses the collapsed
-    groups treated: "both" (AVSPO), or only "all-wrong" or "all-correct" ones (at_top), the paper's ablation
-    that separates the two ends; the trigger and K still count every collapsed group. With return_info=True,
-    returns (advantages, AvspoInfo).
+    `num_virtual` if given, else `num_virtual_samples`; V is `virtual_rewards`. `ends` picks the collapsed
+    groups treated: "both" (AVSPO), or only the "all-wrong" or "all-correct" ones (the paper's ablation of
+    the two ends); the trigger and K count every collapsed group. return_info=True adds an AvspoInfo.
 
-    Only K sets the size, delta only the sign. The G real rewards all equal v and the K virtual ones
-    v -+ delta, so each real reward lies K delta / (G + K) from the mean of the G + K, on the side
-    away from V; their unbiased std is delta sqrt(K G / ((G + K)(G + K - 1))). Hence
+    Only K sets the size; V's side sets the sign. The G real rewards all equal v and the K virtual ones
+    v -+ delta, so each real reward lies K delta / (G + K) from the mean of the G + K, away from V, and
+    their unbiased std is delta sqrt(K G / ((G + K)(G + K - 1))). Hence, for any delta >> eps,
 
         A_i = +-sqrt(K (G + K - 1) / (G (G + K)))     (+ all-correct, - all-wrong)
 
-    whatever delta is, as long as delta >> eps. With G = 8: K = 1 gives 1/3, K = 8 gives 0.97.
+    With G = 8: K = 1 gives 1/3, K = 8 gives 0.97. Under this z-score a virtual reward's value cannot matter
+    beyond its side: the paper's stratified vs fixed partial-credit ablation can only differ under another
+    normalisation (the summary gives none).
 
-    The trigger compares ACR = c / B, a correctly rounded float, with the threshold, so an ACR equal to a
-    threshold written as a fraction does not trigger (`c > threshold * B` would: 0.57 * 100 < 57).
+    ACR = c / B, correctly rounded: an ACR equal to the threshold does not trigger (c > threshold * B can).
 
     >>> advantages, info = avspo_advantages(torch.ones(1, 3), num_virtual=1, eps=0.0, return_info=True)
     >>> advantages, info.triggered, info.num_treated, info.num_virtual

@@ -1,4 +1,5 @@
-"""Plumbing for train.py, kept out of its way: processes under torchrun, checkpoints, and run logs.
+"""Plumbing for train.py, kept out of its way: config flags, processes under torchrun, a run's setup and what
+follows each step (logs, checkpoints, evaluations), and the --fast choice.
 
 Nothing here knows about GRPO, AVSPO or AAPO: a method's state reaches a checkpoint as a dict of
 dataclasses, and is rebuilt with the same classes on resume.
@@ -15,12 +16,20 @@ import sys
 import threading
 from contextlib import contextmanager
 from pathlib import Path
+from collections import Counter
+from typing import Callable, NamedTuple
 
 import torch
 import torch.distributed as dist
+from tqdm import tqdm
 
+import packing
 from advantage import advantage_collapse_rate, effective_collapse_rate
-from model import Rollout, pick_device
+from data.tasks import Problem, load_eval_problems, load_problems
+from decoding import decode
+from eval import evaluate
+from model import Rollout, completion_logprobs, load_model, pick_device, sample_with_generate, working_copy
+from verifier import load_reward
 
 
 def arg(default, help: str, **argparse_options):
@@ -309,3 +318,99 @@ def step_metrics(rewards, advantages, rollout: Rollout, costs: dict, device) -> 
             "truncated_frac": truncated / rewards.numel(),
             "gen_tokens": int(gen_tokens), "gen_tokens_per_s": gen_tokens / costs["generate"],
             "time_generate": costs["generate"], "time_score": costs["score"]}
+
+
+# ------------------------------------------------------------------------------ a run: setup, each step's end
+
+
+class Paths(NamedTuple):
+    """The two functions --fast chooses between, with the same arguments and the same numbers."""
+
+    sample_completions: Callable  # completion ids of a group of prompts, as model.sample_with_generate
+    completion_logprobs: Callable  # per-token log-probs of rows, as model.completion_logprobs
+
+
+def fast_or_plain(fast: bool) -> Paths:
+    """--fast: the fast paths, decoding.decode and packing.completion_logprobs (tests/test_fast_paths.py
+    holds them to the plain definitions); --no-fast: the plain definitions in model.py, HF generate and one
+    forward pass."""
+    if fast:
+        return Paths(decode, packing.completion_logprobs)
+    return Paths(sample_with_generate, completion_logprobs)
+
+
+@dataclasses.dataclass
+class Run:
+    """What one algorithm's run holds from step to step (`start_run`)."""
+
+    master: torch.nn.Module  # the float32 weights the optimizer steps
+    policy: torch.nn.Module  # the network that samples and backpropagates: master, or its bf16 copy
+    reference: torch.nn.Module | None  # the frozen initial policy, for AAPO's r_ref and the KL
+    tokenizer: object
+    optimizer: torch.optim.Optimizer
+    state: dict  # the method's state across steps, checkpointed
+    reward_fn: Callable
+    train_problems: list[Problem]
+    eval_problems: list[Problem]
+    done: int  # the last completed step: 0, or the checkpoint's
+    costs: Counter  # this step's sampling seconds and generated tokens
+
+
+def start_run(args, run_dir: Path, device: torch.device, is_main: bool, state: dict,
+              with_reference: bool) -> Run:
+    """The models, optimizer, method state and problems of a run (train.Args `args`): new, or as saved with
+    --resume."""
+    checkpoint = find_checkpoint(run_dir) if args.resume else None
+    if args.resume and not checkpoint and is_main:
+        print(f"[{args.algo}] --resume: no checkpoint in {run_dir}, starting from scratch")
+    master, tokenizer = load_model(str(checkpoint / "model") if checkpoint else args.model, device)
+    policy = working_copy(master, args.precision)  # bf16: on CUDA and on CPUs with native bf16 (auto)
+    reference = (load_model(args.model, device)[0].requires_grad_(False).to(policy.dtype) if with_reference
+                 else None)
+    if args.grad_checkpointing:
+        policy.activation_checkpointing_enable()
+    optimizer = torch.optim.AdamW(master.parameters(), lr=args.lr, weight_decay=0.0, fused=True)
+    done = restore_checkpoint(checkpoint, optimizer, state) if checkpoint else 0
+    eval_problems = (load_eval_problems(args.eval_dataset, args.seed) if args.eval_dataset
+                     else load_problems(args.dataset, "test", args.seed))[: args.eval_size]
+    return Run(master, policy, reference, tokenizer, optimizer, state, load_reward(args.reward),
+               load_problems(args.dataset, "train", args.seed), eval_problems, done, Counter())
+
+
+def run_eval(args, run: Run, run_dir: Path, step: int) -> float:
+    """Greedy held-out accuracy, logged to evals.jsonl and eval_records.jsonl."""
+    result = evaluate(run.policy, run.tokenizer, run.eval_problems, reward_fn=run.reward_fn,
+                      max_new_tokens=args.max_new_tokens,
+                      sample_completions=fast_or_plain(args.fast).sample_completions)
+    return log_eval(run_dir, step, result)
+
+
+def eval_due(args, step: int) -> bool:
+    """Every --eval-every steps, and after the last."""
+    return bool(args.eval_every) and step % args.eval_every == 0 or step == args.steps
+
+
+def first_eval(args, run: Run, run_dir: Path) -> None:
+    """Before training; or, resumed, the checkpoint's evaluation if the run stopped between saving and it
+    (Ctrl-C on an evaluation step skips it)."""
+    if not run.done:
+        print(f"[{args.algo}] held-out accuracy before training: {run_eval(args, run, run_dir, 0):.3f} "
+              f"({len(run.eval_problems)} problems)")
+        return
+    evaluated = [e["step"] for e in read_jsonl(run_dir / "evals.jsonl")]
+    if eval_due(args, run.done) and run.done not in evaluated:
+        run_eval(args, run, run_dir, run.done)
+
+
+def after_step(args, run: Run, run_dir: Path, record: dict, totals: dict, stop: bool) -> dict:
+    """Process 0, after each step: log it, warn once if the early ACR says the setup wastes its samples, save,
+    evaluate. Returns the run's totals so far (`log_step`)."""
+    totals = log_step(run_dir, record, totals)
+    step = record["step"]
+    if step == early_steps(args.steps) and (warning := collapse_warning(run_dir, args.group_size)):
+        tqdm.write(f"[{args.algo}] {warning}")  # the paper's early-ACR diagnostic
+    if args.save_every and (step % args.save_every == 0 or step == args.steps or stop):
+        save_checkpoint(run_dir, run.master, run.tokenizer, run.optimizer, step, run.state)
+    if eval_due(args, step) and (not stop or step == args.steps):
+        run_eval(args, run, run_dir, step)
+    return totals

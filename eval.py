@@ -13,13 +13,15 @@ import re
 import sys
 from math import comb
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import torch
 from tqdm import tqdm
 
 from data.tasks import Problem, load_eval_problems
-from model import load_model, pick_device, sample, working_copy
+from decoding import decode
+from model import load_model, pick_device, sample, sample_with_generate, working_copy
 from verifier import Reward, extract_answer, load_reward, per_completion, verify
 
 
@@ -46,9 +48,10 @@ def score_groups(questions: list[str], texts: list[str], answers: list[str],
 @torch.no_grad()
 def evaluate(model, tokenizer, problems: list[Problem], *, max_new_tokens: int, samples: int = 1,
              temperature: float = 0.0, batch_size: int = 32, progress: bool = False,
-             reward_fn: Reward = per_completion(verify), fast: bool = True) -> dict:
+             reward_fn: Reward = per_completion(verify),
+             sample_completions: Callable = sample_with_generate) -> dict:
     """Accuracy of `model` on `problems` (reward 1 = correct): greedy when samples == 1 and temperature == 0.
-    fast: sample with the fast decoding loop (`model.sample`'s fast), else with HF `generate`.
+    Completion ids come from `sample_completions` (as in `model.sample`: HF generate, or the decoding loop).
 
     Returns accuracy (mean over all completions: pass@1 greedy, mean@n sampled), the same per level for
     problems that have one (arith-mix), pass@k for k = 1, 2, 4, .. up to n, and one record per completion.
@@ -60,7 +63,7 @@ def evaluate(model, tokenizer, problems: list[Problem], *, max_new_tokens: int, 
     for start in tqdm(starts, desc="eval", disable=not progress, leave=False):
         batch = problems[start : start + batch_size]
         rollout = sample(model, tokenizer, [p.question for p in batch], samples, max_new_tokens, temperature,
-                         fast=fast)
+                         sample_completions=sample_completions)
         batch_scores = score_groups([p.question for p in batch], rollout.texts, [p.answer for p in batch],
                                     reward_fn)  # [b][n]
         for i, (problem, scores) in enumerate(zip(batch, batch_scores)):
@@ -82,6 +85,34 @@ def evaluate(model, tokenizer, problems: list[Problem], *, max_new_tokens: int, 
 
 def slug(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9._-]+", "_", name.strip("/")).strip("_")[-80:]
+
+
+def print_table(results: dict, dataset: str, problems: int, temperature: float, samples: int) -> None:
+    """One column per model: pass@1 or mean@n, per level, and pass@k."""
+    ks = list(next(iter(results.values()))["pass_at_k"])
+    label = "pass@1 (greedy)" if samples == 1 else f"mean@{samples}"
+    width = max(len(label), *(len(k) for k in [f"pass@{k}" for k in ks]))
+    print(f"\n{dataset}: {problems} problems, T={temperature}")
+    print(f"{'':{width}}" + "".join(f"  {name[-28:]:>28}" for name in results))
+    print(f"{label:{width}}" + "".join(f"  {r['accuracy']:28.3f}" for r in results.values()))
+    for level in next(iter(results.values()))["accuracy_by_level"]:
+        print(f"{'  ' + level:{width}}"
+              + "".join(f"  {r['accuracy_by_level'][level]:28.3f}" for r in results.values()))
+    if samples > 1:
+        for k in ks:
+            print(f"{'pass@' + str(k):{width}}"
+                  + "".join(f"  {r['pass_at_k'][k]:28.3f}" for r in results.values()))
+
+
+def write_results(out: Path, summary: dict, results: dict, dataset: str, temperature: float) -> None:
+    """summary.json, and each model's completions, one JSON line each."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "summary.json").write_text(json.dumps({"dataset": dataset, "temperature": temperature,
+                                                  "models": summary}, indent=2))
+    for name, r in results.items():
+        with (out / f"samples-{slug(name)}.jsonl").open("w") as f:
+            f.writelines(json.dumps(rec) + "\n" for rec in r["records"])
+    print(f"wrote {out / 'summary.json'} and per-sample JSONL")
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -119,34 +150,15 @@ def main(argv: list[str] | None = None) -> dict:
             results[name] = evaluate(net, tokenizer, problems, max_new_tokens=args.max_new_tokens,
                                      samples=args.samples, temperature=temperature,
                                      batch_size=args.batch_size, progress=True, reward_fn=reward_fn,
-                                     fast=args.fast)
+                                     sample_completions=decode if args.fast else sample_with_generate)
     except (FileNotFoundError, ValueError, ImportError) as e:
         sys.exit(f"error: {e}")
 
-    ks = list(next(iter(results.values()))["pass_at_k"])
-    label = "pass@1 (greedy)" if args.samples == 1 else f"mean@{args.samples}"
-    width = max(len(label), *(len(k) for k in [f"pass@{k}" for k in ks]))
-    print(f"\n{args.dataset}: {len(problems)} problems, T={temperature}")
-    print(f"{'':{width}}" + "".join(f"  {name[-28:]:>28}" for name in results))
-    print(f"{label:{width}}" + "".join(f"  {r['accuracy']:28.3f}" for r in results.values()))
-    for level in next(iter(results.values()))["accuracy_by_level"]:
-        print(f"{'  ' + level:{width}}"
-              + "".join(f"  {r['accuracy_by_level'][level]:28.3f}" for r in results.values()))
-    if args.samples > 1:
-        for k in ks:
-            print(f"{'pass@' + str(k):{width}}"
-                  + "".join(f"  {r['pass_at_k'][k]:28.3f}" for r in results.values()))
+    print_table(results, args.dataset, len(problems), temperature, args.samples)
     keys = ("accuracy", "accuracy_by_level", "pass_at_k", "problems", "samples")
     summary = {name: {key: r[key] for key in keys} for name, r in results.items()}
     if args.out:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "summary.json").write_text(json.dumps({"dataset": args.dataset, "temperature": temperature,
-                                                      "models": summary}, indent=2))
-        for name, r in results.items():
-            with (out / f"samples-{slug(name)}.jsonl").open("w") as f:
-                f.writelines(json.dumps(rec) + "\n" for rec in r["records"])
-        print(f"wrote {out / 'summary.json'} and per-sample JSONL")
+        write_results(Path(args.out), summary, results, args.dataset, temperature)
     return summary
 
 

@@ -56,6 +56,7 @@ import train
 from advantage import advantage_collapse_rate
 from common import append_jsonl, read_jsonl
 from data.tasks import LEVELS, load_problems
+from decoding import decode
 from eval import evaluate, score_groups
 from model import cpu_features, load_model, pick_device, resolve_precision, sample, working_copy
 from plots import (plot_accuracy_vs_compute, plot_accuracy_vs_tokens, plot_collapse_map, plot_compare_curves,
@@ -90,7 +91,8 @@ def acr_by_difficulty(model_name: str, prompts: int, group_size: int, max_new_to
         rewards = []
         for i in tqdm(range(0, len(problems), batch), desc=level):
             chunk = problems[i : i + batch]
-            rollout = sample(net, tokenizer, [p.question for p in chunk], group_size, max_new_tokens)
+            rollout = sample(net, tokenizer, [p.question for p in chunk], group_size, max_new_tokens,
+                             sample_completions=decode)  # as train.py samples by default (--fast)
             rewards.append(torch.tensor(score_groups([p.question for p in chunk], rollout.texts,
                                                      [p.answer for p in chunk], reward)))
         pooled.append(torch.cat(rewards))  # [prompts, G]
@@ -174,7 +176,7 @@ def final_records(run: Path, problems: list, max_new_tokens: int) -> list[dict]:
     if [r["question"] for r in read_jsonl(cache)] != [p.question for p in problems]:
         model, tokenizer = load_model(str(run / "checkpoint"))
         net = working_copy(model)  # the network train.py evaluates: the same greedy answers
-        result = evaluate(net, tokenizer, problems, max_new_tokens=max_new_tokens)
+        result = evaluate(net, tokenizer, problems, max_new_tokens=max_new_tokens, sample_completions=decode)
         keep = ("question", "level", "gold", "extracted", "correct")
         cache.write_text("".join(json.dumps({k: r[k] for k in keep}) + "\n" for r in result["records"]))
     return read_jsonl(cache)
@@ -448,7 +450,8 @@ def estimate(args, parts: list[str]) -> tuple[int, int, float, float]:
     return runs, steps, step_units, eval_units
 
 
-def main(argv: list[str] | None = None) -> dict:
+def make_parser() -> argparse.ArgumentParser:
+    """The flags: where the runs go, which parts run, and each part's scale."""
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--out", default="runs/experiments",
@@ -493,6 +496,12 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--dry-run", action="store_true",
                    help="print the run count and time estimate, run nothing")
     p.add_argument("--budget-minutes", type=float, default=360.0, help="warn when the estimate exceeds it")
+    return p
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The flags given; with --quick, every part at a tiny scale unless a flag given says otherwise."""
+    p = make_parser()
     argv = sys.argv[1:] if argv is None else argv
     args = p.parse_args(argv)
     if args.quick:  # every part, every figure, in about a minute: tiny random model, 2 steps, a few problems;
@@ -506,9 +515,11 @@ def main(argv: list[str] | None = None) -> dict:
                              "--scatter-steps", "2", "--scatter-eval-size", "4",
                              "--difficulty-prompts", "4", "--precision-seeds", "0,1",
                              "--precision-steps", "2", "--jobs", "1", *argv])  # flags given still win
-    out, parts = Path(args.out), args.only.split(",")
-    methods, seeds = args.methods.split(","), [int(s) for s in args.seeds.split(",")]
-    figures = Path(args.figures) if args.figures else (out / "figures" if args.quick else DOCS)
+    return args
+
+
+def print_estimate(args: argparse.Namespace, parts: list[str]) -> None:
+    """The runs and the time they would take, with a warning when that exceeds --budget-minutes."""
     runs, steps, step_units, eval_units = estimate(args, parts)
     minutes = (step_units * args.step_seconds + eval_units * args.eval_seconds) / 60
     print(f"{runs} training runs, {steps} steps ({step_units:.0f} B=8 x G=8 step equivalents, "
@@ -518,26 +529,20 @@ def main(argv: list[str] | None = None) -> dict:
         fits = (args.budget_minutes * 60 - eval_units * args.eval_seconds) / step_units
         print(f"warning: over the {args.budget_minutes:g}-min budget; it fits at <= {fits:.1f} s/step, "
               "or with fewer --steps, --seeds, --scatter-steps or a smaller --scatter-g grid")
-    if args.dry_run:
-        return {}
-    figures.mkdir(parents=True, exist_ok=True)
-    out.mkdir(parents=True, exist_ok=True)
-    results_path = figures / "results.json"  # docs/results.json: every number the README quotes
-    results = json.loads(results_path.read_text()) if results_path.exists() else {}
-    results["scale"] = {k: v for k, v in vars(args).items() if k not in ("out", "figures", "only")}
-    base = ["--model", args.model, "--max-new-tokens", str(args.max_new_tokens)]  # train.py's lr schedule
-    if "difficulty" in parts:
-        results["difficulty"] = acr_by_difficulty(args.model, args.difficulty_prompts, 8, args.max_new_tokens)
-        plot_difficulty(results["difficulty"], figures / "acr_vs_difficulty.png", f"{args.model}, G=8, T=1")
-    compare_flags = base + ["--dataset", "arith-mix", "--steps", str(args.steps), "--prompts-per-step",
-                            str(args.prompts_per_step), "--group-size", str(args.group_size), "--eval-every",
-                            str(args.eval_every), "--eval-size", str(args.eval_size),
-                            "--save-every", str(args.eval_every)]
-    if "compare" in parts:
-        table = compare(out / "compare", methods, seeds, compare_flags, args.per_level or None,
-                        args.max_new_tokens, args.resamples, args.jobs)
-        results["compare"], results["compare_table"] = table, markdown_table(table)
-        runs_by_method = {m: [run_dir(out / "compare", m, s) for s in seeds] for m in methods}
+
+
+def compare_part(args: argparse.Namespace, folder: Path, methods: list[str], figures: Path | None) -> dict:
+    """compare (and readings, in its own folder): the training runs and the table; with `figures`, the
+    curves, accuracy against cost and tokens, and the collapse map of the first seed."""
+    seeds = [int(s) for s in args.seeds.split(",")]
+    flags = ["--model", args.model, "--max-new-tokens", str(args.max_new_tokens), "--dataset", "arith-mix",
+             "--steps", str(args.steps), "--prompts-per-step", str(args.prompts_per_step), "--group-size",
+             str(args.group_size), "--eval-every", str(args.eval_every), "--eval-size", str(args.eval_size),
+             "--save-every", str(args.eval_every)]  # train.py's lr schedule
+    table = compare(folder, methods, seeds, flags, args.per_level or None, args.max_new_tokens,
+                    args.resamples, args.jobs)
+    if figures:
+        runs_by_method = {m: [run_dir(folder, m, s) for s in seeds] for m in methods}
         title = f"{args.model} on arith-mix, B={args.prompts_per_step}, G={args.group_size}, seeds {seeds}"
         plot_compare_curves(runs_by_method, figures / "compare.png", title)
         plot_accuracy_vs_compute(table, figures / "compare_accuracy.png", title)
@@ -546,41 +551,75 @@ def main(argv: list[str] | None = None) -> dict:
         plot_collapse_map({m: runs[0] for m, runs in runs_by_method.items()}, figures / "collapse_map.png",
                           f"{args.model} on arith-mix, B={args.prompts_per_step}, G={args.group_size}, "
                           f"seed {seeds[0]}")
-    if "readings" in parts:  # GRPO rerun beside AVSPO's readings, on this machine (see the docstring)
-        table = compare(out / "readings", args.readings.split(","), seeds, compare_flags,
-                        args.per_level or None, args.max_new_tokens, args.resamples, args.jobs)
-        results["readings"], results["readings_table"] = table, markdown_table(table)
-    if "scatter" in parts:
-        flags = base + ["--steps", str(args.scatter_steps), "--prompts-per-step", str(args.scatter_prompts),
-                        "--eval-every", str(args.scatter_steps), "--eval-size", str(args.scatter_eval_size),
-                        "--save-every", "0"]
-        group_sizes, scatter_seeds = ([int(g) for g in args.scatter_g.split(",")],
-                                      args.scatter_seeds.split(","))
-        results["scatter"] = scatter(out, args.scatter_levels.split(","), group_sizes,
-                                     [int(s) for s in scatter_seeds], flags, args.resamples, args.jobs)
-        plot_early_acr_scatter(results["scatter"], figures / "early_acr_vs_accuracy.png")
-    if "precision" in parts:
-        flags = ["--model", args.model, "--max-new-tokens", str(args.max_new_tokens), "--steps",
-                 str(args.precision_steps), "--save-every", "0"]  # otherwise the default run's own settings
-        precision_seeds = [int(s) for s in args.precision_seeds.split(",")]
-        results["precision"] = precision(out, precision_seeds, flags, args.jobs)
-        plot_precision_curves({name: [Path(run) for run in results["precision"][name]["runs"]]
-                               for name in PRECISIONS},
-                              figures / "precision.png",
-                              f"{args.model}, the default run, seeds {precision_seeds}")
-    results_path.write_text(json.dumps(results, indent=2))
+    return table
+
+
+def scatter_part(args: argparse.Namespace, out: Path, figures: Path) -> dict:
+    """The early-ACR scatter's GRPO runs, the fit and its figure."""
+    flags = ["--model", args.model, "--max-new-tokens", str(args.max_new_tokens), "--steps",
+             str(args.scatter_steps), "--prompts-per-step", str(args.scatter_prompts), "--eval-every",
+             str(args.scatter_steps), "--eval-size", str(args.scatter_eval_size), "--save-every", "0"]
+    result = scatter(out, args.scatter_levels.split(","), [int(g) for g in args.scatter_g.split(",")],
+                     [int(s) for s in args.scatter_seeds.split(",")], flags, args.resamples, args.jobs)
+    plot_early_acr_scatter(result, figures / "early_acr_vs_accuracy.png")
+    return result
+
+
+def precision_part(args: argparse.Namespace, out: Path, figures: Path) -> dict:
+    """The default run in bf16 and fp32, and its figure."""
+    flags = ["--model", args.model, "--max-new-tokens", str(args.max_new_tokens), "--steps",
+             str(args.precision_steps), "--save-every", "0"]  # otherwise the default run's own settings
+    seeds = [int(s) for s in args.precision_seeds.split(",")]
+    result = precision(out, seeds, flags, args.jobs)
+    plot_precision_curves({name: [Path(run) for run in result[name]["runs"]] for name in PRECISIONS},
+                          figures / "precision.png", f"{args.model}, the default run, seeds {seeds}")
+    return result
+
+
+def print_results(results: dict, parts: list[str]) -> None:
+    """The tables and fits of the parts that ran."""
     for part in ("compare", "readings"):
         if part in parts:
             print(f"\n{part}:\n" + results[f"{part}_table"])
-    if "precision" in results:
+    if "precision" in parts:
         for name, row in results["precision"].items():
             print(f"\n{name}: held-out accuracy {np.mean(row['acc_before']):.3f} -> "
                   f"{np.mean(row['acc_after']):.3f} "
                   f"(per seed {row['acc_after']}), {row['cost']['seconds']['mean']:.0f} s of steps a run")
-    if "scatter" in results:
+    if "scatter" in parts:
         s = results["scatter"]
         print(f"\nearly ACR vs accuracy over {len(s['runs'])} runs: slope {s['slope']:.2f} {s['slope_ci']}, "
               f"R² {s['r2']:.2f} {s['r2_ci']}")
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    out, parts = Path(args.out), args.only.split(",")
+    figures = Path(args.figures) if args.figures else (out / "figures" if args.quick else DOCS)
+    print_estimate(args, parts)
+    if args.dry_run:
+        return {}
+    figures.mkdir(parents=True, exist_ok=True)
+    out.mkdir(parents=True, exist_ok=True)
+    results_path = figures / "results.json"  # docs/results.json: every number the README quotes
+    results = json.loads(results_path.read_text()) if results_path.exists() else {}
+    results["scale"] = {k: v for k, v in vars(args).items() if k not in ("out", "figures", "only")}
+    if "difficulty" in parts:
+        results["difficulty"] = acr_by_difficulty(args.model, args.difficulty_prompts, 8, args.max_new_tokens)
+        plot_difficulty(results["difficulty"], figures / "acr_vs_difficulty.png", f"{args.model}, G=8, T=1")
+    if "compare" in parts:
+        results["compare"] = compare_part(args, out / "compare", args.methods.split(","), figures)
+    if "readings" in parts:  # GRPO rerun beside AVSPO's readings, on this machine (see the docstring)
+        results["readings"] = compare_part(args, out / "readings", args.readings.split(","), None)
+    for part in ("compare", "readings"):
+        if part in parts:
+            results[f"{part}_table"] = markdown_table(results[part])
+    if "scatter" in parts:
+        results["scatter"] = scatter_part(args, out, figures)
+    if "precision" in parts:
+        results["precision"] = precision_part(args, out, figures)
+    results_path.write_text(json.dumps(results, indent=2))
+    print_results(results, parts)
     print(f"results: {results_path}\nfigures: {figures}")
     return results
 

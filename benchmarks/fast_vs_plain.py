@@ -1,6 +1,6 @@
 """What the fast paths buy over the plain definitions in model.py, in one process: a rollout (B=2 prompts x
-G=8, 64 new tokens) with `model.sample(fast=...)` and the log-probs' forward and backward of its rows with
-`model.completion_logprobs(fast=...)`, in fp32 and (where the CPU has native bf16) on the bf16 working copy.
+G=8, 64 new tokens) and the log-probs' forward and backward of its rows, with each pair of functions
+`common.fast_or_plain` names, in fp32 and (where the CPU has native bf16) on the bf16 working copy.
 
     python benchmarks/fast_vs_plain.py [--model smollm2-135m] [--reps 3] [--profile]
 
@@ -18,8 +18,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from model import (completion_logprobs, cpu_features, load_model, sample, trim_padding,  # noqa: E402
-                   working_copy)
+from common import fast_or_plain  # noqa: E402
+from model import cpu_features, load_model, sample, trim_padding, working_copy  # noqa: E402
 
 QUESTIONS = ["What is 37 * 8?", "Compute 12 * 9."]
 
@@ -28,12 +28,13 @@ def timed_round(net, tokenizer, fast: bool, seed: int) -> tuple[float, float]:
     """(seconds per decoding step, seconds per trained token) of one rollout and one update pass over it."""
     torch.manual_seed(seed)
     start = time.perf_counter()
-    rollout = sample(net, tokenizer, QUESTIONS, 8, 64, fast=fast)
+    paths = fast_or_plain(fast)
+    rollout = sample(net, tokenizer, QUESTIONS, 8, 64, sample_completions=paths.sample_completions)
     decode_s = (time.perf_counter() - start) / rollout.completion_len
     ids, attn, mask = trim_padding(rollout.input_ids, rollout.attention_mask, rollout.completion_mask)
     start = time.perf_counter()
     for rows in torch.arange(len(ids)).split(8):  # train.py's micro-batches of 8 rows (one prompt each)
-        logp = completion_logprobs(net, ids[rows], attn[rows], mask.shape[1], fast=fast)
+        logp = paths.completion_logprobs(net, ids[rows], attn[rows], mask.shape[1])
         (logp * mask[rows]).sum().backward()
     net.zero_grad(set_to_none=True)
     return decode_s, (time.perf_counter() - start) / int(mask.sum())
@@ -65,7 +66,8 @@ def main(argv: list[str] | None = None) -> None:
               f"({fast_update / plain_update:.2f}x)")
     if args.profile:
         with torch.profiler.profile() as prof:
-            sample(nets.get("bf16", model), tokenizer, QUESTIONS, 8, 64)
+            sample(nets.get("bf16", model), tokenizer, QUESTIONS, 8, 64,
+                   sample_completions=fast_or_plain(True).sample_completions)
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15))
 
 

@@ -7,7 +7,7 @@ Models are Qwen2ForCausalLM with the real Qwen2.5-0.5B / 1.5B dimensions and ran
 bf16 working weights with float32 master weights as train.py uses on CUDA, with and without gradient
 checkpointing. Each step is train.py's: model.sample, eval.score_groups, train.compute_advantages,
 train.update_policy. Caveats:
-  - The byte tokenizer of model.byte_tokenizer() writes the prompts (ids < 259), the vocabulary is
+  - The byte tokenizer of model_files.byte_tokenizer() writes the prompts (ids < 259), the vocabulary is
     Qwen's 151,936, so the embedding and LM head cost what they cost in the real models.
   - Random weights never emit EOS, so every completion runs to --max-new-tokens.
   - Random weights never answer correctly, and update_policy skips zero-advantage rows, so the rewards
@@ -36,8 +36,10 @@ sys.path.insert(0, str(ROOT))
 
 import train  # noqa: E402
 from benchmarks.timing import markdown_table, peak_memory_bytes, sync  # noqa: E402
+from common import fast_or_plain  # noqa: E402
 from data.tasks import load_problems, step_problems  # noqa: E402
-from model import byte_tokenizer, sample, working_copy  # noqa: E402
+from model import sample, working_copy  # noqa: E402
+from model_files import byte_tokenizer  # noqa: E402
 from eval import score_groups  # noqa: E402
 from verifier import load_reward  # noqa: E402
 
@@ -89,7 +91,7 @@ def run_step(model, net, tokenizer, optimizer, args: train.Args, problems, step:
     sync(device)
     t0 = time.perf_counter()
     rollout = sample(net, tokenizer, [p.question for p in batch], args.group_size, args.max_new_tokens,
-                     args.temperature, args.top_p, fast=args.fast)
+                     args.temperature, args.top_p, fast_or_plain(args.fast).sample_completions)
     sync(device)
     t1 = time.perf_counter()
     score_groups([p.question for p in batch], rollout.texts, [p.answer for p in batch],

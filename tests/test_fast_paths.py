@@ -4,6 +4,7 @@ gradients as the plain pass, close log-probs from the bf16 sampling copy, and pr
 flags."""
 
 import types
+from functools import partial
 
 import pytest
 import torch
@@ -14,10 +15,14 @@ import packing
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, Qwen2ForCausalLM
 
 from decoding import DecodeCache, decode, decode_step, decode_weights, packed_linear
-from model import (accumulate_gradients, byte_tokenizer, completion_logprobs, copy_weights, load_model,
-                   next_tokens, resolve_precision, sample, sample_with_generate, tiny_qwen2, working_copy)
+from model import (accumulate_gradients, copy_weights, load_model, next_tokens, resolve_precision, sample,
+                   sample_with_generate, working_copy)
+from model import completion_logprobs as plain_logprobs
+from model_files import byte_tokenizer, tiny_qwen2
 from packing import TokenLogProbs
+from packing import completion_logprobs as packed_logprobs
 
+sample_fast = partial(sample, sample_completions=decode)  # what train.py samples with (--fast)
 QUESTIONS = ["2+3?", "What is 17 * 4?", "hi", "a"]  # different lengths: left padding is exercised
 
 
@@ -53,8 +58,8 @@ def test_greedy_decode_equals_hf_generate(tiny, eos_bias, group_size):
     gives."""
     model, tokenizer = tiny
     eos_bias(0.4)
-    fast = sample(model, tokenizer, QUESTIONS, group_size, 30, temperature=0)
-    ref = sample(model, tokenizer, QUESTIONS, group_size, 30, temperature=0, fast=False)
+    fast = sample_fast(model, tokenizer, QUESTIONS, group_size, 30, temperature=0)
+    ref = sample(model, tokenizer, QUESTIONS, group_size, 30, temperature=0)
     lengths = fast.completion_mask.sum(1)
     assert lengths.min() < 30 and lengths.max() == 30  # some rows stopped early, some ran to the limit
     for field in ("input_ids", "attention_mask", "completion_mask", "truncated"):
@@ -65,7 +70,7 @@ def test_greedy_decode_equals_hf_generate(tiny, eos_bias, group_size):
 def test_decode_stops_when_every_row_has_ended(tiny, eos_bias):
     model, tokenizer = tiny
     eos_bias(1.0)  # every row ends at its first token
-    rollout = sample(model, tokenizer, QUESTIONS, 2, 30, temperature=0)
+    rollout = sample_fast(model, tokenizer, QUESTIONS, 2, 30, temperature=0)
     assert rollout.completion_len == 1 and not rollout.truncated.any()
 
 
@@ -193,8 +198,8 @@ def test_decoding_falls_back_to_f_linear_without_the_private_onednn_ops(tiny, eo
     weight, x = torch.randn(96, 64), torch.randn(3, 64)
     assert torch.equal(packed_linear(weight, None, 16)(x), torch.nn.functional.linear(x, weight))
     eos_bias(0.4)
-    fast = sample(model, tokenizer, QUESTIONS, 3, 30, temperature=0)
-    ref = sample(model, tokenizer, QUESTIONS, 3, 30, temperature=0, fast=False)
+    fast = sample_fast(model, tokenizer, QUESTIONS, 3, 30, temperature=0)
+    ref = sample(model, tokenizer, QUESTIONS, 3, 30, temperature=0)
     assert calls == [] and fast.completion_mask.sum(1).min() < 30
     assert torch.equal(fast.input_ids, ref.input_ids) and fast.texts == ref.texts
 
@@ -213,7 +218,7 @@ def test_every_decoding_step_samples_from_the_logits_of_a_full_forward(block_mod
 
     monkeypatch.setattr(decoding, "next_tokens", recording_next_tokens)
     torch.manual_seed(0)
-    rollout = sample(model, tokenizer, QUESTIONS, 2, 6)  # a random model does not end within 6 tokens
+    rollout = sample_fast(model, tokenizer, QUESTIONS, 2, 6)  # a random model does not end within 6 tokens
     assert rollout.completion_len == 6 and len(drawn_from) == 6 and rollout.truncated.all()
     ids, attention = rollout.input_ids, rollout.attention_mask
     full = model(input_ids=ids, attention_mask=attention,
@@ -233,7 +238,7 @@ def test_decode_step_samples_what_the_transformers_forward_samples(block_model, 
         for weights in (decode_weights, lambda model, rows: None):
             monkeypatch.setattr(decoding, "decode_weights", weights)
             torch.manual_seed(7)
-            runs.append(sample(model, tokenizer, QUESTIONS, 3, 20).input_ids)
+            runs.append(sample_fast(model, tokenizer, QUESTIONS, 3, 20).input_ids)
     finally:
         favour_eos(model, eos, None)
     assert torch.equal(*runs)
@@ -248,9 +253,9 @@ def test_other_architectures_decode_with_the_transformers_forward(monkeypatch):
     assert decode_weights(model, rows=4) is None
     model.config.use_sliding_window = False
     monkeypatch.setattr(decoding, "decode_weights", lambda model, rows: None)
-    fast = sample(model.eval(), tokenizer, QUESTIONS, 2, 10, temperature=0)
+    fast = sample_fast(model.eval(), tokenizer, QUESTIONS, 2, 10, temperature=0)
     assert torch.equal(fast.input_ids,
-                       sample(model, tokenizer, QUESTIONS, 2, 10, temperature=0, fast=False).input_ids)
+                       sample(model, tokenizer, QUESTIONS, 2, 10, temperature=0).input_ids)
 
 
 def test_next_tokens_draws_from_softmax_over_temperature():
@@ -292,13 +297,13 @@ def test_decode_samples_first_tokens_from_the_models_distribution(tiny):
     torch.manual_seed(0)
     # a sharp distribution, so few tokens carry the mass and counts are informative
     temperature, n = 0.05, 4000
-    rollout = sample(model, tokenizer, ["hi"], n, 1, temperature=temperature)
+    rollout = sample_fast(model, tokenizer, ["hi"], n, 1, temperature=temperature)
     probs = torch.softmax(model(**tokenizer(model_module.format_prompts(tokenizer, ["hi"]),
                                             return_tensors="pt", add_special_tokens=False)).logits[0, -1]
                           / temperature, 0)
     freq = torch.bincount(rollout.input_ids[:, -1], minlength=len(probs)).double() / n
     assert (freq - probs.double()).abs().sum() < 0.06  # total variation (x2) of a 4000-draw sample
-    logp = completion_logprobs(model, rollout.input_ids[:8], rollout.attention_mask[:8], 1, temperature)
+    logp = packed_logprobs(model, rollout.input_ids[:8], rollout.attention_mask[:8], 1, temperature)
     assert torch.allclose(logp.exp(), probs[rollout.input_ids[:8, -1]], atol=1e-5)
 
 
@@ -307,7 +312,7 @@ def test_sampled_decode_is_reproducible_for_a_seed(tiny):
     runs = []
     for _ in range(2):
         torch.manual_seed(123)
-        runs.append(sample(model, tokenizer, QUESTIONS[:2], 4, 12).input_ids)
+        runs.append(sample_fast(model, tokenizer, QUESTIONS[:2], 4, 12).input_ids)
     assert torch.equal(*runs)
 
 
@@ -334,12 +339,12 @@ def test_working_copy_is_bf16_follows_steps_and_matches_autocast_logprobs(tiny):
     for p, q in zip(copy.parameters(), model.parameters()):
         assert torch.equal(p, q.bfloat16())
     torch.manual_seed(0)
-    rollout = sample(model, tokenizer, QUESTIONS, 2, 8)
+    rollout = sample_fast(model, tokenizer, QUESTIONS, 2, 8)
     args = (rollout.input_ids, rollout.attention_mask, rollout.completion_len)
     with torch.no_grad():
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            autocast_logp = completion_logprobs(model, *args)
-        copy_logp = completion_logprobs(copy, *args)
+            autocast_logp = packed_logprobs(model, *args)
+        copy_logp = packed_logprobs(copy, *args)
     # bf16 rounding of activations, not a different model
     assert (copy_logp - autocast_logp).abs().max() < 0.05
 
@@ -349,10 +354,10 @@ def test_accumulate_gradients_sums_micro_batches_in_float32_and_frees_the_bf16_o
     model = model_module.copy.deepcopy(model)
     copy = working_copy(model, "bf16")
     torch.manual_seed(0)
-    rollout = sample(copy, tokenizer, QUESTIONS, 2, 8)
+    rollout = sample_fast(copy, tokenizer, QUESTIONS, 2, 8)
     grads = []
     for rows in (slice(0, 3), slice(3, None)):  # two micro-batches
-        logp = completion_logprobs(copy, rollout.input_ids[rows], rollout.attention_mask[rows],
+        logp = packed_logprobs(copy, rollout.input_ids[rows], rollout.attention_mask[rows],
                                    rollout.completion_len)
         (logp * rollout.completion_mask[rows]).sum().backward()
         grads.append([p.grad.clone() for p in copy.parameters()])
@@ -386,9 +391,9 @@ def packed_and_plain(model, ids, attn, completion_len, temperature=0.7):
     """(log-probs, gradients) of the sum of the real tokens' log-probs, by the plain definition then the
     packed pass."""
     results = []
-    for fast in (False, True):
+    for logprobs in (plain_logprobs, packed_logprobs):
         model.zero_grad()
-        logp = completion_logprobs(model, ids, attn, completion_len, temperature=temperature, fast=fast)
+        logp = logprobs(model, ids, attn, completion_len, temperature=temperature)
         (logp * attn[:, -completion_len:]).sum().backward()
         results.append((logp.detach(), [p.grad.clone() for p in model.parameters()]))
     return results
@@ -404,7 +409,7 @@ def test_packed_logprobs_and_gradients_equal_the_plain_pass(block_model, micro_r
     model, tokenizer = block_model
     model = model_module.copy.deepcopy(model).train()
     torch.manual_seed(0)
-    rollout = sample(model, tokenizer, QUESTIONS[:2], 4, 10)  # 2 prompts of different lengths x 4
+    rollout = sample_fast(model, tokenizer, QUESTIONS[:2], 4, 10)  # 2 prompts of different lengths x 4
     assert rollout.completion_len == 10  # random weights never emit EOS: every row has 10 columns to cut
     # completions cut as if EOS came there: rows end at 1..10
     lengths = torch.tensor([10, 2, 7, 4, 10, 1, 5, 8])
@@ -430,7 +435,7 @@ def test_packed_embedding_gradient_is_dense_and_skips_the_padding_token(tied):
     torch.manual_seed(0)
     model = Qwen2ForCausalLM(model.config).train()  # its embedding built with padding_idx = EOS
     tokenizer.padding_side = "left"
-    rollout = sample(model, tokenizer, QUESTIONS[:2], 4, 6)
+    rollout = sample_fast(model, tokenizer, QUESTIONS[:2], 4, 6)
     ids, attn, prompt_len = rollout.input_ids, rollout.attention_mask, -rollout.completion_len
     # a real input token
     assert (ids[:, :prompt_len][attn[:, :prompt_len].bool()] == tokenizer.eos_token_id).any()
@@ -450,7 +455,7 @@ def test_packed_logprobs_with_gradient_checkpointing_equal_the_plain_pass(tiny, 
     model, tokenizer = tiny
     model = model_module.copy.deepcopy(model).train()
     torch.manual_seed(3)
-    rollout = sample(model, tokenizer, QUESTIONS[:2], 3, 6)
+    rollout = sample_fast(model, tokenizer, QUESTIONS[:2], 3, 6)
     args = (model, rollout.input_ids, rollout.attention_mask, rollout.completion_len)
     expected = packed_and_plain(*args)
     model.activation_checkpointing_enable()
@@ -475,15 +480,15 @@ def test_packed_logprobs_in_bf16_are_as_close_to_fp32_as_the_plain_pass(tiny, bf
     On train.py's bf16 working copy, and under autocast (a user's float32 model)."""
     model, tokenizer = tiny
     torch.manual_seed(4)
-    rollout = sample(model, tokenizer, QUESTIONS[:2], 4, 10)
+    rollout = sample_fast(model, tokenizer, QUESTIONS[:2], 4, 10)
     args = (rollout.input_ids, rollout.attention_mask, rollout.completion_len)
     mask = rollout.completion_mask.bool()
     net = working_copy(model, "bf16") if bf16 == "working copy" else model
     with torch.no_grad():
-        exact = completion_logprobs(model, *args, fast=False)[mask]
+        exact = plain_logprobs(model, *args)[mask]
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16 == "autocast"):
-            errors = [(completion_logprobs(net, *args, fast=fast)[mask] - exact).abs().max()
-                      for fast in (False, True)]
+            errors = [(logprobs(net, *args)[mask] - exact).abs().max()
+                      for logprobs in (plain_logprobs, packed_logprobs)]
     assert 0 < errors[1] < 2 * errors[0] + 1e-3, errors
 
 
@@ -533,16 +538,16 @@ def test_completion_logprobs_packs_written_out_blocks_only(tiny, monkeypatch):
     """The Llama/Qwen2 block runs packed (transformers' forward is never called); another block runs its own
     forward."""
     model, tokenizer = tiny
-    rollout = sample(model, tokenizer, QUESTIONS[:2], 2, 4)
+    rollout = sample_fast(model, tokenizer, QUESTIONS[:2], 2, 4)
     calls = []
     hook = model.model.register_forward_hook(lambda *_: calls.append(1))
     try:
         with torch.no_grad():
-            packed = completion_logprobs(model, rollout.input_ids, rollout.attention_mask,
+            packed = packed_logprobs(model, rollout.input_ids, rollout.attention_mask,
                                          rollout.completion_len)
             assert calls == []
             monkeypatch.setattr(packing, "writes_out_block", lambda config: False)
-            plain = completion_logprobs(model, rollout.input_ids, rollout.attention_mask,
+            plain = packed_logprobs(model, rollout.input_ids, rollout.attention_mask,
                                         rollout.completion_len)
             assert calls == [1]
     finally:
@@ -568,7 +573,7 @@ def test_packed_gradients_are_the_same_every_time(tied):
     grads = []
     for _ in range(12):
         model.zero_grad(set_to_none=True)
-        completion_logprobs(model, input_ids, attention_mask, 40).sum().backward()
+        packed_logprobs(model, input_ids, attention_mask, 40).sum().backward()
         grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
     assert all(torch.equal(grads[0], g) for g in grads[1:])
 
@@ -579,19 +584,19 @@ def test_packed_rows_tell_prompts_apart_by_mask_too(tiny):
     ids = torch.tensor([[5, 6, 7, 8, 9], [5, 6, 7, 8, 9]])
     attn = torch.tensor([[1, 1, 1, 1, 1], [0, 1, 1, 1, 1]])
     with torch.no_grad():
-        plain = completion_logprobs(model, ids, attn, 2, fast=False)
-        packed = completion_logprobs(model, ids, attn, 2)
+        plain = plain_logprobs(model, ids, attn, 2)
+        packed = packed_logprobs(model, ids, attn, 2)
     assert torch.allclose(plain, packed, atol=1e-5) and not torch.allclose(packed[0], packed[1])
 
 
-@pytest.mark.parametrize("fast", [False, True])
-def test_logprobs_equal_the_textbook_definition_over_a_full_forward(tiny, fast):
+@pytest.mark.parametrize("logprobs", [plain_logprobs, packed_logprobs])
+def test_logprobs_equal_the_textbook_definition_over_a_full_forward(tiny, logprobs):
     """log_softmax(logits / T) at the targets, from the logits of every position of a full forward: the plain
     definition (logits of the completion positions only) and the packed pass (its stream rounded up to a
     multiple of 16 with dummy tokens, which must change no real token's log-prob)."""
     model, tokenizer = tiny
     torch.manual_seed(1)
-    rollout = sample(model, tokenizer, QUESTIONS[:2], 3, 7)
+    rollout = sample_fast(model, tokenizer, QUESTIONS[:2], 3, 7)
     ids, attn = model_module.trim_padding(rollout.input_ids, rollout.attention_mask,
                                           rollout.completion_mask)[:2]
     c = rollout.completion_len
@@ -602,7 +607,7 @@ def test_logprobs_equal_the_textbook_definition_over_a_full_forward(tiny, fast):
                        position_ids=(attn.cumsum(1) - 1).clamp(min=0)).logits
         direct = (torch.log_softmax(logits[:, -c - 1:-1].float() / 0.8, -1)
                   .gather(2, ids[:, -c:, None]).squeeze(2))
-        logp = completion_logprobs(model, ids, attn, c, temperature=0.8, fast=fast)
+        logp = logprobs(model, ids, attn, c, temperature=0.8)
     assert logp.shape == direct.shape
     mask = rollout.completion_mask.bool()
     assert torch.allclose(logp[mask], direct[mask], atol=1e-5)
@@ -612,7 +617,7 @@ def test_output_layer_sees_the_real_completion_tokens_rounded_up_to_a_multiple_o
     """Logits only where a completion token is real (+ fewer than 16 more, so the layer's shapes recur)."""
     model, tokenizer = tiny
     torch.manual_seed(2)
-    rollout = sample(model, tokenizer, QUESTIONS[:2], 3, 7)
+    rollout = sample_fast(model, tokenizer, QUESTIONS[:2], 3, 7)
     assert rollout.completion_len == 7  # random weights never emit EOS: every row has 7 columns to cut
     attn = rollout.attention_mask.clone()
     # 25 real tokens
@@ -621,7 +626,7 @@ def test_output_layer_sees_the_real_completion_tokens_rounded_up_to_a_multiple_o
     hook = model.lm_head.register_forward_hook(lambda module, args, out: rows.append(args[0].shape[0]))
     try:
         with torch.no_grad():
-            completion_logprobs(model, rollout.input_ids, attn, 7)
+            packed_logprobs(model, rollout.input_ids, attn, 7)
     finally:
         hook.remove()
     assert rows == [32]
@@ -673,7 +678,7 @@ def test_other_blocks_take_fast_logprobs_from_their_own_forward(tiny, monkeypatc
     model, tokenizer = tiny
     model = model_module.copy.deepcopy(model)
     torch.manual_seed(0)
-    rollout = sample(model, tokenizer, QUESTIONS[:2], 3, 6)
+    rollout = sample_fast(model, tokenizer, QUESTIONS[:2], 3, 6)
     attn = rollout.attention_mask.clone()
     # rows end early
     attn[:, -6:] = (torch.arange(6)[None, :] < torch.tensor([6, 1, 3, 6, 2, 5])[:, None]).long()
@@ -697,7 +702,7 @@ def test_decode_pads_prompts_to_a_multiple_of_16_for_its_prefill(tiny):
     hook = model.register_forward_pre_hook(
         lambda module, args, kwargs: widths.append(kwargs["input_ids"].shape[1]), with_kwargs=True)
     try:
-        rollout = sample(model, tokenizer, QUESTIONS, 2, 5)
+        rollout = sample_fast(model, tokenizer, QUESTIONS, 2, 5)
     finally:
         hook.remove()
     prompt_len = rollout.input_ids.shape[1] - rollout.completion_len
@@ -714,7 +719,7 @@ def test_sample_pads_prompts_on_the_left_whatever_the_tokenizer_says():
     for side in ("right", "left"):
         tokenizer.padding_side = side
         torch.manual_seed(0)
-        rollouts.append(sample(model, tokenizer, QUESTIONS[:2], 2, 4))
+        rollouts.append(sample_fast(model, tokenizer, QUESTIONS[:2], 2, 4))
     right, left = rollouts
     prompt_len = right.input_ids.shape[1] - right.completion_len
     assert right.attention_mask[:, prompt_len - 1].all() and not right.attention_mask[:, 0].all()

@@ -3,12 +3,12 @@
 import pytest
 import torch
 
-import model as model_module
+import model_files
 from model import load_model, sample
 
 
 def test_embedded_default_downloads_converts_and_is_trainable(tmp_path, monkeypatch):
-    monkeypatch.setattr(model_module, "CACHE_DIR", tmp_path)  # a fresh machine: nothing cached
+    monkeypatch.setattr(model_files, "CACHE_DIR", tmp_path)  # a fresh machine: nothing cached
     model, tokenizer = load_model("smollm2-135m", torch.device("cpu"))
     assert (tmp_path / "smollm2-135m" / "model.safetensors").exists()
     assert sum(p.numel() for p in model.parameters()) == pytest.approx(134.5e6, rel=1e-3)

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import common
 import train
 from advantage import avspo_advantages, grpo_advantages
 from common import (arg, collapse_warning, dataclass_parser, early_steps, find_checkpoint, group_map,
@@ -233,13 +234,14 @@ def test_micro_batches_hold_rows_of_similar_length(tiny, monkeypatch):
     """Completion lengths 1, 5, 1, 5 in micro-batches of 2: the short rows go together, so one micro-batch is
     1 token wide instead of both 5."""
     rollout = rollout_cut_at(torch.randint(3, 200, (4, 6)), [1, 5, 1, 5])
-    widths, logprobs = [], train.completion_logprobs
+    widths, paths = [], train.fast_or_plain(True)
 
     def recording_logprobs(net, ids, attn, completion_len, *args, **kwargs):
         widths.append(completion_len)
-        return logprobs(net, ids, attn, completion_len, *args, **kwargs)
+        return paths.completion_logprobs(net, ids, attn, completion_len, *args, **kwargs)
 
-    monkeypatch.setattr(train, "completion_logprobs", recording_logprobs)
+    recording = paths._replace(completion_logprobs=recording_logprobs)
+    monkeypatch.setattr(train, "fast_or_plain", lambda fast: recording)
     run_update(tiny, rollout, torch.tensor([1.0, -1.0, 0.5, -0.5]), micro_batch=2)
     assert sorted(widths) == [1, 5]
 
@@ -259,13 +261,14 @@ def test_micro_batches_hold_one_prompts_rows(tiny, monkeypatch):
     of each prompt) would go together; each micro-batch holds one prompt's rows instead, so it runs one prompt
     pass."""
     rollout = rollout_cut_at(torch.tensor([[10] * 6, [10] * 6, [20] * 6, [20] * 6]), [5, 1, 1, 5])
-    prompts_per_pass, logprobs = [], train.completion_logprobs
+    prompts_per_pass, paths = [], train.fast_or_plain(True)
 
     def recording_logprobs(net, ids, *args, **kwargs):
         prompts_per_pass.append(set(ids[:, 0].tolist()))
-        return logprobs(net, ids, *args, **kwargs)
+        return paths.completion_logprobs(net, ids, *args, **kwargs)
 
-    monkeypatch.setattr(train, "completion_logprobs", recording_logprobs)
+    recording = paths._replace(completion_logprobs=recording_logprobs)
+    monkeypatch.setattr(train, "fast_or_plain", lambda fast: recording)
     run_update(tiny, rollout, torch.tensor([1.0, -1.0, 0.5, -0.5]), micro_batch=2, group_size=2)
     assert sorted(map(sorted, prompts_per_pass)) == [[10], [20]]
 
@@ -433,13 +436,13 @@ def test_resume_makes_up_the_evaluation_of_the_saved_step(tmp_path, monkeypatch)
 def test_ctrl_c_while_loading_starts_no_step(tmp_path, monkeypatch, capsys):
     """Python can drop a KeyboardInterrupt raised inside a weakref callback (seen while models load); the flag
     cannot be dropped, and the loop reads it before its first step."""
-    real_load = train.load_model
+    real_load = common.load_model
 
     def load_then_ctrl_c(*args, **kwargs):
         signal.getsignal(signal.SIGINT)(signal.SIGINT, None)
         return real_load(*args, **kwargs)
 
-    monkeypatch.setattr(train, "load_model", load_then_ctrl_c)
+    monkeypatch.setattr(common, "load_model", load_then_ctrl_c)
     with pytest.raises(SystemExit) as exit_info:
         train.main(TINY + ["--algo", "grpo,avspo", "--steps", "3", "--out", str(tmp_path)])
     assert exit_info.value.code == 130
@@ -466,7 +469,7 @@ def test_a_second_ctrl_c_stops_at_once_without_saving_half_a_step(tmp_path, monk
                                          ("--virtual-delta", "0"), ("--virtual-delta", "1.5"),
                                          ("--delta-low", "-1"), ("--eval-size", "0"), ("--alpha", "nan")])
 def test_bad_flags_are_rejected_before_anything_runs(flag, value, tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(train, "load_model", lambda *a, **k: pytest.fail("a model loaded before the check"))
+    monkeypatch.setattr(common, "load_model", lambda *a, **k: pytest.fail("a model loaded before the check"))
     with pytest.raises(SystemExit):
         train.main(TINY + [flag, value, "--out", str(tmp_path)])
     assert not any(tmp_path.iterdir())

@@ -1,0 +1,58 @@
+"""The import structure of the top-level files: one direction, no circle, and the plain definitions in
+model.py unaware of the fast paths. Every import counts, also one inside a function."""
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+MODULES = {path.stem: path for path in ROOT.glob("*.py")} | {"data.tasks": ROOT / "data" / "tasks.py"}
+
+
+def imports_of(path: Path) -> set[str]:
+    """The project's modules that `path` imports anywhere in its text (module level or inside a function)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            found |= {node.module} | {f"{node.module}.{alias.name}" for alias in node.names}
+    return found & set(MODULES)
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """A circle of imports as [a, b, ..., a], or None: depth-first, a module met again on the current path
+    closes one."""
+    done, path = set(), []
+
+    def visit(module: str) -> list[str] | None:
+        if module in path:
+            return path[path.index(module):] + [module]
+        if module in done:
+            return None
+        path.append(module)
+        for imported in sorted(graph[module]):
+            if cycle := visit(imported):
+                return cycle
+        path.pop()
+        done.add(module)
+        return None
+
+    return next((cycle for module in sorted(graph) if (cycle := visit(module))), None)
+
+
+def test_the_top_level_files_import_in_one_direction():
+    graph = {name: imports_of(path) for name, path in MODULES.items()}
+    assert {"model", "decoding", "packing", "train", "common", "advantage"} <= set(graph)
+    assert find_cycle(graph) is None, " -> ".join(find_cycle(graph))
+
+
+def test_the_plain_definitions_know_no_fast_path():
+    assert not imports_of(MODULES["model"]) & {"decoding", "packing", "common", "train"}
+    assert imports_of(MODULES["decoding"]) == {"model"}  # the fast paths build on the plain definitions
+    assert imports_of(MODULES["packing"]) <= {"model", "decoding"}
+
+
+def test_find_cycle_finds_a_circle_and_only_a_circle():
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b", "c"}, "b": {"c"}, "c": set()}) is None  # a diamond is no circle
+    assert find_cycle({"a": {"a"}}) == ["a", "a"]
