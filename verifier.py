@@ -37,9 +37,11 @@ by a relative 1e-6 (a rounded 0.3333333 for 1/3); computed (irrational) values b
 written as a number (``35815``, ``0.25``, ``3/4``, ``2.5 \\times 10^{-5}``) is matched only by a
 number: ``551 * 65`` leaves the arithmetic undone (it restates "What is 551 * 65?"), while a gold
 written as a formula (``2\\sqrt{3}``) takes anything of its value (``\\sqrt{12}``, ``3.4641016``).
-Cosmetics: thousands separators (``1,000``, ``1\\,000``, ``1 000``), a decimal comma where no
-thousands reading fits (``1,22`` is 1.22, or the list 1, 22; ``1,234`` stays 1234) with semicolons
-between items (``1,5; 2,5``), ``\\left``/``\\right``, units in ``\\text{}``/``\\mbox{}`` and
+Cosmetics: thousands separators (``1,000``, ``1\\,000``, ``1 000``, LaTeX's ``14{,}916``), a decimal
+comma where no thousands reading fits (``1,22`` is 1.22, or the list 1, 22; ``1,234`` stays 1234;
+``0,111`` is 0.111, as no number starts with 0 and a thousands group; ``1{,}5`` is only 1.5)
+with semicolons between items (``1,5; 2,5``), ``\\left``/``\\right``, backslashes doubled throughout
+(``\\\\left( 3, -1 \\\\right)``, an answer escaped twice), units in ``\\text{}``/``\\mbox{}`` and
 trailing unit words, ``^\\circ``, ``\\$``, and ``%`` (50% matches 50 and 0.5). Multiple-choice
 ``\\textbf{(C)}`` reads as ``C``.
 
@@ -77,7 +79,8 @@ REL_TOL = 1e-6  # rounded decimals: 0.3333333 for 1/3, 1.414214 for \sqrt{2}
 FLOAT_TOL = 1e-9  # two computed values (2\sqrt{3} vs \sqrt{12}): only float noise
 ABS_TOL = 1e-12  # \sin\pi vs 0
 
-_NUM = r"-?(?:\d+(?:,\d{3})*(?:\.\d+)?|\.\d+)"  # commas only in groups of 3: unambiguous
+# Commas only in groups of 3 (unambiguous), LaTeX's {,} too; {,} also as a decimal comma (1{,}5).
+_NUM = r"-?(?:\d+(?:(?:,|\{,\})\d{3})*(?:(?:\.|\{,\})\d+)?|\.\d+)"
 _NUMBER = re.compile(rf"(?<![A-Za-z]){_NUM}(?:/\d+(?:\.\d+)?)?")  # "1/2" is one answer, not "2"
 _BOX_OR_BRACE = re.compile(r"\\(?:boxed|fbox)\s*\{|[{}]")
 _HASHES = re.compile(r"####[ \t]*([^\n]*)")
@@ -98,13 +101,16 @@ _DROP = re.compile(r"\\left|\\right|(?<!\\)\\[!,;: ]|\^\{?\\circ\}?|\\?%|\\?\$|\
 _FRAC_ARGS = re.compile(r"\\frac(\{[^{}]*\}|\w)(\{[^{}]*\}|\w)")  # \frac12, \frac{270}7, \frac9{19}
 _SQRT = re.compile(r"\\sqrt(\w)")
 _LEAD_DOT = re.compile(r"(?<!\d)\.(?=\d)")
-_THOUSANDS = re.compile(r"-?\d{1,3}(?:,\d{3})+(?:\.\d+)?")
+# No number starts with 0 and a thousands group: 0,111 is a decimal comma, 0.111.
+_THOUSANDS = re.compile(r"-?[1-9]\d{0,2}(?:,\d{3})+(?:\.\d+)?")
 _COMMA_NUMBER = re.compile(r"-?\d+,\d+")
 _LETTER_CHOICE = re.compile(r"\(([A-Z])\)")
 _DIGIT_SPACE = re.compile(r"(?<=\d)\s+(?=\d)")
-_SPACED_THOUSANDS = re.compile(r"(?<![\d.])\d{1,3}(?: \d{3})+(?![\d.])")
-_SPELLINGS = (("\\dfrac", "\\frac"), ("\\tfrac", "\\frac"), ("\\cfrac", "\\frac"), ("{,}", ","),
+_SPACED_THOUSANDS = re.compile(r"(?<![\d.])[1-9]\d{0,2}(?: \d{3})+(?![\d.])")
+_SPELLINGS = (("\\dfrac", "\\frac"), ("\\tfrac", "\\frac"), ("\\cfrac", "\\frac"),
               ("\u2212", "-"))  # one spelling of each, in the normal form and for the parser alike
+_BRACED_COMMA = re.compile(r" ?\{ ?, ?\} ?")  # LaTeX's {,} (14{,}916), with the spaces math mode ignores
+_BRACED_DECIMAL = re.compile(r"(?<=\d) ?\{ ?, ?\} ?(?=\d)(?!\d{3}(?!\d))")  # 1{,}5, 3{,}1416
 
 
 def _boxes(text: str) -> list[tuple[int, str]]:
@@ -227,6 +233,12 @@ def extract_answer(text: str) -> str | None:
     return _extract(text)[0]
 
 
+def _braced_commas(s: str) -> str:
+    """LaTeX's {,}: a thousands separator before a group of three digits (14{,}916), else a decimal
+    comma (1{,}5 is 1.5; no one writes the list 1, 5 or the number 15 so)."""
+    return _BRACED_COMMA.sub(",", _BRACED_DECIMAL.sub(".", s))
+
+
 @lru_cache(maxsize=4096)  # golds repeat: every completion of a GRPO group shares one
 def normalise(answer: str) -> str:
     """Canonical string form of an answer, following Hendrycks MATH ``_strip_string``."""
@@ -235,6 +247,7 @@ def normalise(answer: str) -> str:
         return s
     for old, new in _SPELLINGS:
         s = s.replace(old, new)
+    s = _braced_commas(s)
     without_units = _UNIT_TEXT.sub("", s).strip()
     s = without_units if without_units else s  # "\text{ cm}" alone is the answer itself
     s = _TEXT.sub(r"\1", s)
@@ -293,15 +306,28 @@ _IN_PREFIX = re.compile(r"^(?:[A-Za-z]|\(\s*[A-Za-z](?:\s*,\s*[A-Za-z])+\s*\))\s
 _MATRIX_ENV = r"\{(?:[pbBvV]?matrix|array|smallmatrix)\}"
 _MATRIX = re.compile(r"\\begin" + _MATRIX_ENV + r"(?:\{[^{}]*\})?(.*)\\end" + _MATRIX_ENV, re.S)
 _RELATION = re.compile(r"\\le(?![A-Za-z])|\\ge(?![A-Za-z])|<|>")
+_BACKSLASHES = re.compile(r"\\+")
+_DOUBLED_COMMAND = re.compile(r"\\\\[A-Za-z]")
+
+
+def _single_backslashes(s: str) -> str:
+    """An answer escaped twice (a JSON string in a JSON string) has every backslash doubled:
+    \\\\left( 3, -1 \\\\right). Halve them only when one doubles a command's backslash and every run
+    of backslashes is even: an answer escaped once has lone ones (\\begin{pmatrix} x \\\\y ...), and
+    its row breaks stay."""
+    if _DOUBLED_COMMAND.search(s) and all(len(run) % 2 == 0 for run in _BACKSLASHES.findall(s)):
+        return s.replace("\\\\", "\\")
+    return s
 
 
 @lru_cache(maxsize=8192)
 def _clean(answer: str) -> str:
-    """Drop LaTeX cosmetics (sizing, spacing, units, degrees, thousands separators)."""
-    s = answer.strip()
+    """Drop LaTeX cosmetics (doubled backslashes, sizing, spacing, units, degrees, thousands separators)."""
+    s = _single_backslashes(answer.strip())
     for old, new in _REPLACEMENTS:
         if old in s:
             s = s.replace(old, new)
+    s = _braced_commas(s)
     s = _DELIMITER.sub("", s)
     s = _SIZING.sub("", s)
     s = _SPACE.sub(" ", s)

@@ -393,6 +393,8 @@ def test_thousands_separators(n: int) -> None:
     "\\boxed{|" + "A" * 5_000 + "| = 1}",
     "\\boxed{" + "V_1:" * 2_000 + "V = 1}",
     "\\boxed{0 < f(" + "(" * 1_000 + "x" + ")" * 1_000 + ") < 1}",
+    "14{,}" * 50_000,
+    "\\boxed{" + "\\\\left(" * 2_000 + "}",
 ])
 def test_adversarial_inputs_are_fast(text: str) -> None:
     for gold in ("1", "1" * 100_000, text[-300:], text):

@@ -109,6 +109,10 @@ _ACCEPT = [
     ("thousands", "1000", "1 000"),
     ("thousands", "1000000", r"\boxed{1,000,000}"),
     ("thousands", "12345", r"\boxed{12{,}345}"),
+    ("thousands", "14916", r"Final Answer: The final answer is $14 {, }916$. I hope it is correct."),
+    ("thousands", "14916", "so the smallest such N is 14{,}916"),
+    ("thousands", "1000000", "so N is 1{,}000{,}000"),
+    ("thousands", r"14{,}916", r"\boxed{14916}"),
     ("thousands", "10080", r"\boxed{10,\!080}"),
     ("thousands", "2500000", "The answer is 2,500,000."),
     # multiple choice
@@ -193,10 +197,18 @@ _ACCEPT = [
     ("several boxes", r"\boxed{1, 2}", r"\boxed{1}\boxed{2}"),
     ("several boxes", r"\boxed{1} and \boxed{2}", r"\boxed{2} and \boxed{1}"),
     ("several boxes", r"(1, 2), (3, 4)", r"\boxed{(3, 4)}, \boxed{(1, 2)}"),
+    ("several boxes", "1, -2", r"Thus, the integers are \boxed{-2} and \boxed{1}."),
+    ("several boxes", "1,-2", r"the integers $n$ are \(\boxed{-2}\) and \(\boxed{1}\)."),
     # a decimal comma where no thousands reading fits; semicolons then separate the items
     ("decimal comma", "1.22", r"\boxed{1,22}"),
     ("decimal comma", "1,22", r"\boxed{1.22}"),
     ("decimal comma", "0.5", r"\boxed{0,5}"),
+    ("decimal comma", "0.111", r"\boxed{0,111}"),
+    ("decimal comma", "0,111", "The answer is 0.111."),
+    ("decimal comma", "1234", r"\boxed{1,234}"),
+    ("decimal comma", "1.5", r"\boxed{1{,}5}"),
+    ("decimal comma", "1.5", "so the ratio is 1{,}5"),
+    ("decimal comma", r"\pi", r"\boxed{3{,}14159265}"),
     ("decimal comma", r"\frac{5}{2}", "The answer is 2,5."),
     ("decimal comma", "1,5; 2,5", r"\boxed{2.5, 1.5}"),
     ("decimal comma", "(1,5; -0,5)", r"\boxed{(1.5, -0.5)}"),
@@ -234,6 +246,13 @@ _ACCEPT = [
     ("bounded", r"0 < f(x) < 1", r"\boxed{(0, 1)}"),
     ("bounded", r"[0, \infty)", r"\boxed{f(x) \ge 0}"),
     ("bounded", "(0, 1)", r"\boxed{1 > f(x) > 0}"),
+    # backslashes doubled throughout (a JSON string escaped twice); a matrix's \\ is no doubled backslash
+    ("escaped twice", "(3, -1)", r"\\left( 3, -1 \\right)"),
+    ("escaped twice", r"(3, \frac{\pi}{2})", r"so it is $\\boxed{\\left( 3, \\frac{\\pi}{2} \\right)}.$"),
+    ("escaped twice", r"\begin{pmatrix} 1 \\ 2 \end{pmatrix}",
+     r"\\boxed{\\begin{pmatrix} 1 \\\\ 2 \\end{pmatrix}}"),
+    ("escaped twice", r"\begin{pmatrix} x \\ y \end{pmatrix}",
+     r"\boxed{\begin{bmatrix} x \\y \end{bmatrix}}"),
 ]
 
 _REJECT = [
@@ -325,6 +344,13 @@ _REJECT = [
     ("thousands", "1000", r"\boxed{1, 000}"),
     ("thousands", "12345", r"\boxed{12 34 5}"),
     ("thousands", "1001", "1 000"),
+    ("thousands", "14916", r"\boxed{14{,}917}"),
+    ("thousands", "14916", r"Final Answer: The final answer is $14 {, }917$. I hope it is correct."),
+    ("thousands", "916", "so the smallest such N is 14{,}916"),
+    ("thousands", "15", r"\boxed{1{,}5}"),
+    ("thousands", "5", "so the ratio is 1{,}5"),
+    ("thousands", "1, 5", r"\boxed{1{,}5}"),
+    ("thousands", "111", r"\boxed{0\,111}"),
     # multiple choice
     ("choice", "C", r"\textbf{(B)}"),
     ("choice", "C", r"The answer is (D)."),
@@ -392,13 +418,18 @@ _REJECT = [
     ("tuple vs set", "(1, 4]", r"\boxed{1, 4}"),
     ("tuple vs set", r"3 \pm 2", r"\boxed{(1, 5)}"),
     ("tuple vs set", r"x = 1 \text{ or } x = 5", r"\boxed{(1, 5)}"),
-    # a gold of several boxes wants them all
+    # a gold of several boxes wants them all; a list, the boxes' very items (no more, no other)
     ("several boxes", r"\boxed{1}\boxed{2}", r"\boxed{2}"),
     ("several boxes", r"\boxed{1}\boxed{2}", r"\boxed{1, 3}"),
     ("several boxes", r"(1, 2), (3, 4)", r"\boxed{(3, 4)}, \boxed{(2, 1)}"),
+    ("several boxes", "1, -2", r"Thus, the integers are \boxed{-2} and \boxed{3}."),
+    ("several boxes", "1, 2", r"\boxed{1}\boxed{2}\boxed{3}"),
     # 1,000 and 1,234 stay thousands; a decimal comma does not loosen the value or the order
     ("decimal comma", "1.000", r"\boxed{1,000}"),
     ("decimal comma", "1.234", r"\boxed{1,234}"),
+    ("decimal comma", "111", r"\boxed{0,111}"),
+    ("decimal comma", "0.11", r"\boxed{0,111}"),
+    ("decimal comma", "111", "The answer is 0,111."),
     ("decimal comma", "1.22", r"\boxed{1,23}"),
     ("decimal comma", "1.22", r"\boxed{12,2}"),
     ("decimal comma", "(1,5; 2,5)", r"\boxed{(2.5, 1.5)}"),
@@ -431,6 +462,11 @@ _REJECT = [
     ("bounded", "(1, 4)", r"\boxed{1 < 2x < 4}"),
     ("bounded", "(1, 4)", r"\boxed{1 < |x| < 4}"),
     ("bounded", r"(0, \infty)", r"\boxed{f(x) < 0}"),
+    # a tuple escaped twice keeps its order and values
+    ("escaped twice", "(3, -1)", r"\\left( -1, 3 \\right)"),
+    ("escaped twice", r"(3, \frac{\pi}{2})", r"so it is $\\boxed{\\left( 3, \\frac{\\pi}{3} \\right)}.$"),
+    ("escaped twice", r"\begin{pmatrix} 1 \\ 2 \end{pmatrix}",
+     r"\\boxed{\\begin{pmatrix} 2 \\\\ 1 \\end{pmatrix}}"),
 ]
 
 CASES: list[Case] = [Case(t, g, c, True) for t, g, c in _ACCEPT] + [
