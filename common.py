@@ -7,6 +7,7 @@ dataclasses, and is rebuilt with the same classes on resume.
 
 import argparse
 import dataclasses
+import fcntl
 import json
 import math
 import os
@@ -29,7 +30,7 @@ from data.tasks import Problem, load_eval_problems, load_problems
 from decoding import decode
 from eval import evaluate
 from model import Rollout, completion_logprobs, load_model, pick_device, sample_with_generate, working_copy
-from verifier import load_reward
+from verifier import RewardError, load_reward
 
 
 def arg(default, help: str, **argparse_options):
@@ -158,17 +159,63 @@ def ctrl_c_stops_after_the_step():
 @contextmanager
 def exits_cleanly():
     """train.py's way out: Ctrl-C ends the step under way, then exits with code 130 once it is saved
-    (`ctrl_c_stops_after_the_step` yields the stop requests); an unknown model or a missing file exits with
-    one line, not a traceback; the processes of torchrun are closed whichever way it ends."""
+    (`ctrl_c_stops_after_the_step` yields the stop requests); an unknown model, a missing file or a bad
+    reward exits with one line, not a traceback; the processes of torchrun are closed whichever way it
+    ends."""
     try:
         with ctrl_c_stops_after_the_step() as stop_requested:
             yield stop_requested
-    except FileNotFoundError as e:
+    except (FileNotFoundError, RewardError) as e:
         sys.exit(f"error: {e}")
     except KeyboardInterrupt:  # the checkpoint is saved and said so (or a second Ctrl-C); no traceback
         sys.exit(130)
     finally:
         close_processes()
+
+
+@contextmanager
+def one_owner(folder: Path):
+    """The run folder has one owner: an exclusive lock on <folder>/.lock, with the owner's process id in it,
+    released when the process ends however it ends (fcntl.flock). A second run into the folder stops at once
+    with one line naming the folder and the owner, before it writes anything."""
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(folder / ".lock", "a+") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            lock.seek(0)
+            sys.exit(f"error: {folder} is in use by process {lock.read().strip() or '?'} (another run): wait "
+                     "for it to end, or choose another --out")
+        lock.seek(0)
+        lock.truncate()
+        lock.write(f"{os.getpid()}\n")
+        lock.flush()
+        yield
+
+
+RESUMABLE = ("resume", "out", "save_every", "eval_every", "micro_batch", "grad_checkpointing")
+
+
+def resume_conflicts(run_dir: Path, args) -> str | None:
+    """Why `args` (a train.Args) may not continue the run in run_dir, in one line naming each flag that
+    differs from its config.json; None when it may. Only the flags in RESUMABLE may change: they leave the
+    steps taken as they were and the steps to come as they would have been (--micro-batch and
+    --grad-checkpointing change memory and speed, and the order of a sum). --steps sets the lr schedule of
+    every step (`train.scheduled_lr`), so it may change only where the lr does not depend on it
+    (--lr-decay 0): a longer run would otherwise follow another schedule than its first steps did."""
+    if not (run_dir / "config.json").exists():
+        return None
+    saved = json.loads((run_dir / "config.json").read_text())
+    now = json.loads(json.dumps(dataclasses.asdict(args)))  # as saved: tuples become lists
+    defaults = json.loads(json.dumps({f.name: f.default for f in dataclasses.fields(args)}))
+    fixed = [key for key in now if key not in RESUMABLE and not (key == "steps" and now["lr_decay"] == 0)]
+    changed = [f"--{key.replace('_', '-')} {saved.get(key, defaults[key])} -> {now[key]}" for key in fixed
+               if saved.get(key, defaults[key]) != now[key]]  # a flag newer than the run: as its default
+    if not changed:
+        return None
+    return (f"--resume {run_dir}: {'; '.join(changed)}, unlike its config.json; only "
+            f"{', '.join('--' + k.replace('_', '-') for k in RESUMABLE[1:])} may change on resume "
+            "(and --steps with --lr-decay 0)")
 
 
 def save_checkpoint(run_dir: Path, model, tokenizer, optimizer, step: int, algo_state: dict) -> None:
@@ -212,7 +259,11 @@ def append_jsonl(path: Path, record: dict) -> None:
 
 
 def write_jsonl(path: Path, records: list[dict]) -> None:
-    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    """Written whole or not at all (a temporary file renamed into place): a run killed while a resume rewrites
+    its metrics.jsonl keeps every logged step."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in records))
+    tmp.replace(path)
 
 
 TOTALS = ("gen_tokens", "train_tokens")  # summed over a run's steps in metrics.jsonl, as <name>_total
@@ -373,7 +424,8 @@ def start_run(args, run_dir: Path, device: torch.device, is_main: bool, state: d
     done = restore_checkpoint(checkpoint, optimizer, state) if checkpoint else 0
     eval_problems = (load_eval_problems(args.eval_dataset, args.seed) if args.eval_dataset
                      else load_problems(args.dataset, "test", args.seed))[: args.eval_size]
-    return Run(master, policy, reference, tokenizer, optimizer, state, load_reward(args.reward),
+    reward_fn = load_reward(args.reward, args.reward_range)
+    return Run(master, policy, reference, tokenizer, optimizer, state, reward_fn,
                load_problems(args.dataset, "train", args.seed), eval_problems, done, Counter())
 
 

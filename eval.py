@@ -22,7 +22,7 @@ from tqdm import tqdm
 from data.tasks import Problem, load_eval_problems
 from decoding import decode
 from model import load_model, pick_device, sample, sample_with_generate, working_copy
-from verifier import Reward, extract_answer, load_reward, per_completion, verify
+from verifier import Reward, extract_answer, load_reward, per_completion, reward_range, verify
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -123,6 +123,8 @@ def main(argv: list[str] | None = None) -> dict:
                    help="arith-<level> or arith-mix (test split), or a GSM8K/MATH .jsonl")
     p.add_argument("--reward", default="verifier",
                    help="verifier, math-verify, or module:function (as train.py)")
+    p.add_argument("--reward-range", type=reward_range, default=(0.0, 1.0),
+                   help="lo,hi: the rewards' range (else it stops); correct means a reward of 1")
     p.add_argument("--limit", type=int, default=0, help="evaluate only the first N problems (0: all)")
     p.add_argument("--samples", type=int, default=1,
                    help="completions per problem (n); >1 samples at --temperature")
@@ -139,7 +141,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = p.parse_args(argv)
     temperature = args.temperature if args.temperature is not None else (0.0 if args.samples == 1 else 1.0)
     try:
-        reward_fn = load_reward(args.reward)
+        reward_fn = load_reward(args.reward, args.reward_range)
         problems = load_eval_problems(args.dataset)
         problems = problems[: args.limit] if args.limit else problems
         results = {}

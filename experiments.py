@@ -334,7 +334,17 @@ def compare(folder: Path, methods: list[str], seeds: list[int], flags: list[str]
             print(f"warning: {name}: re-evaluated checkpoints {table[name]['per_seed']} "
                   f"!= train.py's {logged}")
     seed_deltas(table, resamples)
+    for seed in seeds:  # bf16 rounds differently per CPU: a seed's methods are compared on one kind
+        if len(cpus := seed_cpus(folder, methods, seed)) > 1:
+            print(f"warning: {folder} seed {seed}: its runs were trained on {len(cpus)} kinds of CPU "
+                  f"({', '.join(sorted(cpus))}), so its methods differ by more than the method")
     return table
+
+
+def seed_cpus(folder: Path, methods: list[str], seed: int) -> set[str]:
+    """The CPUs that trained this seed's runs, from their machines.jsonl (none for runs made before it)."""
+    return {line["cpu"] for method in methods
+            for line in read_jsonl(run_dir(folder, method, seed).parent / "machines.jsonl")}
 
 
 def markdown_table(table: dict) -> str:

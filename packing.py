@@ -207,7 +207,7 @@ def packed_states(model: PreTrainedModel, rows: PackedRows) -> torch.Tensor:
 
 def completion_logprobs(model: PreTrainedModel, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                         completion_len: int, temperature: float = 1.0) -> torch.Tensor:
-    """Replaces `model.completion_logprobs` (fast=False): the same log-probs [N, C], 0 after each row's EOS.
+    """Replaces `model.completion_logprobs`, the plain pass: the same log-probs [N, C], 0 after a row's EOS.
 
     Models whose block `packed_states` writes out (`writes_out_block`) run as one packed token stream; others
     run their own forward on the padded rows. Either way logits exist only for the M completion tokens up to

@@ -16,6 +16,7 @@ Choices, each made once here:
   4. The learning rate decays linearly to 0 (TRL's and nanochat's default; docs/results.md shows why).
 """
 
+import contextlib
 import dataclasses
 import math
 import os
@@ -30,13 +31,14 @@ from tqdm import tqdm
 from advantage import (AVSPO_ENDS, AdaptiveThreshold, aapo_advantages, aapo_margin, avspo_advantages,
                        collapsed_groups, grpo_advantages)
 from common import (Run, after_step, all_sum, arg, at_least, dataclass_parser, exits_cleanly, fast_or_plain,
-                    first_eval, gather_groups, group_map, in_range, init_processes, start_logs, start_run,
-                    step_metrics, sum_gradients, summarise_run)
+                    first_eval, gather_groups, group_map, in_range, init_processes, one_owner,
+                    resume_conflicts, save_checkpoint, start_logs, start_run, step_metrics, sum_gradients,
+                    summarise_run)
 from data.tasks import Problem, load_eval_problems, load_problems, step_problems
 from eval import score_groups
 from model import (Rollout, accumulate_gradients, copy_weights, real_tokens, replace_groups, sample,
                    trim_padding)
-from verifier import load_reward
+from verifier import RewardError, load_reward, reward_range
 
 ALGOS, PRECISIONS = ("grpo", "avspo", "aapo", "dapo"), ("auto", "fp32", "bf16")
 POSITIVE, NON_NEGATIVE = in_range(0, math.inf, low_open=True), in_range(0, math.inf)
@@ -51,6 +53,7 @@ class Args:
     dataset: str = arg("arith-mul1", "arith-<level> (add1 mul1 add2 mul2 mul3), arith-mix, or a .jsonl")
     eval_dataset: str = arg("", "held-out problems (default: the test split of --dataset)")
     reward: str = arg("verifier", "verifier (verifier.py), math-verify (optional package), module:function")
+    reward_range: tuple = arg((0.0, 1.0), "lo,hi: the rewards' range (else the run stops)", type=reward_range)
     out: str = arg("runs/default", "run folder: one subfolder per algorithm, plus curves.png")
     seed: int = arg(0, "seeds the prompts of each step and the sampling")
     resume: bool = arg(False, "continue each algorithm from the checkpoint in its run folder")
@@ -97,6 +100,13 @@ def parse_args(argv: list[str] | None = None) -> Args:
         parser.error(f"--algo: unknown {', '.join(sorted(unknown))}; choose from {', '.join(ALGOS)}")
     if args.prompts_per_step % int(os.environ.get("WORLD_SIZE", 1)):
         parser.error(f"--prompts-per-step {args.prompts_per_step} must be a multiple of the process count")
+    if args.virtual_delta > args.reward_range[1] - args.reward_range[0]:
+        parser.error(f"--virtual-delta {args.virtual_delta} is wider than --reward-range {args.reward_range}")
+    if not (existing := next(p for p in [Path(args.out), *Path(args.out).parents] if p.exists())).is_dir():
+        parser.error(f"--out {args.out}: {existing} is a file, not a folder")
+    for algo in args.algo.split(",") if args.resume else []:  # one run folder, one configuration
+        if conflicts := resume_conflicts(Path(args.out) / algo, dataclasses.replace(args, algo=algo)):
+            parser.error(conflicts)
     try:  # read the data and the reward before any model: a bad line fails in a second, naming file and line
         load_reward(args.reward)
         load_problems(args.dataset, "train", args.seed)
@@ -154,7 +164,8 @@ def compute_advantages(args: Args, rewards: torch.Tensor, state: dict, ref_rewar
         threshold = state["threshold"]
         advantages, info = avspo_advantages(rewards, acr_threshold=threshold.value, alpha=args.alpha,
                                             num_virtual=args.num_virtual or None, delta=args.virtual_delta,
-                                            ends=args.virtual_ends, return_info=True)
+                                            ends=args.virtual_ends, reward_range=args.reward_range,
+                                            return_info=True)
         log = {"acr_threshold": threshold.value, "avspo_triggered": info.triggered,
                "virtual_samples": info.num_virtual * info.num_treated}
         if not args.fixed_threshold:  # the new value acts from the next step on
@@ -295,7 +306,12 @@ def train(args: Args, run_dir: Path, stop_requested: Sequence = ()) -> dict | No
     bar = tqdm(range(run.done + 1, args.steps + 1), args.algo, total=args.steps, initial=run.done,
                disable=rank > 0)
     for step in bar:
-        record = train_step(args, run, step, rank, mine, device)
+        try:
+            record = train_step(args, run, step, rank, mine, device)
+        except RewardError:  # before the update: save the steps before it, so --resume redoes none of them
+            if is_main and args.save_every and step - 1 > run.done:
+                save_checkpoint(run_dir, run.master, run.tokenizer, run.optimizer, step - 1, run.state)
+            raise
         stop = all_sum([len(stop_requested)], device)[0] > 0  # every process stops after the same step
         if is_main:
             totals = after_step(args, run, run_dir, record, totals, stop)
@@ -312,7 +328,8 @@ def train(args: Args, run_dir: Path, stop_requested: Sequence = ()) -> dict | No
 
 def main(argv: list[str] | None = None) -> list[dict]:
     args = parse_args(argv)
-    with exits_cleanly() as stop_requested:  # Ctrl-C: the loop stops after its step, saved
+    owner = one_owner(Path(args.out)) if int(os.environ.get("RANK", 0)) == 0 else contextlib.nullcontext()
+    with exits_cleanly() as stop_requested, owner:  # Ctrl-C: the loop stops after its step, saved
         summaries = [train(dataclasses.replace(args, algo=algo), Path(args.out) / algo, stop_requested)
                      for algo in args.algo.split(",")]
     if summaries[0] is not None:  # process 0 reports; the others wrote nothing

@@ -59,7 +59,9 @@ import cmath
 import importlib
 import inspect
 import math
+import numbers
 import re
+import sys
 from fractions import Fraction
 from functools import lru_cache
 from typing import Callable, NamedTuple, Union
@@ -1086,10 +1088,22 @@ Reward = Callable[[list[str], list[str], list[str]], list[float]]  # (questions,
 TRL_GOLD = "solution"  # the keyword a TRL-style function gets the golds under (as TRL's accuracy_reward)
 
 
-def load_reward(spec: str = "verifier") -> Reward:
-    """The rewards of a batch of completions, from a spec: "verifier" (this module's ``verify``),
-    "math-verify" (the optional package, imported only when asked), or "module:function", a user's
-    function of either shape, told apart by its signature:
+def reward_range(text: str) -> tuple[float, float]:
+    """The --reward-range flag, "lo,hi": two finite numbers, lo < hi (argparse names the flag otherwise)."""
+    low, high = (float(x) for x in text.split(","))
+    if not (math.isfinite(low) and math.isfinite(high) and low < high):
+        raise ValueError(f"need finite lo < hi; got {text!r}")
+    return low, high
+
+
+class RewardError(ValueError):
+    """A reward that is not a finite number inside the declared range: one line, and the run stops."""
+
+
+def load_reward(spec: str = "verifier", reward_range: tuple[float, float] = (0.0, 1.0)) -> Reward:
+    """The rewards of a batch of completions, checked where they enter (`checked`), from a spec: "verifier"
+    (this module's ``verify``), "math-verify" (the optional package, imported only when asked), or
+    "module:function", a user's function of either shape, told apart by its signature:
 
     - ``f(completion, gold) -> float``, called once per completion;
     - TRL's ``f(prompts, completions, **kwargs) -> list[float]`` (it has a ``completions`` parameter),
@@ -1102,6 +1116,11 @@ def load_reward(spec: str = "verifier") -> Reward:
     >>> load_reward()(["What is 2 + 3?"] * 2, ["\\boxed{5}", "6"], ["5", "5"])
     [1.0, 0.0]
     """
+    return checked(_batch_reward(spec), str(spec), reward_range)
+
+
+def _batch_reward(spec: str) -> Reward:
+    """The unchecked batch reward of a spec (`load_reward`)."""
     if spec in ("verifier", "", None):
         return per_completion(verify)
     if spec in ("math-verify", "math_verify"):
@@ -1122,7 +1141,7 @@ def load_reward(spec: str = "verifier") -> Reward:
     try:
         signature = inspect.signature(fn)
     except (TypeError, ValueError):  # a builtin without one: trust it to be f(completion, gold)
-        return per_completion(fn)
+        return per_completion(fn, spec)
     if "completions" in signature.parameters:
         return _trl_style(fn, signature, spec)
     try:
@@ -1130,12 +1149,43 @@ def load_reward(spec: str = "verifier") -> Reward:
     except TypeError:
         raise ValueError(f"reward spec {spec!r}: {attr}{signature} is neither f(completion, gold) -> float "
                          "nor TRL's f(prompts, completions, **kwargs) -> list[float]") from None
-    return per_completion(fn)
+    return per_completion(fn, spec)
 
 
-def per_completion(fn: Callable[[str, str], float]) -> Reward:
-    """A batch reward from f(completion, gold) -> float, called once per completion."""
-    return lambda questions, completions, golds: [float(fn(c, g)) for c, g in zip(completions, golds)]
+def per_completion(fn: Callable[[str, str], float], spec: str = "verifier") -> Reward:
+    """A batch reward from f(completion, gold) -> float, called once per completion. If it raises (a bug in
+    a user's reward), one line names the spec, the problem and the completion before its traceback."""
+    def reward(questions: list[str], completions: list[str], golds: list[str]) -> list:
+        rewards = []
+        for i, (question, completion, gold) in enumerate(zip(questions, completions, golds)):
+            try:
+                rewards.append(fn(completion, gold))
+            except Exception:
+                print(f"error: reward {spec!r} raised on completion {i} of the batch, {completion[:60]!r}, "
+                      f"of problem {question[:60]!r} (gold {gold!r}):", file=sys.stderr)
+                raise
+        return rewards
+    return reward
+
+
+def checked(reward: Reward, spec: str, reward_range: tuple[float, float]) -> Reward:
+    """`reward` with every value checked where it enters the run: an int or a float (not a string, not None),
+    finite, inside reward_range; else RewardError, one line naming the spec, the problem and the
+    completion. A string "1" would train as 1.0 unseen, and a NaN would silently skip every update."""
+    lo, hi = reward_range
+
+    def checked_reward(questions: list[str], completions: list[str], golds: list[str]) -> list[float]:
+        rewards = reward(questions, completions, golds)
+        for i, (value, question) in enumerate(zip(rewards, questions)):
+            problem = f"completion {i} of the batch, {completions[i][:60]!r}, of problem {question[:60]!r}"
+            if not isinstance(value, numbers.Real):
+                raise RewardError(f"reward {spec!r} returned {value!r}, a {type(value).__name__}, not a "
+                                  f"number, for {problem}")
+            if not (math.isfinite(value) and lo <= value <= hi):
+                raise RewardError(f"reward {spec!r} returned {value} for {problem}: rewards must be finite "
+                                  f"and within --reward-range {lo:g},{hi:g}")
+        return [float(value) for value in rewards]
+    return checked_reward
 
 
 def _trl_style(fn: Callable, signature: inspect.Signature, spec: str) -> Reward:
@@ -1152,8 +1202,13 @@ def _trl_style(fn: Callable, signature: inspect.Signature, spec: str) -> Reward:
         batch = {"prompts": [[{"role": "user", "content": q}] for q in questions],
                  "completions": [[{"role": "assistant", "content": c}] for c in completions],
                  TRL_GOLD: list(golds)}
-        rewards = list(fn(**{n: batch[n] for n in names}))
+        try:
+            rewards = list(fn(**{n: batch[n] for n in names}))
+        except Exception:  # the user's bug: its traceback follows
+            print(f"error: reward {spec!r} raised on a batch of {len(completions)} completions (one call), "
+                  f"the first of problem {questions[0][:60]!r}:", file=sys.stderr)
+            raise
         if len(rewards) != len(completions):
             raise ValueError(f"reward {spec!r}: {len(rewards)} rewards for {len(completions)} completions")
-        return [0.0 if r is None else float(r) for r in rewards]
+        return [0.0 if r is None else r for r in rewards]  # checked where they enter (`checked`)
     return reward

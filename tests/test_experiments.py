@@ -131,6 +131,9 @@ def test_quick_pipeline_writes_every_number_and_figure(tmp_path):
             assert stat["ci"][0] <= stat["mean"] <= stat["ci"][1]
         assert row["cost"]["gen_tokens"]["mean"] > 0 and row["cost"]["seconds"]["mean"] > 0
         assert (experiments.run_dir(tmp_path / "compare", name, 0) / "summary.json").exists()
+        run = experiments.run_dir(tmp_path / "compare", name, 0)
+        machines = common.read_jsonl(run.parent / "machines.jsonl")  # one start: one line, naming the CPU
+        assert [m["algos"] for m in machines] == [[run.name]] and "cpu_features" in machines[0]
         acr = row["collapse"]
         assert set(acr) - {"avspo_triggered"} == {"acr", "acr_effective", "acr_effective_first_quarter",
                                                   "acr_effective_last_quarter", "late_rise",
@@ -191,6 +194,17 @@ def test_collapse_counts_the_steps_whose_gradient_norm_was_clipped(tmp_path):
              "all_wrong_frac": 0.25} for s, n in enumerate(norms, 1)])
     clipped = experiments.collapse(runs)["clipped"]
     assert clipped["per_seed"] == [0.5, 0.25] and clipped["mean"] == 0.375
+
+
+def test_seed_cpus_reads_each_runs_machines(tmp_path):
+    """A run resumed on another CPU adds a line: the seed then names both, and a run made before
+    machines.jsonl names none."""
+    for method, cpus in (("grpo", ["Xeon"]), ("avspo", ["Xeon", "EPYC"]), ("aapo", [])):
+        folder = experiments.run_dir(tmp_path, method, 0).parent
+        folder.mkdir(parents=True)
+        common.write_jsonl(folder / "machines.jsonl", [{"cpu": cpu} for cpu in cpus])
+    assert experiments.seed_cpus(tmp_path, ["grpo", "aapo"], 0) == {"Xeon"}
+    assert experiments.seed_cpus(tmp_path, ["grpo", "avspo"], 0) == {"Xeon", "EPYC"}
 
 
 def test_run_all_in_parallel_processes_keeps_the_task_order():

@@ -523,7 +523,8 @@ def test_two_processes_give_the_single_process_gradient(tmp_path):
 
 
 def test_torchrun_writes_the_same_logs_and_one_checkpoint_and_resumes(tmp_path):
-    common = TINY + ["--algo", "avspo", "--eval-every", "0", "--prompts-per-step", "2"]
+    common = TINY + ["--algo", "avspo", "--eval-every", "0", "--prompts-per-step", "2",
+                     "--lr-decay", "0"]  # a constant lr: --resume may then extend --steps
     assert train.main(common + ["--steps", "2", "--out", str(tmp_path / "one")])
     proc = torchrun("train.py", *common, "--steps", "2", "--out", str(tmp_path / "two"))
     assert proc.returncode == 0, proc.stderr[-3000:]

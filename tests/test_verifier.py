@@ -299,7 +299,7 @@ def test_load_reward_calls_a_trl_style_function_once_per_batch(tmp_path: Path,
     assert prompts == [[{"role": "user", "content": "What is 2 + 3?"}]] * 2
     assert completions == [[{"role": "assistant", "content": "5"}], [{"role": "assistant", "content": "6"}]]
     assert solution == ["5", "5"] and extra == {}
-    assert load_reward("trl_rewards:length")(["q", "q"], ["ab", "abc"], ["x", "x"]) == [2.0, 3.0]
+    assert load_reward("trl_rewards:length", (0, 5))(["q", "q"], ["ab", "abc"], ["x", "x"]) == [2.0, 3.0]
     assert load_reward("trl_rewards:unsure")(["q", "q"], ["?", "5"], ["5", "5"]) == [0.0, 1.0]
     with pytest.raises(ValueError, match="1 rewards for 2 completions"):
         load_reward("trl_rewards:short")(["q", "q"], ["a", "b"], ["x", "x"])

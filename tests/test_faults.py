@@ -1,0 +1,215 @@
+"""Faults a user meets, each refused in one line or survived: a bad reward, a run folder in use, an --out
+that is a file, a --resume under other flags, and a run killed at random moments."""
+
+import json
+import random
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import common
+import train
+from common import read_jsonl
+from model import load_model
+from verifier import RewardError, load_reward
+
+TINY = ["--model", "tiny-qwen2", "--max-new-tokens", "8", "--group-size", "4", "--eval-size", "4"]
+ROOT = Path(__file__).resolve().parent.parent
+REWARDS = '''
+calls, limit = 0, 10**9  # the test sets limit: the calls after it return NaN
+
+def nan(completion, gold): return float("nan")
+def string(completion, gold): return "1"
+def five(completion, gold): return 5.0
+def negative(completion, gold): return -3.0
+def none(completion, gold): return None
+def raises(completion, gold): return {"x": 1}[completion]
+def parity(completion, gold): return float(len(completion) % 2)
+def trl_strings(prompts, completions, **kwargs): return ["1"] * len(completions)
+
+def breaks_later(completion, gold):
+    global calls
+    calls += 1
+    return float("nan") if calls > limit else float(len(completion) % 2)
+'''
+
+
+@pytest.fixture()
+def rewards(tmp_path, monkeypatch):
+    """A module of user rewards, importable as `user_rewards`."""
+    (tmp_path / "user_rewards.py").write_text(REWARDS)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    sys.modules.pop("user_rewards", None)
+    yield __import__("user_rewards")
+    sys.modules.pop("user_rewards", None)
+
+
+# ---------------------------------------------------------------- rewards are checked where they enter
+
+
+@pytest.mark.parametrize("name, says", [("nan", "returned nan"), ("five", "returned 5.0"),
+                                        ("string", "returned '1', a str, not a number"),
+                                        ("negative", "returned -3.0"), ("none", "returned None"),
+                                        ("trl_strings", "a str, not a number")])
+def test_a_bad_reward_is_refused_naming_spec_problem_and_completion(rewards, name, says):
+    reward = load_reward(f"user_rewards:{name}")
+    with pytest.raises(RewardError) as error:
+        reward(["What is 2 + 3?", "What is 7 * 8?"], ["5", "56"], ["5", "56"])
+    line = str(error.value)
+    assert f"'user_rewards:{name}'" in line and says in line and "\n" not in line
+    assert "completion 0 of the batch, '5', of problem 'What is 2 + 3?'" in line
+
+
+def test_the_declared_range_admits_what_it_declares(rewards):
+    assert load_reward("user_rewards:five", (0.0, 5.0))(["q"], ["a"], ["b"]) == [5.0]
+    assert load_reward("user_rewards:negative", (-3.0, 1.0))(["q"], ["a"], ["b"]) == [-3.0]
+    with pytest.raises(RewardError, match="within --reward-range 0,4.5"):
+        load_reward("user_rewards:five", (0.0, 4.5))(["q"], ["a"], ["b"])
+    assert load_reward()(["q", "q"], ["\\boxed{5}", "4"], ["5", "5"]) == [1.0, 0.0]  # the verifier's own
+
+
+def test_a_reward_that_raises_is_named_before_its_traceback(rewards, capsys):
+    with pytest.raises(KeyError):  # the user's own bug: its exception and traceback go on
+        load_reward("user_rewards:raises")(["q1", "q2"], ["x", "y"], ["g", "g"])
+    assert capsys.readouterr().err.strip() == (
+        "error: reward 'user_rewards:raises' raised on completion 1 of the batch, 'y', of problem 'q2' "
+        "(gold 'g'):")
+
+
+@pytest.mark.parametrize("name", ["nan", "string", "five", "negative"])
+def test_train_py_stops_on_a_bad_reward_in_one_line(rewards, name, tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        train.main(TINY + ["--steps", "2", "--reward", f"user_rewards:{name}", "--out",
+                           str(tmp_path / "run")])
+    assert str(exit_info.value.code).startswith(f"error: reward 'user_rewards:{name}' returned ")
+    assert "Traceback" not in capsys.readouterr().err
+
+
+def test_a_bad_reward_mid_run_loses_no_finished_step(rewards, tmp_path):
+    """--save-every 10, the reward breaks in step 3: steps 1 and 2 are saved, and --resume with the reward
+    fixed goes on from step 3, each step logged once."""
+    flags = TINY + ["--steps", "4", "--eval-every", "0", "--reward", "user_rewards:breaks_later", "--out",
+                    str(tmp_path)]
+    rewards.limit = 4 + 2 * 8  # the evaluation before training (4 problems), then 2 steps of 2 prompts x 4
+    with pytest.raises(SystemExit) as exit_info:
+        train.main(flags)
+    assert "returned nan" in str(exit_info.value.code)
+    assert torch.load(tmp_path / "grpo" / "checkpoint" / "state.pt", weights_only=False)["step"] == 2
+    rewards.limit = 10**9
+    train.main(flags + ["--resume"])
+    assert [r["step"] for r in read_jsonl(tmp_path / "grpo" / "metrics.jsonl")] == [1, 2, 3, 4]
+
+
+def test_virtual_rewards_follow_the_declared_range():
+    """A group all at 1.0 is all-correct in 0..1 (virtual rewards below it: pushed up) but sits in the lower
+    half of 0..5 (virtual rewards above it: pushed down)."""
+    rewards = torch.tensor([[1.0, 1.0], [0.0, 1.0]])
+    signs = []
+    for reward_range in ((0.0, 1.0), (0.0, 5.0)):
+        args = train.Args(algo="avspo", acr_threshold=0.0, reward_range=reward_range)
+        signs.append(torch.sign(train.compute_advantages(args, rewards, train.algo_state(args), None)[0][0]))
+    assert signs[0].tolist() == [1.0, 1.0] and signs[1].tolist() == [-1.0, -1.0]
+
+
+# ---------------------------------------------------------------- the run folder
+
+
+def hold_the_folder(folder: Path) -> subprocess.Popen:
+    """Another process that owns `folder` until killed."""
+    code = ("import sys, time; from pathlib import Path; from common import one_owner\n"
+            f"with one_owner(Path({str(folder)!r})):\n    print('held', flush=True); time.sleep(120)")
+    holder = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline().strip() == "held"
+    return holder
+
+
+def test_a_second_run_into_a_folder_in_use_is_refused(tmp_path, monkeypatch):
+    holder = hold_the_folder(tmp_path / "run")
+    monkeypatch.setattr(common, "load_model", lambda *a, **k: pytest.fail("a model loaded"))
+    try:
+        with pytest.raises(SystemExit) as exit_info:
+            train.main(TINY + ["--steps", "2", "--out", str(tmp_path / "run")])
+    finally:
+        holder.kill()
+        holder.wait()
+    assert exit_info.value.code == (f"error: {tmp_path / 'run'} is in use by process {holder.pid} (another "
+                                    "run): wait for it to end, or choose another --out")
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == [".lock"]  # nothing written
+    monkeypatch.undo()
+    train.main(TINY + ["--steps", "1", "--out", str(tmp_path / "run")])  # the lock died with its process
+
+
+@pytest.mark.parametrize("out", ["a-file", "a-file/run"])
+def test_an_out_that_is_a_file_is_one_line(tmp_path, capsys, out):
+    (tmp_path / "a-file").write_text("keep me")
+    with pytest.raises(SystemExit):
+        train.main(TINY + ["--out", str(tmp_path / out)])
+    last_line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last_line.endswith(f"{tmp_path / 'a-file'} is a file, not a folder")
+    assert (tmp_path / "a-file").read_text() == "keep me"
+
+
+def test_resume_under_other_flags_is_refused_naming_each(tmp_path, capsys, monkeypatch):
+    train.main(TINY + ["--steps", "2", "--out", str(tmp_path)])
+    before = (tmp_path / "grpo" / "metrics.jsonl").read_text()
+    monkeypatch.setattr(common, "load_model", lambda *a, **k: pytest.fail("a model loaded"))
+    with pytest.raises(SystemExit):
+        train.main(TINY + ["--steps", "3", "--group-size", "2", "--lr", "1e-3", "--out", str(tmp_path),
+                           "--resume"])
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "--steps 2 -> 3; --group-size 4 -> 2; --lr 2e-05 -> 0.001, unlike its config.json" in line
+    assert (tmp_path / "grpo" / "metrics.jsonl").read_text() == before
+
+
+def test_resume_may_change_bookkeeping_and_extend_a_constant_lr_run(tmp_path):
+    base = TINY + ["--out", str(tmp_path), "--lr-decay", "0", "--eval-every", "0"]
+    train.main(base + ["--steps", "2"])
+    train.main(base + ["--steps", "4", "--resume", "--save-every", "1", "--micro-batch", "2"])
+    assert [r["step"] for r in read_jsonl(tmp_path / "grpo" / "metrics.jsonl")] == [1, 2, 3, 4]
+    assert common.resume_conflicts(tmp_path / "grpo", train.Args(**{
+        **json.loads((tmp_path / "grpo" / "config.json").read_text()), "lr_decay": 1.0, "steps": 5,
+        "reward_range": (0.0, 1.0)})).count("->") == 2  # with the lr decaying, --steps counts too
+
+
+def test_a_flag_newer_than_the_run_counts_as_its_default(tmp_path):
+    train.main(TINY + ["--steps", "1", "--out", str(tmp_path)])
+    config = json.loads((tmp_path / "grpo" / "config.json").read_text())
+    del config["virtual_ends"]  # a run made before the flag existed
+    (tmp_path / "grpo" / "config.json").write_text(json.dumps(config))
+    now = train.Args(**{**config, "reward_range": (0.0, 1.0)})
+    assert common.resume_conflicts(tmp_path / "grpo", now) is None
+
+
+# ---------------------------------------------------------------- killed at random moments
+
+
+def test_sigkill_at_random_moments_then_resume_loses_and_doubles_no_step(tmp_path):
+    """A --save-every 1 run killed (SIGKILL) three times at random moments once it has logged a step, then
+    resumed to the end: every step logged once, in order, and the last checkpoint loads."""
+    (tmp_path / "user_rewards.py").write_text(REWARDS)
+    run = tmp_path / "run"
+    command = [sys.executable, str(ROOT / "train.py"), *TINY, "--steps", "60", "--save-every", "1",
+               "--eval-every", "0", "--reward", "user_rewards:parity", "--out", str(run), "--resume"]
+    env = {"PYTHONPATH": str(tmp_path), "PATH": "/usr/bin:/bin"}
+    draw = random.Random(0)
+    for _ in range(3):
+        proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL)
+        done_before = len(read_jsonl(run / "grpo" / "metrics.jsonl"))
+        deadline = time.monotonic() + 60
+        while len(read_jsonl(run / "grpo" / "metrics.jsonl")) <= done_before and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(draw.uniform(0.0, 0.5))
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    finished = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)
+    assert finished.returncode == 0, finished.stderr[-2000:]
+    assert [r["step"] for r in read_jsonl(run / "grpo" / "metrics.jsonl")] == list(range(1, 61))
+    assert torch.load(run / "grpo" / "checkpoint" / "state.pt", weights_only=False)["step"] == 60
+    load_model(str(run / "grpo" / "checkpoint"), torch.device("cpu"))
