@@ -2,6 +2,7 @@
 that is a file, a --resume under other flags, and a run killed at random moments."""
 
 import json
+import os
 import random
 import signal
 import subprocess
@@ -196,7 +197,7 @@ def test_sigkill_at_random_moments_then_resume_loses_and_doubles_no_step(tmp_pat
     run = tmp_path / "run"
     command = [sys.executable, str(ROOT / "train.py"), *TINY, "--steps", "60", "--save-every", "1",
                "--eval-every", "0", "--reward", "user_rewards:parity", "--out", str(run), "--resume"]
-    env = {"PYTHONPATH": str(tmp_path), "PATH": "/usr/bin:/bin"}
+    env = {**os.environ, "PYTHONPATH": str(tmp_path)}  # user_rewards importable
     draw = random.Random(0)
     for _ in range(3):
         proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
