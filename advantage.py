@@ -225,7 +225,7 @@ class AdaptiveThreshold:
     that stable phases are not over-corrected; it gives no rule. Ours reads progress as a new best of the
     smoothed batch reward, and moves one `step` per update, so one noisy batch cannot move it far:
 
-        ema   <- smoothing * ema + (1 - smoothing) * reward_mean
+        ema   <- ema + (1 - smoothing) * (reward_mean - ema)
         moves <- moves + 1 if ema > best else moves - 1,  best <- max(best, ema)
         value  = clip(start + moves * step, low, high)     (no move past a bound: it turns back at once)
 
@@ -267,7 +267,9 @@ class AdaptiveThreshold:
         if self.reward_ema is None:
             self.reward_ema = self.best_ema = reward_mean
             return self.value
-        self.reward_ema = self.smoothing * self.reward_ema + (1 - self.smoothing) * reward_mean
+        # ema + (1 - s)(r - ema), not s ema + (1 - s) r: a reward equal to the average leaves it exactly where
+        # it is, where the other form can round up one ulp, a "new best" that moves the threshold up
+        self.reward_ema = self.reward_ema + (1 - self.smoothing) * (reward_mean - self.reward_ema)
         improving = self.reward_ema > self.best_ema
         self.best_ema = max(self.best_ema, self.reward_ema)
         if acr > 0:  # ours: the threshold adapts on the steps it could act on

@@ -435,6 +435,7 @@ def test_adaptive_threshold_rises_to_high_while_reward_improves(start, gains):
 
 
 @given(st.floats(0.1, 0.9), st.lists(st.floats(0.0, 0.05), min_size=40, max_size=40), st.booleans())
+@example(0.875, [0.0078125] + [0.0] * 39, False)  # flat after a drop: 0.8 ema + 0.2 ema rounds up
 def test_adaptive_threshold_falls_to_low_while_reward_stalls(start, drops, flat):
     threshold, reward = AdaptiveThreshold(start=start), 0.9
     for drop in drops[:17]:
