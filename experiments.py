@@ -44,7 +44,7 @@ import multiprocessing
 import os
 import platform
 import sys
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import FIRST_EXCEPTION, ProcessPoolExecutor, wait
 from pathlib import Path
 from typing import Callable
 
@@ -134,6 +134,9 @@ def run_all(tasks: list[tuple], jobs: int) -> list:
     threads = max(1, (os.cpu_count() or 1) // jobs)
     with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
         futures = [pool.submit(with_threads, threads, *task) for task in tasks]
+        done, _ = wait(futures, return_when=FIRST_EXCEPTION)
+        if any(f.exception() for f in done):  # say so now, not after every queued run; those under way finish
+            pool.shutdown(cancel_futures=True)
         return [f.result() for f in futures]
 
 

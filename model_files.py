@@ -9,6 +9,7 @@ random Qwen2 for tests.
 """
 
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -43,10 +44,22 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
     plain = AutoModelForCausalLM.from_config(config)
     plain.load_state_dict(gguf_model.state_dict(), strict=True)
     plain.generation_config = gguf_model.generation_config
+    return save_folder(plain, tokenizer, out_dir)
+
+
+def save_folder(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, out_dir: Path) -> Path:
+    """Save into a temporary folder beside out_dir, then rename it into place: a reader never sees half a
+    folder. Two runs started together both convert on first use; the first rename wins and the other keeps
+    the winner's folder."""
     tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=out_dir.name + ".tmp"))
-    plain.save_pretrained(tmp)
+    model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
-    tmp.rename(out_dir)
+    try:
+        tmp.rename(out_dir)
+    except OSError:
+        shutil.rmtree(tmp)
+        if not (out_dir / "config.json").exists():
+            raise
     return out_dir
 
 

@@ -6,6 +6,7 @@ import math
 import operator
 import os
 import subprocess
+import time
 from pathlib import Path
 
 import numpy as np
@@ -211,6 +212,16 @@ def test_run_all_in_parallel_processes_keeps_the_task_order():
     tasks = [(operator.add, 1, 2), (operator.mul, 3, 4), (torch.get_num_threads,)]
     assert experiments.run_all(tasks, jobs=1)[:2] == experiments.run_all(tasks, jobs=2)[:2] == [3, 12]
     assert experiments.run_all(tasks, jobs=2)[2] == max(1, (os.cpu_count() or 1) // 2)  # the cores are split
+
+
+def test_run_all_stops_queued_runs_when_one_fails(tmp_path):
+    """A failed run is reported once the runs under way end, and the runs still queued do not start: the
+    last of these could only start after two 2 s sleeps, long after the failure."""
+    tasks = [(operator.truediv, 1, 0), (time.sleep, 2), (time.sleep, 2)]
+    tasks += [(Path.touch, tmp_path / str(i)) for i in range(4)]
+    with pytest.raises(ZeroDivisionError):
+        experiments.run_all(tasks, jobs=2)
+    assert not (tmp_path / "3").exists()
 
 
 def test_quick_precision_part_trains_each_seed_in_both_precisions(tmp_path):

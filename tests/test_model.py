@@ -25,3 +25,16 @@ def test_embedded_default_downloads_converts_and_is_trainable(tmp_path, monkeypa
 def test_unknown_model_is_a_clear_error(name):
     with pytest.raises(FileNotFoundError, match="not found|unknown model"):
         load_model(name, torch.device("cpu"))
+
+
+def test_two_runs_converting_at_once_share_the_first_folder(tmp_path):
+    """Two runs started together on a fresh machine both convert the default model; the second rename
+    finds the first one's folder (seen in the readings sweep: the loser's run crashed)."""
+    model, tokenizer = model_files.tiny_qwen2()
+    first = model_files.save_folder(model, tokenizer, tmp_path / "m")
+    stamp = (first / "config.json").stat().st_mtime_ns
+    assert model_files.save_folder(model, tokenizer, tmp_path / "m") == first  # the loser's rename
+    assert (first / "config.json").stat().st_mtime_ns == stamp  # the winner's folder, untouched
+    assert [p.name for p in tmp_path.iterdir()] == ["m"]  # no temporary folder left behind
+    again, _ = load_model(str(first), torch.device("cpu"))
+    assert torch.equal(again.lm_head.weight, model.lm_head.weight)
