@@ -75,7 +75,8 @@ METHODS = {"grpo": ("grpo", []), "avspo": ("avspo", []),  # name: (train.py --al
            "avspo-correct": ("avspo", ["--virtual-ends", "all-correct"]),
            "aapo": ("aapo", []), "dapo": ("dapo", [])}
 BASELINE = "grpo"
-ABLATIONS = {"avspo": ("avspo-always", "avspo-fixed")}  # also compared paired: does its trigger help?
+# also compared paired with these: does AVSPO's trigger help, and which end of collapse costs accuracy?
+ABLATIONS = {"avspo": ("avspo-always", "avspo-fixed"), "avspo-wrong": ("avspo-correct",)}
 PRECISIONS = ("bf16", "fp32")
 
 

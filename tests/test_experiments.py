@@ -53,8 +53,8 @@ def test_paired_difference_recovers_a_known_shift():
 
 
 def test_avspo_is_also_compared_with_its_ablations_paired():
-    """AVSPO against avspo-always and avspo-fixed, by the same paired bootstrap: AVSPO is the shifted
-    method."""
+    """AVSPO against avspo-always and avspo-fixed, and its all-wrong end against its all-correct end, by
+    the same paired bootstrap: the shifted method is the first of each pair."""
     base = synthetic_correct(np.random.default_rng(1), 1, 5)[0]  # [S, N]
     better = base.copy()
     for s in range(5):
@@ -66,6 +66,9 @@ def test_avspo_is_also_compared_with_its_ablations_paired():
     for delta in against.values():
         assert math.isclose(delta["mean"], 5 / 50) and 0 < delta["ci"][0] <= 0.1 <= delta["ci"][1]
     assert all("delta_vs_ablation" not in table[name] for name in ("grpo", "avspo-always", "avspo-fixed"))
+    ends = experiments.accuracy_table(np.stack([base, base, better]), LEVELS,
+                                      ["grpo", "avspo-correct", "avspo-wrong"], resamples=2000)
+    assert math.isclose(ends["avspo-wrong"]["delta_vs_ablation"]["avspo-correct"]["mean"], 5 / 50)
 
 
 def test_seed_deltas_pair_collapse_and_cost_by_seed():
@@ -215,9 +218,10 @@ def test_run_all_in_parallel_processes_keeps_the_task_order():
 
 
 def test_run_all_stops_queued_runs_when_one_fails(tmp_path):
-    """A failed run is reported once the runs under way end, and the runs still queued do not start: the
-    last of these could only start after two 2 s sleeps, long after the failure."""
-    tasks = [(operator.truediv, 1, 0), (time.sleep, 2), (time.sleep, 2)]
+    """A failed run is reported once the runs under way end, and the runs still queued do not start. The pool
+    hands 3 tasks ahead to its 2 workers, so the first 3 touches may run; the last could start only once a 3 s
+    sleep ends, long after the failure."""
+    tasks = [(operator.truediv, 1, 0), (time.sleep, 3), (time.sleep, 3)]
     tasks += [(Path.touch, tmp_path / str(i)) for i in range(4)]
     with pytest.raises(ZeroDivisionError):
         experiments.run_all(tasks, jobs=2)
