@@ -211,8 +211,11 @@ def update_policy(master, policy, optimizer, rollout: Rollout, b_advantages, ref
     gradient skips the step, leaving weights and optimizer unchanged."""
     device, start = b_advantages.device, time.perf_counter()
     num_tokens, = all_sum([rollout.completion_mask.sum().item()], device)  # every row of every process counts
+    # Which rows train, in which order: bookkeeping on the host (CPU), like every index tensor here. A host
+    # index may pick rows of a GPU tensor; GPU indices may not index a host tensor (tests/test_device.py).
+    lengths = rollout.completion_mask.sum(1).cpu()  # [N]
     rows = torch.arange(len(b_advantages)) if args.beta > 0 else b_advantages.nonzero().flatten().cpu()
-    rows = rows[rollout.completion_mask[rows].sum(1).argsort(stable=True)]  # shortest first, then by prompt:
+    rows = rows[lengths[rows].argsort(stable=True)]  # shortest first, then by prompt:
     rows = rows[(rows // args.group_size).argsort(stable=True)]  # micro-batches of one prompt pad little
     ids_all, attn_all, mask_all = rollout.input_ids, rollout.attention_mask, rollout.completion_mask
     micro = [(idx, *trim_padding(ids_all[idx], attn_all[idx], mask_all[idx]))  # (rows, ids, attn, mask)
