@@ -27,9 +27,11 @@ from tqdm import tqdm
 import packing
 from advantage import advantage_collapse_rate, effective_collapse_rate
 from data.tasks import Problem, load_eval_problems, load_problems
-from decoding import decode
+from decoding import FAST_ON, decode
 from eval import evaluate
-from model import Rollout, completion_logprobs, load_model, pick_device, sample_with_generate, working_copy
+from memory import describe_estimate, estimate_memory
+from model import (Rollout, completion_logprobs, describe_device, format_prompts, load_model, pick_device,
+                   resolve_precision, sample_with_generate, working_copy)
 from verifier import RewardError, load_reward
 
 
@@ -82,13 +84,14 @@ def dataclass_parser(config_class, description: str) -> argparse.ArgumentParser:
 # ------------------------------------------------------------------------------ processes (torchrun)
 
 
-def init_processes() -> tuple[int, int, torch.device]:
-    """(rank, world size, device): one process unless launched by torchrun (nccl on CUDA, gloo on CPU)."""
+def init_processes(device_name: str = "auto") -> tuple[int, int, torch.device]:
+    """(rank, world size, device) for --device auto|cpu|cuda (`model.pick_device`): one process unless
+    launched by torchrun (nccl on CUDA, gloo on CPU)."""
+    device = pick_device(device_name)
     if "RANK" not in os.environ:
-        return 0, 1, pick_device()
-    cuda = torch.cuda.is_available()
-    device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if cuda else torch.device("cpu")
+        return 0, 1, device
     if device.type == "cuda":
+        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
         torch.cuda.set_device(device)
     if not dist.is_initialized():
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
@@ -381,11 +384,13 @@ class Paths(NamedTuple):
     completion_logprobs: Callable  # per-token log-probs of rows, as model.completion_logprobs
 
 
-def fast_or_plain(fast: bool) -> Paths:
+def fast_or_plain(fast: bool, device: torch.device) -> Paths:
     """--fast: the fast paths, decoding.decode and packing.completion_logprobs (tests/test_fast_paths.py
-    holds them to the plain definitions); --no-fast: the plain definitions in model.py, HF generate and one
-    forward pass."""
-    if fast:
+    holds them to the plain definitions), on the device types where a run has shown them equal and faster
+    (`decoding.FAST_ON`: the CPU, for which they were built); elsewhere, and with --no-fast, the plain
+    definitions in model.py, HF generate and one forward pass. On CUDA --fast thus runs the plain path until
+    `benchmarks/gpu_bench.py --smoke` has checked the fast ones there."""
+    if fast and device.type in FAST_ON:
         return Paths(decode, packing.completion_logprobs)
     return Paths(sample_with_generate, completion_logprobs)
 
@@ -425,15 +430,34 @@ def start_run(args, run_dir: Path, device: torch.device, is_main: bool, state: d
     eval_problems = (load_eval_problems(args.eval_dataset, args.seed) if args.eval_dataset
                      else load_problems(args.dataset, "test", args.seed))[: args.eval_size]
     reward_fn = load_reward(args.reward, args.reward_range)
-    return Run(master, policy, reference, tokenizer, optimizer, state, reward_fn,
-               load_problems(args.dataset, "train", args.seed), eval_problems, done, Counter())
+    train_problems = load_problems(args.dataset, "train", args.seed)
+    if is_main:
+        print(f"[{args.algo}] {where_it_runs(args, master, policy, reference, tokenizer, train_problems)}")
+    return Run(master, policy, reference, tokenizer, optimizer, state, reward_fn, train_problems,
+               eval_problems, done, Counter())
+
+
+def where_it_runs(args, master, policy, reference, tokenizer, problems: list[Problem]) -> str:
+    """The run's first line: the device, the precision and dtypes, and the memory it should need
+    (memory.py), for the run's shapes; the prompt length is that of the longest question, templated."""
+    longest = max((p.question for p in problems), key=len)
+    prompt_len = len(tokenizer(format_prompts(tokenizer, [longest]), add_special_tokens=False).input_ids[0])
+    rows = args.prompts_per_step * args.group_size // int(os.environ.get("WORLD_SIZE", 1))
+    terms = estimate_memory(master.config, sum(p.numel() for p in master.parameters()), rows=rows,
+                            prompt_len=prompt_len, completion_len=args.max_new_tokens,
+                            micro_batch=min(args.micro_batch, rows), bf16=policy.dtype == torch.bfloat16,
+                            reference=reference is not None, checkpointing=args.grad_checkpointing)
+    dtypes = f"{master.dtype} master weights" + (f", a {policy.dtype} working copy" if policy is not master
+                                                 else "")
+    return (f"{describe_device(master.device)}; {resolve_precision(args.precision, master.device)} "
+            f"({dtypes.replace('torch.', '')}); {describe_estimate(terms)}")
 
 
 def run_eval(args, run: Run, run_dir: Path, step: int) -> float:
     """Greedy held-out accuracy, logged to evals.jsonl and eval_records.jsonl."""
     result = evaluate(run.policy, run.tokenizer, run.eval_problems, reward_fn=run.reward_fn,
                       max_new_tokens=args.max_new_tokens,
-                      sample_completions=fast_or_plain(args.fast).sample_completions)
+                      sample_completions=fast_or_plain(args.fast, run.policy.device).sample_completions)
     return log_eval(run_dir, step, result)
 
 

@@ -20,8 +20,8 @@ import torch
 from tqdm import tqdm
 
 from data.tasks import Problem, load_eval_problems
-from decoding import decode
-from model import load_model, pick_device, sample, sample_with_generate, working_copy
+from decoding import FAST_ON, decode
+from model import DEVICES, load_model, pick_device, sample, sample_with_generate, working_copy
 from verifier import Reward, extract_answer, load_reward, per_completion, reward_range, verify
 
 
@@ -135,24 +135,29 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--out", default="", help="folder for summary.json and per-model samples JSONL")
     p.add_argument("--seed", type=int, default=0, help="sampling seed")
     p.add_argument("--precision", default="auto", choices=["auto", "fp32", "bf16"],
-                   help="auto: bf16 on CUDA and on CPUs with native bf16 (as train.py), else fp32")
+                   help="auto: bf16 where the GPU or CPU has it natively (as train.py), else fp32")
     p.add_argument("--fast", action=argparse.BooleanOptionalAction, default=True,
-                   help="sample with the fast decoding loop (decoding.py); --no-fast: with HF generate")
+                   help="sample with the fast decoding loop (decoding.py) where verified (CPU; on CUDA not "
+                        "yet, as train.py); --no-fast: with HF generate")
+    p.add_argument("--device", default="auto", choices=DEVICES,
+                   help="auto (CUDA if usable, else CPU), cpu, cuda")
     args = p.parse_args(argv)
     temperature = args.temperature if args.temperature is not None else (0.0 if args.samples == 1 else 1.0)
     try:
+        device = pick_device(args.device)  # --device cuda where CUDA is unusable: one line, before any model
         reward_fn = load_reward(args.reward, args.reward_range)
         problems = load_eval_problems(args.dataset)
         problems = problems[: args.limit] if args.limit else problems
         results = {}
         for name in args.model:
-            model, tokenizer = load_model(name, pick_device())
+            model, tokenizer = load_model(name, device)
             net = working_copy(model, args.precision)  # the network train.py samples from
             torch.manual_seed(args.seed)
             results[name] = evaluate(net, tokenizer, problems, max_new_tokens=args.max_new_tokens,
                                      samples=args.samples, temperature=temperature,
                                      batch_size=args.batch_size, progress=True, reward_fn=reward_fn,
-                                     sample_completions=decode if args.fast else sample_with_generate)
+                                     sample_completions=decode if args.fast and device.type in FAST_ON
+                                     else sample_with_generate)  # as common.fast_or_plain chooses
     except (FileNotFoundError, ValueError, ImportError) as e:
         sys.exit(f"error: {e}")
 

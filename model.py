@@ -23,8 +23,42 @@ from model_files import gguf_folder, smollm2_folder, tiny_qwen2
 # ----------------------------------------------------------------------------- loading
 
 
-def pick_device() -> torch.device:
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+DEVICES = ("auto", "cpu", "cuda")
+
+
+def cuda_problem() -> str | None:
+    """Why this process cannot use CUDA, in words (None when it can): a CPU build of torch, or no device the
+    driver lets it see (no GPU, CUDA_VISIBLE_DEVICES empty, or a driver older than the wheel's CUDA)."""
+    if torch.version.cuda is None:
+        return f"this torch ({torch.__version__}) is a CPU-only build"
+    if not torch.cuda.is_available():
+        return (f"torch {torch.__version__} sees no CUDA device (no GPU or driver, CUDA_VISIBLE_DEVICES "
+                f"empty, or a driver older than CUDA {torch.version.cuda})")
+    return None
+
+
+def pick_device(name: str = "auto") -> torch.device:
+    """--device auto|cpu|cuda: auto takes CUDA where this process can use it, else the CPU (the run's first
+    line says which, and why not CUDA); cuda where it cannot is a ValueError naming the reason."""
+    if name == "cpu" or name == "auto" and cuda_problem():
+        return torch.device("cpu")
+    if problem := cuda_problem():
+        raise ValueError(f"--device cuda: {problem}")
+    return torch.device("cuda")
+
+
+def describe_device(device: torch.device) -> str:
+    """The device in words, for a run's first line: a GPU's name and memory; the CPU's name, and why not CUDA
+    where it was not usable (a silent fallback hides a CPU wheel or an old driver)."""
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        return f"{device} ({props.name}, {props.total_memory / 2**30:.0f} GiB)"
+    try:
+        name = next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                    if line.startswith("model name"))
+    except (OSError, StopIteration):
+        name = "CPU"
+    return f"cpu ({name}" + (f"; no CUDA: {problem})" if (problem := cuda_problem()) else ")")
 
 
 def cpu_features() -> set[str]:
@@ -40,13 +74,14 @@ def cpu_features() -> set[str]:
 
 
 def resolve_precision(precision: str, device: torch.device) -> str:
-    """"fp32" or "bf16" for --precision auto|fp32|bf16. auto picks bf16 on CUDA and on CPUs with native bf16
-    matmuls (avx512_bf16 or amx_bf16), where it halves the weight bytes that decoding streams; on other CPUs
-    (AVX2 only) bf16 is emulated, each product converted in software, so auto stays in fp32 there."""
+    """"fp32" or "bf16" for --precision auto|fp32|bf16. auto picks bf16 where the device computes it natively:
+    CUDA GPUs with bf16 tensor cores (Ampere and later; not a T4 or V100) and CPUs with avx512_bf16 or
+    amx_bf16, where it halves the weight bytes that decoding streams; elsewhere bf16 is emulated, each product
+    converted in software, so auto stays in fp32 there."""
     if precision != "auto":
         return precision
     if device.type == "cuda":
-        return "bf16"
+        return "bf16" if torch.cuda.is_bf16_supported(including_emulation=False) else "fp32"
     return "bf16" if cpu_features() & {"avx512_bf16", "amx_bf16"} else "fp32"
 
 

@@ -36,8 +36,8 @@ from common import (Run, after_step, all_sum, arg, at_least, dataclass_parser, e
                     summarise_run)
 from data.tasks import Problem, load_eval_problems, load_problems, step_problems
 from eval import score_groups
-from model import (Rollout, accumulate_gradients, copy_weights, real_tokens, replace_groups, sample,
-                   trim_padding)
+from model import (DEVICES, Rollout, accumulate_gradients, copy_weights, pick_device, real_tokens,
+                   replace_groups, sample, trim_padding)
 from verifier import RewardError, load_reward, reward_range
 
 ALGOS, PRECISIONS = ("grpo", "avspo", "aapo", "dapo"), ("auto", "fp32", "bf16")
@@ -57,7 +57,9 @@ class Args:
     out: str = arg("runs/default", "run folder: one subfolder per algorithm, plus curves.png")
     seed: int = arg(0, "seeds the prompts of each step and the sampling")
     resume: bool = arg(False, "continue each algorithm from the checkpoint in its run folder")
-    fast: bool = arg(True, "fast paths (decoding.py, packing.py); --no-fast: HF generate, plain forward")
+    device: str = arg("auto", "auto (CUDA if this process can use it, else CPU), cpu, cuda", choices=DEVICES)
+    fast: bool = arg(True, "fast paths (decoding.py, packing.py) where verified (CPU; on CUDA not yet); "
+                           "--no-fast: HF generate, plain forward")
     # sampling
     steps: int = arg(40, "optimizer steps (one batch of groups each)", type=at_least(1))
     prompts_per_step: int = arg(2, "prompts per step (B), over all processes", type=at_least(1))
@@ -75,7 +77,8 @@ class Args:
     micro_batch: int = arg(8, "completions per forward/backward pass", type=at_least(1))
     max_grad_norm: float = arg(1.0, "gradient clipping", type=POSITIVE)
     grad_checkpointing: bool = arg(False, "recompute activations in backward: less memory, more time")
-    precision: str = arg("auto", "auto (bf16 on CUDA, CPUs with native bf16), fp32, bf16", choices=PRECISIONS)
+    precision: str = arg("auto", "auto (bf16 where the GPU or CPU has it natively), fp32, bf16",
+                         choices=PRECISIONS)
     # AVSPO (He et al., 2026) and AAPO (Xiong et al., 2025)
     acr_threshold: float = arg(0.5, "AVSPO: initial ACR threshold", type=in_range(0, 1))
     fixed_threshold: bool = arg(False, "AVSPO: keep the threshold fixed instead of adapting it")
@@ -108,6 +111,7 @@ def parse_args(argv: list[str] | None = None) -> Args:
         if conflicts := resume_conflicts(Path(args.out) / algo, dataclasses.replace(args, algo=algo)):
             parser.error(conflicts)
     try:  # read the data and the reward before any model: a bad line fails in a second, naming file and line
+        pick_device(args.device)  # --device cuda where CUDA is unusable: one line, saying why
         load_reward(args.reward)
         load_problems(args.dataset, "train", args.seed)
         load_eval_problems(args.eval_dataset or args.dataset, args.seed)
@@ -221,7 +225,7 @@ def update_policy(master, policy, optimizer, rollout: Rollout, b_advantages, ref
     micro = [(idx, *trim_padding(ids_all[idx], attn_all[idx], mask_all[idx]))  # (rows, ids, attn, mask)
              for idx in rows.split(args.micro_batch) if len(idx)]
     loss_kw = dict(clip_low=args.epsilon, clip_high=args.epsilon_high, beta=args.beta, num_tokens=num_tokens)
-    logprobs = partial(fast_or_plain(args.fast).completion_logprobs, temperature=args.temperature)  # [n, C]
+    logprobs = partial(fast_or_plain(args.fast, device).completion_logprobs, temperature=args.temperature)
     with torch.no_grad():  # fixed during the updates: the old policy's (PPO epochs) and the reference's
         old_logp = [logprobs(policy, i, a, m.shape[1]) if args.updates_per_batch > 1 else None
                     for _, i, a, m in micro]
@@ -262,8 +266,9 @@ def sample_and_score(args: Args, run: Run, network, problems: list[Problem]) -> 
     """G completions from `network` for each of these prompts, and their rewards [b, G]."""
     questions, answers = [p.question for p in problems], [p.answer for p in problems]
     start = time.perf_counter()
+    paths = fast_or_plain(args.fast, network.device)
     rollout = sample(network, run.tokenizer, questions, args.group_size, args.max_new_tokens,
-                     args.temperature, args.top_p, fast_or_plain(args.fast).sample_completions)
+                     args.temperature, args.top_p, paths.sample_completions)
     run.costs["generate"] += time.perf_counter() - start
     run.costs["gen_tokens"] += rollout.completion_mask.sum().item()
     start = time.perf_counter()
@@ -294,7 +299,7 @@ def train_step(args: Args, run: Run, step: int, rank: int, mine: slice, device: 
 def train(args: Args, run_dir: Path, stop_requested: Sequence = ()) -> dict | None:
     """Train one algorithm; process 0 writes its run folder (logs, evaluations, checkpoint/, summary.json).
     Once `stop_requested` is non-empty (Ctrl-C), no step starts: KeyboardInterrupt, after saving."""
-    rank, world, device = init_processes()
+    rank, world, device = init_processes(args.device)
     is_main = rank == 0
     run = start_run(args, run_dir, device, is_main, algo_state(args),
                     with_reference=args.algo == "aapo" or args.beta > 0)  # AAPO's r_ref, the KL

@@ -28,7 +28,7 @@ def timed_round(net, tokenizer, fast: bool, seed: int) -> tuple[float, float]:
     """(seconds per decoding step, seconds per trained token) of one rollout and one update pass over it."""
     torch.manual_seed(seed)
     start = time.perf_counter()
-    paths = fast_or_plain(fast)
+    paths = fast_or_plain(fast, net.device)
     rollout = sample(net, tokenizer, QUESTIONS, 8, 64, sample_completions=paths.sample_completions)
     decode_s = (time.perf_counter() - start) / rollout.completion_len
     ids, attn, mask = trim_padding(rollout.input_ids, rollout.attention_mask, rollout.completion_mask)
@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.profile:
         with torch.profiler.profile() as prof:
             sample(nets.get("bf16", model), tokenizer, QUESTIONS, 8, 64,
-                   sample_completions=fast_or_plain(True).sample_completions)
+                   sample_completions=fast_or_plain(True, model.device).sample_completions)
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15))
 
 

@@ -1,5 +1,5 @@
-"""Device discipline without a GPU: CUDA's rules on which tensors may meet, enforced on CPU tensors, around one
-train_step of each method."""
+"""Device discipline without a GPU: CUDA's rules on which tensors may meet, enforced on CPU tensors around
+one train_step of each method; the choice of device, precision and paths (--device, --precision, --fast)."""
 
 import pytest
 import torch
@@ -60,8 +60,9 @@ class CudaDeviceRules(TorchFunctionMode):
         elif func not in CROSSING and func not in INDEXING:
             sides = {self.on_device(t) for t in tensors if t.dim() > 0 or self.on_device(t)}
             if len(sides) > 1:
-                raise RuntimeError(f"{getattr(func, '__name__', func)}: Expected all tensors to be on the same "
-                                   "device, but found a device tensor and a host tensor (CudaDeviceRules)")
+                name = getattr(func, "__name__", func)
+                raise RuntimeError(f"{name}: Expected all tensors to be on the same device, but found a "
+                                   "device tensor and a host tensor (CudaDeviceRules)")
         out = func(*args, **kwargs)
         to_host = func is torch.Tensor.cpu or (func is torch.Tensor.to and self.names_cpu(args, kwargs))
         explicit = "device" in kwargs or func is torch.Tensor.to and any(

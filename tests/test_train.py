@@ -234,14 +234,14 @@ def test_micro_batches_hold_rows_of_similar_length(tiny, monkeypatch):
     """Completion lengths 1, 5, 1, 5 in micro-batches of 2: the short rows go together, so one micro-batch is
     1 token wide instead of both 5."""
     rollout = rollout_cut_at(torch.randint(3, 200, (4, 6)), [1, 5, 1, 5])
-    widths, paths = [], train.fast_or_plain(True)
+    widths, paths = [], train.fast_or_plain(True, torch.device("cpu"))
 
     def recording_logprobs(net, ids, attn, completion_len, *args, **kwargs):
         widths.append(completion_len)
         return paths.completion_logprobs(net, ids, attn, completion_len, *args, **kwargs)
 
     recording = paths._replace(completion_logprobs=recording_logprobs)
-    monkeypatch.setattr(train, "fast_or_plain", lambda fast: recording)
+    monkeypatch.setattr(train, "fast_or_plain", lambda fast, device: recording)
     run_update(tiny, rollout, torch.tensor([1.0, -1.0, 0.5, -0.5]), micro_batch=2)
     assert sorted(widths) == [1, 5]
 
@@ -261,14 +261,14 @@ def test_micro_batches_hold_one_prompts_rows(tiny, monkeypatch):
     of each prompt) would go together; each micro-batch holds one prompt's rows instead, so it runs one prompt
     pass."""
     rollout = rollout_cut_at(torch.tensor([[10] * 6, [10] * 6, [20] * 6, [20] * 6]), [5, 1, 1, 5])
-    prompts_per_pass, paths = [], train.fast_or_plain(True)
+    prompts_per_pass, paths = [], train.fast_or_plain(True, torch.device("cpu"))
 
     def recording_logprobs(net, ids, *args, **kwargs):
         prompts_per_pass.append(set(ids[:, 0].tolist()))
         return paths.completion_logprobs(net, ids, *args, **kwargs)
 
     recording = paths._replace(completion_logprobs=recording_logprobs)
-    monkeypatch.setattr(train, "fast_or_plain", lambda fast: recording)
+    monkeypatch.setattr(train, "fast_or_plain", lambda fast, device: recording)
     run_update(tiny, rollout, torch.tensor([1.0, -1.0, 0.5, -0.5]), micro_batch=2, group_size=2)
     assert sorted(map(sorted, prompts_per_pass)) == [[10], [20]]
 
