@@ -51,7 +51,8 @@ def describe_estimate(terms: dict[str, float]) -> str:
     """One line: the total and its parts."""
     static = terms["weights"] + terms["optimizer"] + terms["gradients"]
     extra = [name for name in ("working_copy", "reference") if terms[name]]
-    parts = [f"weights+AdamW+grads {size(static)}"] + [f"{n.replace('_', ' ')} {size(terms[n])}" for n in extra]
+    parts = [f"weights+AdamW+grads {size(static)}", *(f"{n.replace('_', ' ')} {size(terms[n])}"
+                                                      for n in extra)]
     return (f"memory ~{size(terms['total'])} = {' + '.join(parts)} + the larger of update "
             f"{size(terms['activations'] + terms['logits'])} (activations {size(terms['activations'])}, "
             f"logits {size(terms['logits'])}) and sampling's KV cache {size(terms['sampling'])}")

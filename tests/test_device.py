@@ -1,13 +1,27 @@
 """Device discipline without a GPU: CUDA's rules on which tensors may meet, enforced on CPU tensors around
 one train_step of each method; the choice of device, precision and paths (--device, --precision, --fast)."""
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
+from transformers import Qwen2Config, Qwen2ForCausalLM
 
 import common
+import model
+import model_files
+import packing
 import train
+from data.tasks import Problem
+from decoding import decode
+from memory import estimate_memory
+
+ROOT = Path(__file__).resolve().parent.parent
 
 # Calls that move a tensor or read it out, which CUDA allows across devices.
 CROSSING = {torch.Tensor.to, torch.Tensor.cpu, torch.Tensor.copy_, torch.Tensor.item, torch.Tensor.tolist,
@@ -120,3 +134,116 @@ def test_a_train_step_keeps_cudas_device_rules(tmp_path, algo, beta, fast):
         assert record["rows_trained"] == 8
     if algo == "dapo":  # tiny-qwen2's groups all collapse: replace_groups ran under the rules too
         assert record["resampled_groups"] > 0
+
+
+# ------------------------------------------------------------------------------ where the run is, and its paths
+
+
+def test_cuda_where_unusable_is_a_value_error_saying_why(monkeypatch):
+    monkeypatch.setattr(torch.version, "cuda", None)
+    assert model.pick_device("auto") == model.pick_device("cpu") == torch.device("cpu")
+    with pytest.raises(ValueError, match="--device cuda: this torch .* is a CPU-only build"):
+        model.pick_device("cuda")
+    assert "no CUDA: this torch" in model.describe_device(torch.device("cpu"))  # auto's fallback, said
+    monkeypatch.setattr(torch.version, "cuda", "12.4")  # a CUDA wheel without a usable driver or device
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ValueError, match="sees no CUDA device .* older than CUDA 12.4"):
+        model.pick_device("cuda")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert model.pick_device("auto") == model.pick_device("cuda") == torch.device("cuda")
+
+
+@pytest.mark.parametrize("script", ["train.py", "eval.py"])
+def test_device_cuda_where_unusable_stops_with_one_line_before_any_model(script):
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}  # unusable here, and on a GPU machine too
+    proc = subprocess.run([sys.executable, script, "--device", "cuda", "--model", "tiny-qwen2"], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr
+    last = proc.stderr.strip().splitlines()[-1]
+    assert "error: --device cuda: " in last and ("CPU-only build" in last or "sees no CUDA device" in last)
+
+
+@pytest.mark.parametrize("native, expected", [(True, "bf16"), (False, "fp32")])
+def test_auto_precision_on_cuda_is_bf16_only_where_the_gpu_has_it(monkeypatch, native, expected):
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: native
+                        or including_emulation)  # a T4 or V100 emulates bf16
+    assert model.resolve_precision("auto", torch.device("cuda")) == expected
+    assert model.resolve_precision("bf16", torch.device("cuda")) == "bf16"
+
+
+def test_fast_means_the_fast_paths_on_the_cpu_and_the_plain_ones_on_cuda():
+    """No CUDA call is made: the choice reads the device's type."""
+    assert common.fast_or_plain(True, torch.device("cpu")) == (decode, packing.completion_logprobs)
+    plain = (model.sample_with_generate, model.completion_logprobs)
+    assert common.fast_or_plain(True, torch.device("cuda")) == plain
+    assert common.fast_or_plain(False, torch.device("cpu")) == plain
+    assert common.fast_or_plain(True, torch.device("cuda", 1)) == plain
+
+
+def test_the_first_line_names_device_precision_dtypes_and_memory(tmp_path):
+    args = train.parse_args(TINY[:-2] + ["--precision", "bf16", "--beta", "0.1", "--out", str(tmp_path)])
+    master, tokenizer = model.load_model("tiny-qwen2", torch.device("cpu"))
+    line = common.where_it_runs(args, master, model.working_copy(master, "bf16"), master, tokenizer,
+                                [Problem("What is 2 + 3?", "5")])
+    assert line.startswith("cpu (") and "; bf16 (float32 master weights, a bfloat16 working copy); " in line
+    assert "memory ~" in line and "working copy" in line and "reference" in line
+
+
+# ------------------------------------------------------------------------------ memory.py
+
+
+def shapes(**overrides):
+    return {"rows": 16, "prompt_len": 40, "completion_len": 60, "micro_batch": 4, "bf16": True,
+            "reference": False, "checkpointing": False, **overrides}
+
+
+def test_memory_static_terms_count_the_models_parameters():
+    tiny, _ = model_files.tiny_qwen2()
+    params = sum(p.numel() for p in tiny.parameters())
+    terms = estimate_memory(tiny.config, params, **shapes(reference=True))
+    assert (terms["weights"], terms["optimizer"], terms["gradients"]) == (4 * params, 8 * params, 4 * params)
+    assert terms["working_copy"] == 4 * params and terms["reference"] == 2 * params
+    fp32 = estimate_memory(tiny.config, params, **shapes(bf16=False, reference=True))
+    assert fp32["working_copy"] == 0 and fp32["reference"] == 4 * params
+    static = sum(terms[k] for k in ("weights", "optimizer", "gradients", "working_copy", "reference"))
+    assert terms["total"] == static + max(terms["sampling"], terms["activations"] + terms["logits"])
+
+
+@pytest.mark.parametrize("key", ["rows", "prompt_len", "completion_len", "micro_batch"])
+def test_memory_grows_with_the_runs_shapes_and_checkpointing_shrinks_it(key):
+    config = model_files.tiny_qwen2()[0].config
+    small, large = (estimate_memory(config, 10**6, **shapes(**{key: value}))
+                    for value in (shapes()[key], 2 * shapes()[key]))
+    assert large["total"] > small["total"] or key == "rows" and large["sampling"] > small["sampling"]
+    checkpointed = estimate_memory(config, 10**6, **shapes(checkpointing=True))
+    assert checkpointed["activations"] < small["activations"]
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_memory_activations_are_what_the_forward_keeps_for_backward(checkpointing):
+    """The tensors autograd saves in one forward of the plain log-probs (fp32, 3 layers): the estimate's
+    activations and the logits' two forward tensors (their gradient comes in backward). Under checkpointing
+    the forward keeps each layer's input only; the estimate adds one layer, recomputed in backward."""
+    config = Qwen2Config(vocab_size=1000, hidden_size=128, intermediate_size=512, num_hidden_layers=3,
+                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    net = Qwen2ForCausalLM(config).train()
+    if checkpointing:
+        net.activation_checkpointing_enable()
+    ids = torch.randint(0, 1000, (4, 100))
+    params = {p.untyped_storage().data_ptr() for p in net.parameters()}
+    kept = {}
+
+    def pack(t):
+        if t.untyped_storage().data_ptr() not in params:
+            kept[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model.completion_logprobs(net, ids, torch.ones_like(ids), 60)
+    terms = estimate_memory(config, 0, **shapes(micro_batch=4, bf16=False, checkpointing=checkpointing))
+    forward = terms["activations"] + terms["logits"] * 8 / 12
+    if checkpointing:
+        assert forward / 4 < sum(kept.values()) < forward
+    else:
+        assert sum(kept.values()) == pytest.approx(forward, rel=0.1)

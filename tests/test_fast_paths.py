@@ -378,7 +378,6 @@ def test_resolve_precision_auto_uses_bf16_only_with_native_bf16(monkeypatch, fla
     assert resolve_precision("auto", torch.device("cpu")) == expected
     assert resolve_precision("fp32", torch.device("cpu")) == "fp32"
     assert resolve_precision("bf16", torch.device("cpu")) == "bf16"
-    assert resolve_precision("auto", torch.device("cuda")) == "bf16"
 
 
 def test_cpu_features_reads_this_machines_flags():
