@@ -1,44 +1,65 @@
-"""Our training step on one CUDA GPU at Qwen2.5-0.5B and 1.5B sizes: time split, peak memory, tokens/s, MFU.
+"""Our training step on one CUDA GPU at Qwen2.5-0.5B and 1.5B sizes: first a smoke check, then the table.
 
-  python benchmarks/gpu_bench.py --out gpu_bench.json              # one GPU, about 3 minutes on an H200
-  python benchmarks/gpu_bench.py --tiny --out /tmp/gpu_bench.json  # CPU smoke test of the same code, seconds
+  python benchmarks/gpu_bench.py --smoke         # one GPU: checks, then the table; under 7 minutes on an H200
+  python benchmarks/gpu_bench.py --smoke --tiny --device cpu  # the same code on tiny shapes, seconds on a CPU
+  python benchmarks/gpu_bench.py --memory-table  # docs/performance.md's memory table (memory.py), no GPU
 
+--smoke first (within --smoke-s seconds) runs on the device what no CPU test can show:
+  - the fast paths against the plain ones (tests/test_fast_paths.py's checks, here on the device): greedy
+    `decoding.decode` token for token against HF `generate`, and `packing.completion_logprobs` with its
+    gradients against `model.completion_logprobs`, in fp32 and bf16; their verdict, with the timing rows
+    below, decides whether `decoding.FAST_ON` may name "cuda";
+  - one `train.train_step` of each method (grpo, avspo, aapo, dapo, and grpo with --beta), on tiny-qwen2 and
+    on a random Qwen2.5-0.5B shape, in fp32 and bf16, with and without gradient checkpointing; the rewards are
+    the verifier's (random weights: mostly collapsed groups), so AVSPO and --beta train rows.
+Then the table: each (size, checkpointing) config is a train.py step with B prompts x G completions.
 Models are Qwen2ForCausalLM with the real Qwen2.5-0.5B / 1.5B dimensions and random weights (no download),
-bf16 working weights with float32 master weights as train.py uses on CUDA, with and without gradient
-checkpointing. Each step is train.py's: model.sample, eval.score_groups, train.compute_advantages,
-train.update_policy. Caveats:
+bf16 working weights with float32 master weights as train.py uses on CUDA. Caveats:
   - The byte tokenizer of model_files.byte_tokenizer() writes the prompts (ids < 259), the vocabulary is
     Qwen's 151,936, so the embedding and LM head cost what they cost in the real models.
   - Random weights never emit EOS, so every completion runs to --max-new-tokens.
   - Random weights never answer correctly, and update_policy skips zero-advantage rows, so the rewards
     fed to the advantage step are a fixed mixed pattern: every row is trained, as in a useful batch.
+Rows take the path train.py takes there (`common.fast_or_plain`: plain on CUDA), plus one row of the fast
+paths forced on at the first size, to time them. "est GiB" is memory.py's estimate for the config, next to
+the measured peak; "SDPA" names the attention kernels the update's forward ran (from the profiler).
 MFU = model FLOPs / time / the bf16 matmul rate measured on this card first (not the datasheet peak).
 Model FLOPs: 2 per parameter per token forward, x3 with backward (recomputation under gradient
 checkpointing is not counted, as usual for MFU), plus the LM head on the positions that get logits;
 attention's own FLOPs are left out (a few % at these lengths). Each distinct prompt counts once, as
 decoding.decode prefills it and the update streams it (train.py's `train_tokens`), not once per completion.
-Results go to stdout (markdown) and to --out (JSON, rewritten after every config); configs that would
-start after --budget-s are skipped and listed.
+Results go to stdout (markdown) and to --out (JSON, rewritten after every part, and a .md beside it; default
+$OUT/gpu_bench.json where $OUT is set); parts that would start after --budget-s are skipped and listed.
 """
-
 import argparse
+import contextlib
+import copy
 import gc
 import json
+import math
+import os
 import platform
 import sys
 import time
+from collections import Counter
 from pathlib import Path
+from unittest import mock
 
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+import common  # noqa: E402
+import packing  # noqa: E402
 import train  # noqa: E402
 from benchmarks.timing import markdown_table, peak_memory_bytes, sync  # noqa: E402
 from common import fast_or_plain  # noqa: E402
 from data.tasks import load_problems, step_problems  # noqa: E402
-from model import sample, working_copy  # noqa: E402
+from decoding import decode  # noqa: E402
+from memory import GIB, estimate_memory  # noqa: E402
+from model import (DEVICES, completion_logprobs, load_model, pick_device, sample,  # noqa: E402
+                   sample_with_generate, working_copy)
 from model_files import byte_tokenizer  # noqa: E402
 from eval import score_groups  # noqa: E402
 from verifier import load_reward  # noqa: E402
@@ -91,7 +112,7 @@ def run_step(model, net, tokenizer, optimizer, args: train.Args, problems, step:
     sync(device)
     t0 = time.perf_counter()
     rollout = sample(net, tokenizer, [p.question for p in batch], args.group_size, args.max_new_tokens,
-                     args.temperature, args.top_p, fast_or_plain(args.fast).sample_completions)
+                     args.temperature, args.top_p, fast_or_plain(args.fast, device).sample_completions)
     sync(device)
     t1 = time.perf_counter()
     score_groups([p.question for p in batch], rollout.texts, [p.answer for p in batch],
@@ -110,7 +131,22 @@ def run_step(model, net, tokenizer, optimizer, args: train.Args, problems, step:
             "prompt_tokens": int(rollout.attention_mask[:: args.group_size, :prompt_len].sum()),
             "completion_len": rollout.completion_len,
             "gen_tokens": int(rollout.completion_mask.sum()), "train_tokens": stats["train_tokens"],
-            "rows_trained": stats.get("rows_trained", rows)}
+            "rows_trained": stats.get("rows_trained", rows), "sdpa": sdpa_kernels(net, rollout, args)}
+
+
+def sdpa_kernels(net, rollout, args: train.Args) -> str:
+    """The attention kernels one micro-batch of the update's forward runs (profiler op names): flash,
+    efficient (memory-efficient), cudnn, math (scores materialised), or flash_cpu."""
+    rows = slice(0, args.micro_batch)
+    logprobs = fast_or_plain(args.fast, net.device).completion_logprobs
+    with torch.no_grad(), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        logprobs(net, rollout.input_ids[rows], rollout.attention_mask[rows], rollout.completion_len)
+    names = {e.key for e in prof.key_averages() if "scaled_dot_product" in e.key}
+    kinds = {"flash_attention_for_cpu": "flash_cpu", "flash": "flash", "efficient": "efficient",
+             "cudnn": "cudnn", "math": "math"}
+    found = {kind for name in names for key, kind in kinds.items() if key in name and not (
+        kind == "flash" and "for_cpu" in name)}
+    return ",".join(sorted(found)) or "none"
 
 
 def model_flops(model, s: dict) -> tuple[float, float]:
@@ -126,9 +162,15 @@ def model_flops(model, s: dict) -> tuple[float, float]:
     return generate, 3 * forward
 
 
+def fast_paths_on(device: torch.device):
+    """The fast paths on `device` too, as `decoding.FAST_ON` would have them once verified there."""
+    return mock.patch.object(common, "FAST_ON", (*common.FAST_ON, device.type))
+
+
 def bench_config(size: str, checkpointing: bool, device: torch.device, opts, problems, peak_tflops: float,
-                 deadline: float) -> dict:
-    """Warm-up + timed steps of one (size, checkpointing) config; medians of the timed ones."""
+                 deadline: float, forced_fast: bool = False) -> dict:
+    """Warm-up + timed steps of one (size, checkpointing) config; medians of the timed ones. The paths are
+    train.py's (`common.fast_or_plain`), or the fast ones if `forced_fast`."""
     tokenizer = byte_tokenizer()
     tokenizer.padding_side = "left"  # as model.load_model sets it: generation appends on the right
     model = build_model(size, device, tokenizer)
@@ -141,9 +183,10 @@ def bench_config(size: str, checkpointing: bool, device: torch.device, opts, pro
                       grad_checkpointing=checkpointing, precision="bf16", fast=opts.fast)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    steps = []
+    steps, paths = [], fast_paths_on(device) if forced_fast else contextlib.nullcontext()
     for step in range(1, opts.warmup + opts.steps + 1):
-        s = run_step(model, net, tokenizer, optimizer, args, problems, step)
+        with paths:
+            s = run_step(model, net, tokenizer, optimizer, args, problems, step)
         print(f"  {size} ckpt={checkpointing} step {step}: generate {s['generate_s']:.2f}s "
               f"train {s['train_s']:.2f}s", flush=True)
         if step > opts.warmup:
@@ -154,9 +197,15 @@ def bench_config(size: str, checkpointing: bool, device: torch.device, opts, pro
     s = {k: sorted(r[k] for r in steps)[len(steps) // 2] for k in steps[0]}  # medians (upper for even counts)
     step_s = s["generate_s"] + s["score_s"] + s["train_s"]
     gen_flops, train_flops = model_flops(model, s)
+    params = sum(p.numel() for p in model.parameters())
+    estimate = estimate_memory(model.config, params, rows=s["rows"], prompt_len=s["prompt_len"],
+                               completion_len=opts.max_new_tokens,
+                               micro_batch=min(opts.micro_batch, s["rows"]),
+                               bf16=True, reference=False, checkpointing=checkpointing)
     result = {
         "size": size, "grad_checkpointing": checkpointing,
-        "params_m": sum(p.numel() for p in model.parameters()) / 1e6,
+        "path": "fast" if forced_fast or opts.fast and device.type in common.FAST_ON else "plain",
+        "params_m": params / 1e6, "estimate_gib": estimate["total"] / GIB,
         "timed_steps": len(steps), **s, "step_s": step_s,
         "gen_tokens_per_s": s["gen_tokens"] / s["generate_s"],
         "train_tokens_per_s": s["train_tokens"] / s["train_s"],
@@ -168,13 +217,14 @@ def bench_config(size: str, checkpointing: bool, device: torch.device, opts, pro
     return result
 
 
-COLUMNS = [("size", "size", "{}"), ("grad_checkpointing", "grad ckpt", "{}"),
+COLUMNS = [("size", "size", "{}"), ("grad_checkpointing", "grad ckpt", "{}"), ("path", "path", "{}"),
            ("params_m", "params M", "{:.0f}"), ("generate_s", "generate s", "{:.2f}"),
            ("score_s", "reward s", "{:.3f}"),
            ("train_s", "logprob+backward s", "{:.2f}"), ("step_s", "step s", "{:.2f}"),
            ("gen_tokens_per_s", "gen tok/s", "{:.0f}"), ("train_tokens_per_s", "train tok/s", "{:.0f}"),
-           ("peak_gib", "peak GiB", "{:.1f}"), ("mfu_generate", "MFU gen", "{:.1%}"),
-           ("mfu_train", "MFU train", "{:.1%}"), ("mfu_step", "MFU step", "{:.1%}")]
+           ("peak_gib", "peak GiB", "{:.1f}"), ("estimate_gib", "est GiB", "{:.1f}"),
+           ("mfu_generate", "MFU gen", "{:.1%}"), ("mfu_train", "MFU train", "{:.1%}"),
+           ("mfu_step", "MFU step", "{:.1%}"), ("sdpa", "SDPA", "{}")]
 
 
 def markdown(results: list[dict]) -> str:
@@ -182,76 +232,242 @@ def markdown(results: list[dict]) -> str:
                           [[form.format(r[key]) for key, _, form in COLUMNS] for r in results])
 
 
+# ------------------------------------------------------------------------------ --smoke: before the table
+
+QUESTIONS = ["2+3?", "What is 17 * 4?", "hi", "a"]  # different lengths: left padding is exercised
+SMOKE_METHODS = [("grpo", 0.0), ("avspo", 0.0), ("aapo", 0.0), ("dapo", 0.0), ("grpo", 0.04)]
+
+
+def checked(name: str, fn, deadline: float) -> dict:
+    """{"check", "ok", "seconds", "detail": what fn returned, or the error's first line}; skipped past the
+    deadline."""
+    if time.perf_counter() > deadline:
+        return {"check": name, "ok": None, "detail": "skipped: over the smoke time budget"}
+    start = time.perf_counter()
+    try:
+        ok, detail = fn()
+    except Exception as e:  # a CUDA-only failure is what this looks for: record it, run the other checks
+        ok, detail = False, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+    result = {"check": name, "ok": ok, "seconds": round(time.perf_counter() - start, 2), "detail": detail}
+    print(f"  {'ok  ' if ok else 'FAIL'} {name} ({result['seconds']} s) {detail}", flush=True)
+    return result
+
+
+def fast_equals_plain(device: torch.device) -> list[tuple[str, object]]:
+    """tests/test_fast_paths.py's equivalences on `device`, on tiny-qwen2: (name, check) pairs."""
+    model, tokenizer = load_model("tiny-qwen2", device)
+
+    def greedy():
+        fast, plain = (sample(model, tokenizer, QUESTIONS, 3, 24, temperature=0, sample_completions=fn)
+                       for fn in (decode, sample_with_generate))
+        same = torch.equal(fast.input_ids, plain.input_ids)
+        return same, "greedy decode == generate, token for token" if same else "greedy tokens differ"
+
+    def logprobs(precision: str):
+        torch.manual_seed(0)
+        rollout = sample(model, tokenizer, QUESTIONS, 4, 12, sample_completions=sample_with_generate)
+        args = (rollout.input_ids, rollout.attention_mask, rollout.completion_len)
+        net = copy.deepcopy(working_copy(model, precision)).train()
+        mask = rollout.completion_mask.bool()
+        results = []
+        for fn in (completion_logprobs, packing.completion_logprobs):
+            net.zero_grad()
+            logp = fn(net, *args, temperature=0.7)
+            (logp * mask).sum().backward()
+            results.append((logp.detach().float(), [p.grad.float() for p in net.parameters()]))
+        (plain, plain_grads), (fast, fast_grads) = results
+        logp_err = (plain - fast)[mask].abs().max().item()
+        grad_err = max(((a - b).abs().max() / (a.abs().max() + 1e-6)).item() for a, b in zip(plain_grads,
+                                                                                             fast_grads))
+        tolerance = (1e-4, 1e-3) if precision == "fp32" else (0.05, 0.05)  # bf16: both round, differently
+        return (logp_err < tolerance[0] and grad_err < tolerance[1],
+                f"max |log-prob diff| {logp_err:.2g}, max relative gradient diff {grad_err:.2g}")
+
+    return [("fast paths: greedy decode vs generate (fp32)", greedy),
+            ("fast paths: packed vs plain log-probs and gradients (fp32)", lambda: logprobs("fp32")),
+            ("fast paths: packed vs plain log-probs and gradients (bf16)", lambda: logprobs("bf16"))]
+
+
+def one_step_each(size: str, precision: str, checkpointing: bool, device: torch.device, problems):
+    """(name, check) pairs: one train.train_step per method on a fresh Run, train.py's paths."""
+    if size == "tiny-qwen2":
+        master, tokenizer = load_model("tiny-qwen2", device)
+    else:
+        tokenizer = byte_tokenizer()
+        tokenizer.padding_side = "left"
+        master = build_model(size, device, tokenizer)
+    policy = working_copy(master, precision)
+    reference = copy.deepcopy(policy).requires_grad_(False)
+    if checkpointing:
+        policy.activation_checkpointing_enable()
+    optimizer = torch.optim.AdamW(master.parameters(), lr=1e-5, weight_decay=0.0, fused=True)
+
+    def step(algo: str, beta: float):
+        args = train.Args(algo=algo, beta=beta, prompts_per_step=2, group_size=4, max_new_tokens=16,
+                          micro_batch=4, lr=1e-5, precision=precision, grad_checkpointing=checkpointing)
+        run = common.Run(master, policy, reference, tokenizer, optimizer, train.algo_state(args),
+                         load_reward(args.reward, args.reward_range), problems, [], 0, Counter())
+        record = train.train_step(args, run, 1, 0, slice(0, args.prompts_per_step), device)
+        ok = record["skipped"] == 0 and math.isfinite(record["grad_norm"])
+        return ok, f"rows trained {record['rows_trained']}, grad norm {record['grad_norm']:.3g}"
+
+    label = f"{size} {precision}{' ckpt' if checkpointing else ''}"
+    return [(f"train_step {algo}{f' beta {beta}' if beta else ''}: {label}",
+             lambda a=algo, b=beta: step(a, b)) for algo, beta in SMOKE_METHODS]
+
+
+def smoke(device: torch.device, opts, problems, deadline: float) -> list[dict]:
+    """The checks of the module docstring, each time-boxed by `deadline` and failing alone."""
+    results = [checked(name, fn, deadline) for name, fn in fast_equals_plain(device)]
+    for size in ("tiny-qwen2",) if opts.tiny else ("tiny-qwen2", "0.5B"):
+        for precision in ("fp32", "bf16"):
+            for checkpointing in (False, True):
+                try:
+                    checks = one_step_each(size, precision, checkpointing, device, problems)
+                except Exception as e:  # the model did not build: name it, go on
+                    checks = [(f"build {size} {precision}", lambda e=e: (False, f"{type(e).__name__}: {e}"))]
+                results += [checked(name, fn, deadline) for name, fn in checks]
+                gc.collect()
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+    return results
+
+
+# ------------------------------------------------------------------------------ --memory-table
+
+CARDS_GIB = (24, 48, 80)  # a "24 GB" card holds 24 GiB
+FITS = 0.9  # of a card's memory: the rest for the CUDA context and the allocator's fragmentation
+
+
+def memory_table(prompts: int, group_size: int, new_tokens: int, prompt_len: int) -> str:
+    """docs/performance.md's table: memory.py's estimate at the Qwen2.5 sizes (parameters counted on the
+    meta device, nothing allocated), bf16 with float32 master weights, with and without checkpointing."""
+    rows, notes = [], []
+    for size in ("0.5B", "1.5B"):
+        model = build_model(size, torch.device("meta"), byte_tokenizer())
+        params = sum(p.numel() for p in model.parameters())
+        shapes = dict(rows=prompts * group_size, prompt_len=prompt_len, completion_len=new_tokens, bf16=True)
+        for micro_batch in (4, 8, 16):
+            for checkpointing in (False, True):
+                t = estimate_memory(model.config, params, **shapes, micro_batch=micro_batch, reference=False,
+                                    checkpointing=checkpointing)
+                static = t["weights"] + t["optimizer"] + t["gradients"] + t["working_copy"]
+                fits = ["yes" if t["total"] <= FITS * card * GIB else "no" for card in CARDS_GIB]
+                parts = (static, t["activations"], t["logits"], t["sampling"], t["total"])
+                gib = [f"{x / GIB:.1f}" for x in parts]
+                rows.append([size, f"{params / 1e6:.0f}", str(micro_batch), "yes" if checkpointing else "no",
+                             *gib, *fits])
+        notes.append(f"{size}: a reference (AAPO, --beta > 0) adds {2 * params / GIB:.1f} GiB")
+    return markdown_table(["size", "params M", "micro-batch", "grad ckpt", "static GiB", "activations GiB",
+                           "logits GiB", "KV cache GiB", "total GiB", *(f"{c} GB" for c in CARDS_GIB)],
+                          rows) + "\n\n" + "; ".join(notes) + "."
+
+
+def write(report: dict, out: Path) -> None:
+    """The JSON report, and the markdown beside it (.md): rewritten after every part, so a run cut short
+    keeps what it measured."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2))
+    w = report["workload"]
+    lines = [f"## {report['device']}, bf16 + fp32 master weights, B={w['prompts']} x G={w['group_size']}, "
+             f"{w['max_new_tokens']} new tokens, micro-batch {w['micro_batch']}, median of {w['steps']} "
+             f"steps after {w['warmup']} warm-up; matmul peak {report['matmul_bf16_tflops']:.0f} TFLOP/s", ""]
+    if report["smoke"]:
+        lines += ["### smoke checks", "", markdown_table(["check", "ok", "s", "detail"], [
+            [c["check"], {True: "ok", False: "FAIL", None: "skipped"}[c["ok"]], str(c.get("seconds", "")),
+             c["detail"]] for c in report["smoke"]]), ""]
+    lines += [markdown(report["results"])]
+    lines += [f"- skipped {s['config']}: {s['reason']}" for s in report["skipped"]]
+    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+
+
 def main(argv: list[str] | None = None) -> int:
+    default_out = Path(os.environ.get("OUT") or ".") / "gpu_bench.json"  # $OUT: the device machine's
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=Path("gpu_bench.json"), help="JSON results file")
+    parser.add_argument("--out", type=Path, default=default_out, help="JSON results file (and .md beside it)")
+    parser.add_argument("--device", default="auto", choices=DEVICES, help="as train.py's --device")
+    parser.add_argument("--smoke", action="store_true", help="the device checks first, then the table")
+    parser.add_argument("--smoke-s", type=float, default=100, help="time box of the smoke checks")
+    parser.add_argument("--memory-table", action="store_true",
+                        help="print memory.py's estimate at the Qwen2.5 sizes and stop (no device needed)")
     parser.add_argument("--sizes", default="0.5B,1.5B", help="comma list of " + ", ".join(SIZES))
     parser.add_argument("--prompts", type=int, default=8, help="prompts per step (B)")
     parser.add_argument("--group-size", type=int, default=8, help="completions per prompt (G)")
-    parser.add_argument("--max-new-tokens", type=int, default=256, help="completion length (always reached)")
+    parser.add_argument("--max-new-tokens", type=int, default=512, help="completion length (always reached)")
     parser.add_argument("--micro-batch", type=int, default=16, help="completions per forward/backward pass")
-    parser.add_argument("--steps", type=int, default=2, help="timed steps per config (median reported)")
+    parser.add_argument("--steps", type=int, default=1, help="timed steps per config (median reported)")
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps before them")
     parser.add_argument("--matmul-size", type=int, default=8192, help="n of the n^3 bf16 matmul rate test")
-    parser.add_argument("--budget-s", type=float, default=420,
-                        help="skip configs that would start after this")
+    parser.add_argument("--budget-s", type=float, default=400,
+                        help="skip configs that would start after this (smoke included)")
     parser.add_argument("--fast", action=argparse.BooleanOptionalAction, default=True,
-                        help="the fast paths (train.py --fast); --no-fast: HF generate and the plain forward")
+                        help="train.py's --fast (plain on CUDA until verified: then one more row, the fast "
+                             "paths forced on); --no-fast: HF generate and the plain forward")
     parser.add_argument("--tiny", action="store_true", help="CPU smoke test: tiny model, 1 step, 8 tokens")
     opts = parser.parse_args(argv)
+    if opts.memory_table:
+        print(memory_table(opts.prompts, opts.group_size, opts.max_new_tokens, prompt_len=256))
+        return 0
     if opts.tiny:
         opts.sizes, opts.prompts, opts.group_size, opts.max_new_tokens = "tiny", 1, 4, 8
         opts.micro_batch, opts.steps, opts.warmup, opts.matmul_size = 2, 1, 0, 256
     sizes = opts.sizes.split(",")
     if unknown := [s for s in sizes if s not in SIZES]:
         parser.error(f"--sizes: unknown {unknown}; choose from {', '.join(SIZES)}")
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = pick_device(opts.device)
+    except ValueError as e:
+        parser.error(str(e))
     if device.type != "cuda" and not opts.tiny:
         print("no CUDA device: this benchmark is meant for a GPU (use --tiny for a CPU smoke test)")
         return 1
     start = time.perf_counter()
     deadline = start + opts.budget_s
-    name = torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or "CPU"
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "CPU"
     peak = matmul_tflops(device, opts.matmul_size, iters=50 if device.type == "cuda" else 3)
     print(f"{name}: measured bf16 matmul {peak:.1f} TFLOP/s ({opts.matmul_size}^3)", flush=True)
     report = {"device": name, "torch": torch.__version__, "matmul_bf16_tflops": peak,
               "workload": {k: getattr(opts, k) for k in ("prompts", "group_size", "max_new_tokens",
                                                          "micro_batch", "steps", "warmup", "fast")},
-              "results": [], "skipped": []}
+              "smoke": [], "results": [], "skipped": []}
     problems = load_problems("arith-mul1", "train")
+    if opts.smoke:
+        print("smoke checks:", flush=True)
+        report["smoke"] = smoke(device, opts, problems, min(deadline, time.perf_counter() + opts.smoke_s))
+        write(report, opts.out)
+    configs = [(size, checkpointing, False) for size in sizes for checkpointing in (False, True)]
+    if opts.fast and device.type not in common.FAST_ON:  # time the fast paths where train.py runs the plain
+        configs.append((sizes[0], False, True))
     last_duration = 0.0
-    for size in sizes:
-        for checkpointing in (False, True):
-            config = f"{size} grad_checkpointing={checkpointing}"
-            now = time.perf_counter()
-            if now + last_duration > deadline:
-                print(f"skipped {config}: over the {opts.budget_s:.0f} s budget", flush=True)
-                report["skipped"].append({"config": config, "reason": "time budget"})
-                continue
-            print(f"{config}:", flush=True)
-            try:
-                report["results"].append(
-                    bench_config(size, checkpointing, device, opts, problems, peak, deadline))
-            except torch.cuda.OutOfMemoryError as e:
-                print(f"  out of memory: {e}".splitlines()[0], flush=True)
-                report["skipped"].append({"config": config, "reason": "out of memory"})
-            gc.collect()  # after the except block, so that a traceback no longer holds the model
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
-            last_duration = time.perf_counter() - now
-            report["total_s"] = time.perf_counter() - start
-            opts.out.write_text(json.dumps(report, indent=2))
-    w = report["workload"]
-    print(f"\n## {name}, bf16 + fp32 master weights, B={w['prompts']} x G={w['group_size']}, "
-          f"{w['max_new_tokens']} new tokens, micro-batch {w['micro_batch']}, "
-          f"median of {w['steps']} steps after {w['warmup']} warm-up; matmul peak {peak:.0f} TFLOP/s\n")
-    print(markdown(report["results"]))
-    for s in report["skipped"]:
-        print(f"- skipped {s['config']}: {s['reason']}")
+    for size, checkpointing, forced_fast in configs:
+        config = f"{size} grad_checkpointing={checkpointing}{' fast paths' if forced_fast else ''}"
+        now = time.perf_counter()
+        if now + last_duration > deadline:
+            print(f"skipped {config}: over the {opts.budget_s:.0f} s budget", flush=True)
+            report["skipped"].append({"config": config, "reason": "time budget"})
+            continue
+        print(f"{config}:", flush=True)
+        try:
+            report["results"].append(
+                bench_config(size, checkpointing, device, opts, problems, peak, deadline, forced_fast))
+        except torch.cuda.OutOfMemoryError as e:
+            print(f"  out of memory: {e}".splitlines()[0], flush=True)
+            report["skipped"].append({"config": config, "reason": "out of memory"})
+        except Exception as e:  # one config's failure must not cost the others: name it, go on
+            print(f"  failed: {type(e).__name__}: {e}".splitlines()[0], flush=True)
+            report["skipped"].append({"config": config, "reason": f"{type(e).__name__}: {e}".splitlines()[0]})
+        gc.collect()  # after the except block, so that a traceback no longer holds the model
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        last_duration = time.perf_counter() - now
+        report["total_s"] = time.perf_counter() - start
+        write(report, opts.out)
     report["total_s"] = time.perf_counter() - start
-    opts.out.write_text(json.dumps(report, indent=2))
-    print(f"\n{opts.out} written; took {report['total_s']:.0f} s")
-    return 0
+    write(report, opts.out)
+    print()
+    print(opts.out.with_suffix(".md").read_text())
+    print(f"{opts.out} written; took {report['total_s']:.0f} s")
+    return 1 if any(c["ok"] is False for c in report["smoke"]) else 0
 
 
 if __name__ == "__main__":

@@ -115,15 +115,23 @@ def test_advantage_step_is_timed_for_each_algorithm():
         assert 0 < seconds < 0.01
 
 
-# the fast paths, or HF generate and the plain forward
+# the fast paths (with the smoke checks first), or HF generate and the plain forward
 @pytest.mark.parametrize("fast", ["--fast", "--no-fast"])
 def test_gpu_bench_tiny_runs_on_cpu(tmp_path, fast):
     out = tmp_path / "gpu_bench.json"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}  # CPU even on a GPU machine
-    proc = subprocess.run([sys.executable, "benchmarks/gpu_bench.py", "--tiny", fast, "--out", str(out)],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    smoke = ["--smoke", "--device", "cpu"] if fast == "--fast" else []
+    command = [sys.executable, "benchmarks/gpu_bench.py", "--tiny", fast, "--out", str(out), *smoke]
+    proc = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     report = json.loads(out.read_text())
+    checks = [c["check"] for c in report["smoke"]]
+    assert all(c["ok"] for c in report["smoke"]), report["smoke"]
+    if smoke:  # the fast paths against the plain ones, then a step of each method in each setting
+        assert sum("fast paths:" in c for c in checks) == 3 and len(checks) == 3 + 4 * 5
+        for algo in ("grpo:", "avspo:", "aapo:", "dapo:", "grpo beta 0.04:"):
+            assert sum(f"train_step {algo} tiny-qwen2" in c for c in checks) == 4  # fp32, bf16, +- ckpt
+    assert "| check | ok |" in out.with_suffix(".md").read_text() if smoke else not checks
     assert report["workload"]["fast"] is (fast == "--fast")
     assert ([(r["size"], r["grad_checkpointing"]) for r in report["results"]]
             == [("tiny", False), ("tiny", True)])
@@ -133,6 +141,7 @@ def test_gpu_bench_tiny_runs_on_cpu(tmp_path, fast):
         # 2 micro-batches of 2 rows, each its prompt once
         assert r["train_tokens"] == 2 * r["prompt_tokens"] + 4 * 8
         assert r["generate_s"] > 0 and r["train_s"] > 0 and 0 < r["mfu_step"] < 1
+        assert r["path"] == ("fast" if fast == "--fast" else "plain") and r["estimate_gib"] > 0
     assert report["skipped"] == [] and "| size | grad ckpt |" in proc.stdout
 
 

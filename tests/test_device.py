@@ -247,3 +247,10 @@ def test_memory_activations_are_what_the_forward_keeps_for_backward(checkpointin
         assert forward / 4 < sum(kept.values()) < forward
     else:
         assert sum(kept.values()) == pytest.approx(forward, rel=0.1)
+
+
+def test_gpu_bench_can_force_the_fast_paths_on_cuda_to_time_them():
+    from benchmarks.gpu_bench import fast_paths_on
+    with fast_paths_on(torch.device("cuda")):
+        assert train.fast_or_plain(True, torch.device("cuda")) == (decode, packing.completion_logprobs)
+    assert train.fast_or_plain(True, torch.device("cuda")).sample_completions is model.sample_with_generate
