@@ -112,15 +112,16 @@ def test_the_rules_raise_where_cuda_raises():
 
 
 TINY = ["--model", "tiny-qwen2", "--max-new-tokens", "6", "--group-size", "4", "--micro-batch", "3",
-        "--precision", "fp32"]
+        "--eval-size", "4", "--precision", "fp32"]
 
 
 @pytest.mark.parametrize("algo, beta, fast", [("grpo", 0.0, True), ("avspo", 0.0, True), ("aapo", 0.0, True),
                                               ("dapo", 0.0, True), ("grpo", 0.04, True),
                                               ("dapo", 0.04, False)])
 def test_a_train_step_keeps_cudas_device_rules(tmp_path, algo, beta, fast):
-    """One step of each method, as a CUDA run would place its tensors (the rollout and advantages on the
-    device, rewards and bookkeeping on the host); the first CUDA update crashed on `rows[...]` (issue 43)."""
+    """One step of each method and an evaluation, as a CUDA run would place their tensors (the rollout and
+    advantages on the device, rewards and bookkeeping on the host); the first CUDA update crashed on
+    `rows[...]` (issue 43)."""
     args = train.parse_args(TINY + ["--algo", algo, "--beta", str(beta), "--out", str(tmp_path),
                                     "--lr", "1e-2", "--fast" if fast else "--no-fast"])
     device = torch.device("cpu")
@@ -129,6 +130,7 @@ def test_a_train_step_keeps_cudas_device_rules(tmp_path, algo, beta, fast):
     models = [m for m in (run.master, run.policy, run.reference) if m is not None]
     with CudaDeviceRules(*models):
         record = train.train_step(args, run, 1, 0, slice(0, args.prompts_per_step), device)
+        assert 0 <= common.run_eval(args, run, tmp_path, 1) <= 1
     assert record["skipped"] == 0
     if algo == "avspo" or beta > 0:  # virtual rewards, or the KL: every row trains, under the rules
         assert record["rows_trained"] == 8
@@ -136,7 +138,7 @@ def test_a_train_step_keeps_cudas_device_rules(tmp_path, algo, beta, fast):
         assert record["resampled_groups"] > 0
 
 
-# ------------------------------------------------------------------------------ where the run is, and its paths
+# ------------------------------------------------------------------------------ where the run is, its paths
 
 
 def test_cuda_where_unusable_is_a_value_error_saying_why(monkeypatch):
