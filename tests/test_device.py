@@ -4,6 +4,7 @@ one train_step of each method; the choice of device, precision and paths (--devi
 import os
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -153,6 +154,12 @@ def test_cuda_where_unusable_is_a_value_error_saying_why(monkeypatch):
         model.pick_device("cuda")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     assert model.pick_device("auto") == model.pick_device("cuda") == torch.device("cuda")
+
+
+def test_a_gpu_is_named_with_its_memory(monkeypatch):
+    card = types.SimpleNamespace(name="NVIDIA H200", total_memory=140 * 2**30)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: card)
+    assert model.describe_device(torch.device("cuda", 0)) == "cuda:0 (NVIDIA H200, 140 GiB)"
 
 
 @pytest.mark.parametrize("script", ["train.py", "eval.py"])
