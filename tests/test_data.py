@@ -151,3 +151,18 @@ def test_prepare_refuses_what_is_not_the_dataset_in_one_line_and_leaves_nothing(
     assert message.startswith("prepare: file://") and "math500_test.jsonl" in message and says in message
     assert "\n" not in message
     assert sorted(p.name for p in out.iterdir()) == ["math_train.jsonl"]  # fetched before; no part left
+
+
+def test_an_interrupted_prepare_leaves_no_file_that_looks_fetched(sources, tmp_path, monkeypatch):
+    """Ctrl-C mid-download: the next run must fetch the file again, not keep half of it."""
+    prepare, _ = sources
+
+    def interrupted(path):
+        raise KeyboardInterrupt
+
+    url, _ = prepare.SOURCES["math"]["math500_test.jsonl"]
+    monkeypatch.setitem(prepare.SOURCES["math"], "math500_test.jsonl", (url, interrupted))
+    out = tmp_path / "downloads"
+    with pytest.raises(KeyboardInterrupt):
+        prepare.main(["math", "--out", str(out)])
+    assert not (out / "math500_test.jsonl").exists()
