@@ -1,4 +1,4 @@
-"""Fetch public GSM8K and MATH files once, as the JSONL that `--dataset` reads (the forms data/tasks.py lists),
+"""Fetch public GSM8K and MATH files once, as the JSONL `--dataset` reads (the forms data/tasks.py lists),
 into data/downloads/ (git ignores it); training then runs offline:
 
     python data/prepare.py               # everything, about 20 MB
@@ -42,7 +42,8 @@ SOURCES: dict[str, dict[str, tuple[str, Callable[[Path], list]]]] = {
     "math": {"math_train.jsonl": (PRM800K + "train.jsonl", read_jsonl),
              "math500_test.jsonl": (PRM800K + "test.jsonl", read_jsonl)},
     # four models' solutions to GSM8K's test problems, each labelled right or wrong: verifier_bench.py's check
-    "gsm8k-solutions": {"gsm8k_model_solutions.jsonl": (GSM8K + "example_model_solutions.jsonl", json_objects)},
+    "gsm8k-solutions": {"gsm8k_model_solutions.jsonl": (GSM8K + "example_model_solutions.jsonl",
+                                                        json_objects)},
 }
 
 

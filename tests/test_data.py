@@ -138,7 +138,7 @@ def test_prepare_writes_files_that_load_as_datasets(sources, tmp_path, capsys):
     (json.dumps({"problem": "no answer"}) + "\n", "expected fields"),
     (None, "urlopen error"),  # unreachable
 ])
-def test_prepare_refuses_what_is_not_the_dataset_in_one_line_and_leaves_nothing(sources, tmp_path, text, says):
+def test_prepare_refuses_what_is_no_dataset_in_one_line_and_leaves_nothing(sources, tmp_path, text, says):
     prepare, serve = sources
     if text is None:
         (tmp_path / "served" / "math500_test.jsonl").unlink()
