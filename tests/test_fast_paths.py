@@ -555,6 +555,24 @@ def test_packed_attention_by_sdpa_meets_the_fused_kernels_conditions(tiny, monke
         assert q.stride(-1) == k.stride(-1) == v.stride(-1) == 1
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the GPU check, issue 46)")
+def test_packed_attention_on_cuda_runs_on_a_fused_kernel(tiny):
+    """On CUDA, SDPA held to the memory-efficient and cuDNN kernels (it raises if neither takes the call): the
+    packed pass runs forward and backward there, with the plain pass's log-probs. Not yet run on a GPU."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    model, tokenizer = tiny
+    torch.manual_seed(0)
+    rollout = sample_fast(model, tokenizer, QUESTIONS[:2], 4, 10)
+    net = model_module.copy.deepcopy(model).cuda()
+    args = (rollout.input_ids.cuda(), rollout.attention_mask.cuda(), rollout.completion_len)
+    plain = plain_logprobs(net, *args)
+    with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION]):
+        packed = packed_logprobs(net, *args)
+        packed.sum().backward()
+    torch.testing.assert_close(packed.detach(), plain.detach(), atol=1e-4, rtol=1e-4)
+
+
 def test_pack_rows_streams_each_prompt_once_and_each_completion_but_its_last_token():
     """Prompts [1 2 3] (left-padded) and [4 5]; completions of 3, 1 and 2 tokens: 3 + 2 prompt tokens and
     2 + 0 + 1 completion tokens, 8 in all, then 8 dummies; each target is predicted by the token before it in
