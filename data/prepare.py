@@ -1,5 +1,6 @@
-"""Fetch public GSM8K and MATH files once, as the JSONL `--dataset` reads (the forms data/tasks.py lists),
-into data/downloads/ (git ignores it); training then runs offline:
+"""Fetch public GSM8K and MATH files once, as JSONL that `--dataset` reads, into data/downloads/.
+
+They are written in the forms data/tasks.py lists; git ignores the folder. Training then runs offline:
 
     python data/prepare.py               # everything, about 20 MB
     python data/prepare.py math          # MATH: 12,000 training problems and MATH-500, the held-out 500
