@@ -10,7 +10,7 @@ No model, no I/O: this file can be read, tested and reused on its own.
     AAPO   GRPO + clip(r_i - r_ref_i, -delta_low, delta_high)          Xiong et al., arXiv 2505.14264
 
 Sources. AVSPO has no released code (its repository holds a licence and an empty README); a summary of
-its paper (../shared/papers/) gives no equation numbers, so none are cited. Each choice is one of four kinds:
+its paper (arXiv 2605.21125) gives no equation numbers, so none are cited. Each choice is one of four kinds:
   paper (via the summary): the GRPO advantage; ACR as the share of groups with reward std below tau;
       virtual rewards that join a collapsed group's mean and std but get no advantage ("stratified":
       slightly below the maximum for an all-correct group, a small positive anchor for an all-wrong

@@ -301,13 +301,15 @@ def log_eval(run_dir: Path, step: int, result: dict) -> float:
 
 
 def summarise_run(run_dir: Path, algo: str) -> dict:
-    """Means over a finished run's steps, and its early collapse (`early_collapse`), into summary.json."""
+    """Means over a finished run's steps, the steps that trained no row, and its early collapse
+    (`early_collapse`), into summary.json."""
     rows, evals = read_jsonl(run_dir / "metrics.jsonl"), read_jsonl(run_dir / "evals.jsonl")
     mean = lambda key: sum(r[key] for r in rows) / len(rows)  # noqa: E731
     seconds = sum(r["time_generate"] + r["time_score"] + r["time_train"] for r in rows)
     summary = {"algo": algo, "acc_before": evals[0]["eval_accuracy"], "acc_after": evals[-1]["eval_accuracy"],
                "acr_mean": mean("acr"), "acr_effective_mean": mean("acr_effective"),
                "reward_mean": mean("reward_mean"), "seconds_per_step": seconds / len(rows),
+               "steps_without_signal": sum(r["rows_trained"] == 0 for r in rows),
                **early_collapse(rows[: early_steps(len(rows))])}
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary

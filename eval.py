@@ -1,7 +1,8 @@
 """Evaluate models on math problems with the same prompts and verifier as training.
 
     python eval.py --model smollm2-135m runs/default/grpo/checkpoint --dataset arith-mul1
-    python eval.py --model smollm2-135m --dataset ../shared/data/gsm8k_test.jsonl --limit 100 --samples 8
+    python eval.py --model smollm2-135m --dataset data/downloads/gsm8k_test.jsonl --limit 100 --samples 8
+    (data/downloads/: `python data/prepare.py gsm8k` fetches GSM8K there, `math` MATH-500)
 
 Greedy pass@1 by default; with --samples n, n completions per problem at --temperature give mean@n
 and the unbiased pass@k estimator 1 - C(n - c, k) / C(n, k) (Chen et al. 2021, Eq. 1) for k <= n.

@@ -132,33 +132,60 @@ def pack_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor, completion_
                       *(torch.tensor(x, device=device) for x in (predictors, targets)), num_targets)
 
 
+def sdpa_mask(attend: torch.Tensor, groups: int, dtype: torch.dtype) -> torch.Tensor:
+    """`attend` [S, 1, Lq, Lk] as `segment_attention`'s SDPA wants it: additive (0 or -inf) in `dtype`, each
+    segment's rows repeated for the `groups` query heads folded into its query axis: [S, 1, groups * Lq, Lk].
+    Built once per pass: SDPA would convert a boolean mask in every layer, and the memory-efficient kernel
+    wants rows 16-aligned (torch pads a copy in every call otherwise), hence the wider buffer sliced to Lk."""
+    segments, _, lq, lk = attend.shape
+    mask = torch.full((segments, 1, groups * lq, round_up(lk)), float("-inf"), dtype=dtype,
+                      device=attend.device)
+    return mask[..., :lk].masked_fill_(attend.repeat(1, 1, groups, 1), 0.0)
+
+
 def segment_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attend: torch.Tensor, scale: float,
-                      fused: bool = False) -> torch.Tensor:
+                      mask: torch.Tensor | None = None) -> torch.Tensor:
     """softmax(q k^T * scale) v per segment over the keys `attend` [S, 1, Lq, Lk] allows: q [S, Lq, heads, D],
     k and v [S, Lk, kv_heads, D], each kv head serving heads / kv_heads query heads (GQA).
     Out: [S * Lq, heads * D].
 
-    fused: torch's SDPA (on CUDA: its kernels keep no [Lq, Lk] scores for backward). Otherwise written out,
-    without copying k and v, softmax in float32 as in transformers' eager attention: SDPA's CPU kernel keeps
-    no scores and recomputes them block by block in backward, where these segments' scores (tens of queries
-    and keys) are small enough to keep, so backward is two batched products (bench.py's update time
-    measures it)."""
+    GQA without copying k and v: the query heads that share a kv head are folded into its query axis, as
+    `decoding.decode_step` does, so each kv head meets groups * Lq queries.
+
+    mask (`sdpa_mask`, given on CUDA): torch's SDPA with that additive mask. Why this form: flash takes no
+    mask, and is_causal cannot say where a padded segment's keys end nor that a completion sees its whole
+    prompt; a call per segment would loop in Python in every layer; and a mask with `enable_gqa=True` reached
+    no fused kernel before torch gave the memory-efficient one GQA (pytorch issue 139586, PR 191085): the
+    math kernel then kept float32 scores and repeated k and v. Folded, q and k have as many heads and the
+    mask q's dtype, which the memory-efficient kernel (and cuDNN's) take, keeping no [Lq, Lk] scores for
+    backward. That kernel is expected, not verified: the GPU check (issue 46) decides;
+    tests/test_fast_paths.py runs this branch on CPU against the written-out one.
+    Otherwise written out, softmax in float32 as in transformers' eager attention: SDPA's CPU kernel keeps no
+    scores and recomputes them block by block in backward, where these segments' scores (tens of queries and
+    keys) are small enough to keep, so backward is two batched products (bench.py's update time measures
+    it)."""
     segments, lq, heads, head_dim = q.shape
-    if fused:
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                             attn_mask=attend, scale=scale, enable_gqa=True)  # [S, h, Lq, D]
-        return out.transpose(1, 2).reshape(segments * lq, heads * head_dim)
     kv_heads = k.shape[2]
     groups = heads // kv_heads
     q = q.view(segments, lq, kv_heads, groups, head_dim).permute(0, 2, 3, 1, 4)  # [S, kv, groups, Lq, D]
     q = q.reshape(segments, kv_heads, groups * lq, head_dim)
     k, v = k.transpose(1, 2), v.transpose(1, 2)  # [S, kv_heads, Lk, D]
-    scores = (q @ k.transpose(2, 3)).view(segments, kv_heads, groups, lq, -1) * scale  # [S, kv, g, Lq, Lk]
-    scores = scores.masked_fill(~attend[:, :, None], float("-inf"))
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).view(segments, kv_heads, groups * lq, -1)
-    out = probs.to(v.dtype) @ v  # [S, kv_heads, groups * Lq, D]
+    if mask is not None:
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)  # [S, kv, groups * Lq, D]
+    else:
+        # [S, kv_heads, groups, Lq, Lk]
+        scores = (q @ k.transpose(2, 3)).view(segments, kv_heads, groups, lq, -1) * scale
+        scores = scores.masked_fill(~attend[:, :, None], float("-inf"))
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).view(segments, kv_heads, groups * lq, -1)
+        out = probs.to(v.dtype) @ v  # [S, kv_heads, groups * Lq, D]
     out = out.view(segments, kv_heads, groups, lq, head_dim).permute(0, 3, 1, 2, 4)  # [S, Lq, kv, g, D]
     return out.reshape(segments * lq, -1)
+
+
+def attention_by_sdpa(device: torch.device) -> bool:
+    """Whether `packed_states` runs its attention by SDPA (`segment_attention`'s mask): on CUDA, where the
+    written-out scores would be kept for backward. A function so that a CPU test can choose that branch."""
+    return device.type == "cuda"
 
 
 def packed_states(model: PreTrainedModel, rows: PackedRows) -> torch.Tensor:
@@ -180,7 +207,7 @@ def packed_states(model: PreTrainedModel, rows: PackedRows) -> torch.Tensor:
     h = F.embedding(rows.tokens, embed.weight, embed.padding_idx, sparse=sparse)  # [N, d]
     cos, sin = (c[0, :, None] for c in model.model.rotary_emb(h, rows.positions[None]))  # [N, 1, head_dim]
     query_slots, key_slots = rows.query_slots.flatten(), rows.key_slots.flatten()
-    fused = h.device.type == "cuda"  # attention by SDPA there (`segment_attention`)
+    mask = sdpa_mask(rows.attend, heads // kv_heads, h.dtype) if attention_by_sdpa(h.device) else None
 
     def with_empty_slot(x: torch.Tensor) -> torch.Tensor:  # [N, ...] -> [N + 1, ...]: slot N is zeros
         return F.pad(x, (0, 0) * (x.dim() - 1) + (0, 1))
@@ -194,7 +221,7 @@ def packed_states(model: PreTrainedModel, rows: PackedRows) -> torch.Tensor:
         q = with_empty_slot(q).index_select(0, query_slots).view(segments, lq, heads, head_dim)
         k, v = (with_empty_slot(t).index_select(0, key_slots).view(segments, -1, kv_heads, head_dim)
                 for t in (k, v))
-        out = segment_attention(q, k, v, rows.attend, attn.scaling, fused)  # [S * Lq, heads * head_dim]
+        out = segment_attention(q, k, v, rows.attend, attn.scaling, mask)  # [S * Lq, heads * head_dim]
         out = with_empty_slot(out).index_select(0, rows.output_slots)  # [N, heads * head_dim]
         h = h + attn.o_proj(out)
         return h + layer.mlp(layer.post_attention_layernorm(h))

@@ -20,8 +20,8 @@ How each number is measured:
   3. AVSPO and AAPO: their own train.train runs. AVSPO's only extra work is its advantage step, timed
      directly (train.compute_advantages, many calls) against GRPO's step time; AAPO also samples a
      second group from the frozen reference model, so its whole step is compared with GRPO's.
-  4. Verifier: verifier.verify (and math-verify, if installed) per call on the shared GSM8K and
-     MATH-500 cases of benchmarks/verifier_bench.py.
+  4. Verifier: verifier.verify (and math-verify, if installed) per call on the GSM8K and MATH-500 cases
+     of benchmarks/verifier_bench.py (`python data/prepare.py math gsm8k-solutions` fetches them).
   5. Floors (benchmarks/floors.py): each GRPO phase against the work any implementation must do for its
      batch, timed at this machine's limits right after the config's steps.
 """
@@ -44,10 +44,10 @@ sys.path.insert(0, str(ROOT))
 import train  # noqa: E402
 from benchmarks.floors import FLOOR_COLUMNS, batch_shape, floor_rows, phase_floors  # noqa: E402
 from benchmarks.timing import fmt, markdown_table, median_of, peak_memory_bytes, run_isolated  # noqa: E402
+from data.prepare import DOWNLOADS  # noqa: E402
 from model import cpu_features  # noqa: E402
 from verifier import verify  # noqa: E402
 
-DATA_DIR = ROOT.parent / "shared" / "data"
 AVSPO_GOAL, AAPO_GOAL = 0.1, 1.6  # AVSPO advantage step < 0.1% of a GRPO step; AAPO step <= 1.6x GRPO's
 
 
@@ -139,11 +139,12 @@ def advantage_seconds(args: train.Args, reps: int) -> float:
 
 def verifier_rows(data_dir: Path, limit: int | None) -> list[list[str]] | None:
     """Median and worst µs per call of each verifier on GSM8K and MATH-500 (self + cross) cases;
-    None, with a message, when the shared data folder is absent."""
+    None, with a message, when the data folder lacks them."""
     from benchmarks.verifier_bench import load_cases, math_verify_check, run
 
     if not (data_dir / "math500_test.jsonl").exists():
-        print(f"shared data not found in {data_dir}: verifier section skipped")
+        print(f"no math500_test.jsonl in {data_dir} (python data/prepare.py math gsm8k-solutions): "
+              "verifier section skipped")
         return None
     cases = load_cases(data_dir)
     half = None if limit is None else limit // 2  # MATH-500: as many should-accept as should-reject cases
@@ -240,7 +241,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="ours on the fast paths (train.py --fast); --no-fast: the plain definitions")
     parser.add_argument("--skip-trl", action="store_true", help="leave out TRL's GRPOTrainer")
     parser.add_argument("--skip-verifier", action="store_true", help="leave out the verifier section")
-    parser.add_argument("--data-dir", type=Path, default=DATA_DIR, help="shared data with GSM8K / MATH-500")
+    parser.add_argument("--data-dir", type=Path, default=DOWNLOADS,
+                        help="GSM8K's model solutions and MATH-500, as data/prepare.py writes them")
     parser.add_argument("--quick", action="store_true", help="tiny-qwen2, 2 steps, 1k advantage calls, "
                         "200 verifier cases per set: a smoke test in seconds")
     args = parser.parse_args(argv)

@@ -1,6 +1,7 @@
 """Accuracy and speed of verifier.verify on real data, optionally against math-verify.
 
-Usage (from the repo root): python benchmarks/verifier_bench.py [--data-dir ../shared/data]
+Usage (from the repo root): python benchmarks/verifier_bench.py [--data-dir data/downloads]
+(`python data/prepare.py math gsm8k-solutions` fetches the files it reads there)
 
 - GSM8K: 5,276 real model solutions with correctness labels; we report label agreement.
 - MATH-500: each reference solution against its own answer (should accept) and against the
@@ -28,6 +29,7 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.timing import best_seconds  # noqa: E402
 from common import read_jsonl  # noqa: E402
+from data.prepare import DOWNLOADS  # noqa: E402
 from tests.verifier_cases import CASES  # noqa: E402
 from verifier import load_reward, normalise, verify  # noqa: E402
 
@@ -158,14 +160,15 @@ def report(name: str, check: Verifier, cases: dict) -> float:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--data-dir", type=Path, default=ROOT.parent / "shared" / "data")
+    parser.add_argument("--data-dir", type=Path, default=DOWNLOADS)
     parser.add_argument("--skip-math-verify", action="store_true", help="leave math-verify out")
     args = parser.parse_args(argv)
     cases: dict = {"suite": suite_cases()}
     if (args.data_dir / "math500_test.jsonl").exists():
         cases.update(load_cases(args.data_dir))
     else:
-        print(f"data folder {args.data_dir} not found: only the suite is measured")
+        print(f"no math500_test.jsonl in {args.data_dir} (python data/prepare.py math gsm8k-solutions): "
+              "only the suite is measured")
     ours = report("verifier.verify (this repo)", verify, cases)
     worst, which = hostile_worst(verify)
     print(f"{'hostile inputs, worst':<24}{worst * 1e3:>14.2f} ms  ({which!r}...)")

@@ -90,3 +90,79 @@ def test_shared_datasets_load():
     assert len(load_eval_problems(str(SHARED / "gsm8k_test.jsonl"))) == 1319
     math500 = load_eval_problems(str(SHARED / "math500_test.jsonl"))
     assert len(math500) == 500 and all(p.answer for p in math500)
+
+
+@pytest.fixture
+def sources(tmp_path, monkeypatch):
+    """data/prepare.py's sources as local files (file:// URLs: urllib reads them as it reads https), one of
+    each form; `sources(name, text)` replaces a source's content."""
+    from data import prepare
+
+    served = tmp_path / "served"
+    served.mkdir()
+    contents = {
+        "gsm8k_train.jsonl": json.dumps({"question": "2 + 2?", "answer": "2 + 2 = 4\n#### 4"}) + "\n",
+        "gsm8k_test.jsonl": json.dumps({"question": "1,000 + 1?", "answer": "#### 1,001"}) + "\n",
+        "math_train.jsonl": json.dumps({"problem": "Half of 1?", "solution": "\\boxed{1/2}",
+                                        "answer": "\\frac{1}{2}", "level": 2}) + "\n",
+        "math500_test.jsonl": json.dumps({"problem": "3 - 4?", "answer": "-1"}) + "\n",
+        "gsm8k_model_solutions.jsonl": json.dumps({"question": "q", "ground_truth": "A: 1"}) + "\n",
+    }
+    files = {name: {file: ((served / file).as_uri(), check) for file, (_, check) in entries.items()}
+             for name, entries in prepare.SOURCES.items()}
+    monkeypatch.setattr(prepare, "SOURCES", files)
+
+    def serve(file: str, text: str) -> None:
+        (served / file).write_text(text)
+
+    for file, text in contents.items():
+        serve(file, text)
+    return prepare, serve
+
+
+def test_prepare_writes_files_that_load_as_datasets(sources, tmp_path, capsys):
+    prepare, _ = sources
+    out = tmp_path / "downloads"
+    assert prepare.main(["gsm8k", "math", "--out", str(out)]) == 0
+    assert sorted(p.name for p in out.iterdir()) == ["gsm8k_test.jsonl", "gsm8k_train.jsonl",
+                                                     "math500_test.jsonl", "math_train.jsonl"]
+    assert load_problems(str(out / "gsm8k_test.jsonl"), "all")[0].answer == "1001"
+    assert load_eval_problems(str(out / "math_train.jsonl"))[0].answer == "\\frac{1}{2}"
+    assert prepare.main(["--out", str(out)]) == 0  # all: only the missing file is fetched
+    assert "gsm8k_train.jsonl: already there, kept" in capsys.readouterr().out
+    assert (out / "gsm8k_model_solutions.jsonl").exists()
+
+
+@pytest.mark.parametrize("text, says", [
+    ("version https://git-lfs.github.com/spec/v1\noid sha256:90d9\n", "not valid JSON"),  # a git LFS pointer
+    (json.dumps({"problem": "no answer"}) + "\n", "expected fields"),
+    (None, "urlopen error"),  # unreachable
+])
+def test_prepare_refuses_what_is_no_dataset_in_one_line_and_leaves_nothing(sources, tmp_path, text, says):
+    prepare, serve = sources
+    if text is None:
+        (tmp_path / "served" / "math500_test.jsonl").unlink()
+    else:
+        serve("math500_test.jsonl", text)
+    out = tmp_path / "downloads"
+    with pytest.raises(SystemExit) as refused:
+        prepare.main(["math", "--out", str(out)])
+    message = str(refused.value)
+    assert message.startswith("prepare: file://") and "math500_test.jsonl" in message and says in message
+    assert "\n" not in message
+    assert sorted(p.name for p in out.iterdir()) == ["math_train.jsonl"]  # fetched before; no part left
+
+
+def test_an_interrupted_prepare_leaves_no_file_that_looks_fetched(sources, tmp_path, monkeypatch):
+    """Ctrl-C mid-download: the next run must fetch the file again, not keep half of it."""
+    prepare, _ = sources
+
+    def interrupted(path):
+        raise KeyboardInterrupt
+
+    url, _ = prepare.SOURCES["math"]["math500_test.jsonl"]
+    monkeypatch.setitem(prepare.SOURCES["math"], "math500_test.jsonl", (url, interrupted))
+    out = tmp_path / "downloads"
+    with pytest.raises(KeyboardInterrupt):
+        prepare.main(["math", "--out", str(out)])
+    assert not (out / "math500_test.jsonl").exists()

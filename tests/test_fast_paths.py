@@ -8,6 +8,7 @@ from functools import partial
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import decoding
 import model as model_module
@@ -398,13 +399,16 @@ def packed_and_plain(model, ids, attn, completion_len, temperature=0.7):
     return results
 
 
+# attention by SDPA: the CUDA branch, chosen here on CPU
+@pytest.mark.parametrize("sdpa", [False, True])
 # whole groups, cut groups, mixed
 @pytest.mark.parametrize("micro_rows", [slice(0, 8), slice(2, 7), [5, 0, 6, 1]])
-def test_packed_logprobs_and_gradients_equal_the_plain_pass(block_model, micro_rows):
+def test_packed_logprobs_and_gradients_equal_the_plain_pass(block_model, micro_rows, sdpa, monkeypatch):
     """One packed stream (each distinct prompt once, no padding, attention per segment): the same log-probs
     and gradients as one plain pass over the padded rows, 0 after each row's EOS; rows of two prompts in any
     order, and a row whose first token is EOS (no completion token to feed in); Qwen2 with q/k/v biases, and
-    Llama."""
+    Llama; attention written out (CPU) and by SDPA (CUDA)."""
+    monkeypatch.setattr(packing, "attention_by_sdpa", lambda device: sdpa)
     model, tokenizer = block_model
     model = model_module.copy.deepcopy(model).train()
     torch.manual_seed(0)
@@ -492,25 +496,80 @@ def test_packed_logprobs_in_bf16_are_as_close_to_fp32_as_the_plain_pass(tiny, bf
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_segment_attention_written_out_equals_sdpa(dtype):
-    """The written-out attention (CPU) against torch's SDPA (what CUDA runs), GQA with 3 query heads per kv
-    head, values and gradients; a query slot that may attend to only its first key as well."""
+def test_segment_attention_written_out_and_by_sdpa_equal_gqa_attention(dtype):
+    """Both branches of segment_attention (written out: CPU; SDPA with `sdpa_mask`: CUDA) against torch's own
+    GQA attention (a boolean mask, enable_gqa), 3 query heads per kv head, values and gradients; a query slot
+    that may attend to only its first key as well."""
     torch.manual_seed(0)
     q, k, v = (torch.randn(2, *shape, 8).to(dtype).requires_grad_() for shape in ((5, 6), (7, 2), (7, 2)))
     attend = torch.rand(2, 1, 5, 7) < 0.5
     attend[..., 0] = True
+
+    def reference(q, k, v, attend, scale, mask):
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                             attn_mask=attend, scale=scale, enable_gqa=True)  # [S, 6, 5, 8]
+        return out.transpose(1, 2).reshape(10, 48)
+
     results = []
-    for fused in (False, True):
-        out = packing.segment_attention(q, k, v, attend, 0.3, fused)
+    for attention, mask in ((reference, None), (packing.segment_attention, None),
+                            (packing.segment_attention, packing.sdpa_mask(attend, 3, dtype))):
+        out = attention(q, k, v, attend, 0.3, mask)
         grads = torch.autograd.grad((out.float() * torch.linspace(-1, 1, out.numel()).view_as(out)).sum(),
                                     (q, k, v))
         results.append((out, grads))
-    (written, written_grads), (sdpa, sdpa_grads) = results
-    assert written.shape == (10, 48)
     tolerance = dict(atol=1e-5, rtol=1e-4) if dtype == torch.float32 else dict(atol=3e-2, rtol=3e-2)
-    torch.testing.assert_close(written, sdpa, **tolerance)
-    for a, b in zip(written_grads, sdpa_grads):
-        torch.testing.assert_close(a, b, **tolerance)
+    (expected, expected_grads) = results[0]
+    for out, grads in results[1:]:
+        assert out.shape == (10, 48)
+        torch.testing.assert_close(out, expected, **tolerance)
+        for a, b in zip(grads, expected_grads):
+            torch.testing.assert_close(a, b, **tolerance)
+
+
+def test_packed_attention_by_sdpa_meets_the_fused_kernels_conditions(tiny, monkeypatch):
+    """What torch's sdp_utils.cpp asks of the memory-efficient kernel that a CPU run can check: no
+    enable_gqa (q and k with as many heads), a mask in q's dtype, its rows 8-aligned (else torch pads a copy in
+    every call), a unit stride in the last dimension; and the mask built once per pass, not per layer."""
+    model, tokenizer = tiny
+    rollout = sample_fast(model, tokenizer, QUESTIONS[:2], 3, 6)
+    calls, sdpa = [], F.scaled_dot_product_attention
+
+    def recording_sdpa(q, k, v, **kwargs):
+        calls.append((q, k, v, kwargs))
+        return sdpa(q, k, v, **kwargs)
+
+    monkeypatch.setattr(packing, "attention_by_sdpa", lambda device: True)
+    monkeypatch.setattr(packing.F, "scaled_dot_product_attention", recording_sdpa)
+    with torch.no_grad():
+        packed_logprobs(working_copy(model, "bf16"), rollout.input_ids, rollout.attention_mask,
+                        rollout.completion_len)
+    assert len(calls) == len(model.model.layers)
+    masks = {kwargs["attn_mask"].data_ptr() for *_, kwargs in calls}
+    assert len(masks) == 1
+    for q, k, v, kwargs in calls:
+        mask = kwargs["attn_mask"]
+        assert not kwargs.get("enable_gqa") and q.shape[1] == k.shape[1] == v.shape[1] == 2  # kv heads
+        assert mask.dtype == q.dtype == torch.bfloat16 and mask.shape[1] == 1
+        assert all(stride % 8 == 0 for stride in mask.stride()[:-1]) and mask.stride(-1) == 1
+        assert q.stride(-1) == k.stride(-1) == v.stride(-1) == 1
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the GPU check, issue 46)")
+def test_packed_attention_on_cuda_runs_on_a_fused_kernel(tiny):
+    """On CUDA, SDPA held to the memory-efficient and cuDNN kernels (it raises if neither takes the call): the
+    packed pass runs forward and backward there, with the plain pass's log-probs. Not yet run on a GPU."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    model, tokenizer = tiny
+    torch.manual_seed(0)
+    rollout = sample_fast(model, tokenizer, QUESTIONS[:2], 4, 10)
+    net = model_module.copy.deepcopy(model).cuda()
+    args = (rollout.input_ids.cuda(), rollout.attention_mask.cuda(), rollout.completion_len)
+    plain = plain_logprobs(net, *args)
+    with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION]):
+        packed = packed_logprobs(net, *args)
+        packed.sum().backward()
+    torch.testing.assert_close(packed.detach(), plain.detach(), atol=1e-4, rtol=1e-4)
 
 
 def test_pack_rows_streams_each_prompt_once_and_each_completion_but_its_last_token():

@@ -56,3 +56,14 @@ def test_find_cycle_finds_a_circle_and_only_a_circle():
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b", "c"}, "b": {"c"}, "c": set()}) is None  # a diamond is no circle
     assert find_cycle({"a": {"a"}}) == ["a", "a"]
+
+
+def test_the_product_names_no_folder_outside_the_repository():
+    """The shared folder beside the development checkout is not a user's: the product (the top-level files,
+    data/, benchmarks/, the README, docs/) never points at it; tests may, to skip without it."""
+    product = [*ROOT.glob("*.py"), *ROOT.glob("data/*.py"), *ROOT.glob("benchmarks/*.py"), ROOT / "README.md",
+               *ROOT.glob("docs/*.md")]
+    assert len(product) > 20
+    for path in product:
+        text = path.read_text(encoding="utf-8")
+        assert "../shared" not in text and '"shared"' not in text, path  # a path, or a Path's part

@@ -673,6 +673,30 @@ def test_a_collapsed_start_prints_one_line_naming_its_end(tmp_path, monkeypatch,
     summary = json.loads((tmp_path / "grpo" / "summary.json").read_text())
     assert (summary["early_steps"], summary["early_acr"]) == (1, 1.0)
     assert summary["early_all_wrong_frac" if not reward else "early_all_correct_frac"] == 1.0
+    assert summary["steps_without_signal"] == 5  # every group collapsed in every step
+
+
+def test_summary_counts_the_steps_that_trained_no_row(tmp_path):
+    step = {"time_generate": 1.0, "time_score": 0.0, "time_train": 1.0, "acr": 0.5, "acr_effective": 0.5,
+            "reward_mean": 0.5, "all_wrong_frac": 0.5, "all_correct_frac": 0.0}
+    write_jsonl(tmp_path / "metrics.jsonl", [{**step, "rows_trained": n} for n in (8, 0, 3, 0, 0)])
+    write_jsonl(tmp_path / "evals.jsonl", [{"eval_accuracy": 0.25}, {"eval_accuracy": 0.5}])
+    assert common.summarise_run(tmp_path, "grpo")["steps_without_signal"] == 3
+
+
+def test_a_step_that_trains_no_row_still_moves_the_weights_by_adams_momentum(tiny, rollout):
+    """What the README says of a collapsed batch: every advantage 0 (beta 0), no row is trained, yet
+    optimizer.step() runs on zero gradients and AdamW's first moment from earlier steps moves the weights (as
+    in TRL's and verl's trainers)."""
+    model, _ = load_model("tiny-qwen2", torch.device("cpu"))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.0, fused=True)
+    args = train.Args(micro_batch=3, group_size=4)
+    signal = torch.tensor([1.0, -1.0, 0.5, -0.5, 0.0, 0.0, 1.0, -1.0])
+    train.update_policy(model, model, optimizer, rollout, signal, None, args)
+    before = [p.detach().clone() for p in model.parameters()]
+    stats = train.update_policy(model, model, optimizer, rollout, torch.zeros(8), None, args)
+    assert stats["rows_trained"] == 0 and stats["grad_norm"] == 0.0
+    assert any(not torch.equal(a, p) for a, p in zip(before, model.parameters()))
 
 
 def test_collapse_warning_stays_quiet_below_three_groups_in_four(tmp_path):

@@ -1,0 +1,86 @@
+"""Fetch public GSM8K and MATH files once, as JSONL that `--dataset` reads, into data/downloads/.
+
+They are written in the forms data/tasks.py lists; git ignores the folder. Training then runs offline:
+
+    python data/prepare.py               # everything, about 20 MB
+    python data/prepare.py math          # MATH: 12,000 training problems and MATH-500, the held-out 500
+
+Sources, both MIT-licensed: GSM8K (Cobbe et al., arXiv 2110.14168) from openai/grade-school-math; MATH
+(Hendrycks et al., arXiv 2103.03874) as split in openai/prm800k (Lightman et al., arXiv 2305.20050), whose
+test split is MATH-500 and whose training split holds the other 12,000 problems, so the two never share one.
+A file already there is kept (delete it to fetch it again).
+"""
+
+import argparse
+import json
+import sys
+import urllib.request
+from pathlib import Path
+from typing import Callable
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # `python data/prepare.py` puts data/, not the repository, on the path
+
+from data.tasks import read_jsonl  # noqa: E402
+
+DOWNLOADS = ROOT / "data" / "downloads"
+GSM8K = "https://raw.githubusercontent.com/openai/grade-school-math/master/grade_school_math/data/"
+PRM800K = "https://media.githubusercontent.com/media/openai/prm800k/main/prm800k/math_splits/"  # git LFS
+
+
+def json_objects(path: Path) -> list[dict]:
+    """Every line a JSON object (a file that is no dataset, for benchmarks/verifier_bench.py)."""
+    rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    if not rows or not all(isinstance(row, dict) for row in rows):
+        raise ValueError(f"{path}: expected JSON objects, one a line")
+    return rows
+
+
+# name: {file written: (its URL, the check that it is what we asked for)}
+SOURCES: dict[str, dict[str, tuple[str, Callable[[Path], list]]]] = {
+    "gsm8k": {"gsm8k_train.jsonl": (GSM8K + "train.jsonl", read_jsonl),
+              "gsm8k_test.jsonl": (GSM8K + "test.jsonl", read_jsonl)},
+    "math": {"math_train.jsonl": (PRM800K + "train.jsonl", read_jsonl),
+             "math500_test.jsonl": (PRM800K + "test.jsonl", read_jsonl)},
+    # four models' solutions to GSM8K's test problems, each labelled right or wrong: verifier_bench.py's check
+    "gsm8k-solutions": {"gsm8k_model_solutions.jsonl": (GSM8K + "example_model_solutions.jsonl",
+                                                        json_objects)},
+}
+
+
+def fetch(url: str, path: Path, check: Callable[[Path], list]) -> int:
+    """`url` into `path`; the number of rows. Through a temporary file that must pass `check` (a problem file
+    must load as `--dataset` loads it; an HTML page or a git LFS pointer does not): a failed or interrupted
+    download leaves nothing behind that looks fetched."""
+    part = path.with_name(path.name + ".part")
+    try:
+        with urllib.request.urlopen(url, timeout=60) as response:
+            part.write_bytes(response.read())
+        rows = len(check(part))
+    except (OSError, ValueError) as e:  # urllib's errors are OSErrors
+        part.unlink(missing_ok=True)
+        raise SystemExit(f"prepare: {url} gave no {path.name}: {e}") from None
+    part.replace(path)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("names", nargs="*", help=f"what to fetch: {', '.join(SOURCES)} (default: all)")
+    parser.add_argument("--out", type=Path, default=DOWNLOADS, help="folder to write to")
+    args = parser.parse_args(argv)
+    if unknown := [name for name in args.names if name not in SOURCES]:  # argparse's choices refuse nargs="*"
+        parser.error(f"unknown {', '.join(unknown)}; choose from {', '.join(SOURCES)}")
+    args.out.mkdir(parents=True, exist_ok=True)
+    for name in args.names or SOURCES:
+        for file, (url, check) in SOURCES[name].items():
+            path = args.out / file
+            if path.exists():
+                print(f"{path}: already there, kept")
+                continue
+            print(f"{path}: {fetch(url, path, check):,} rows from {url}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
