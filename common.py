@@ -29,7 +29,8 @@ from advantage import advantage_collapse_rate, effective_collapse_rate
 from data.tasks import Problem, load_eval_problems, load_problems
 from decoding import decode
 from eval import evaluate
-from model import Rollout, completion_logprobs, load_model, pick_device, sample_with_generate, working_copy
+from model import (Rollout, cast_weights, completion_logprobs, load_model, pick_device, sample_with_generate,
+                   working_copy)
 from verifier import RewardError, load_reward
 
 
@@ -416,8 +417,8 @@ def start_run(args, run_dir: Path, device: torch.device, is_main: bool, state: d
         print(f"[{args.algo}] --resume: no checkpoint in {run_dir}, starting from scratch")
     master, tokenizer = load_model(str(checkpoint / "model") if checkpoint else args.model, device)
     policy = working_copy(master, args.precision)  # bf16: on CUDA and on CPUs with native bf16 (auto)
-    reference = (load_model(args.model, device)[0].requires_grad_(False).to(policy.dtype) if with_reference
-                 else None)
+    reference = (cast_weights(load_model(args.model, device)[0].requires_grad_(False), policy.dtype)
+                 if with_reference else None)
     if args.grad_checkpointing:
         policy.activation_checkpointing_enable()
     optimizer = torch.optim.AdamW(master.parameters(), lr=args.lr, weight_decay=0.0, fused=True)
@@ -432,8 +433,8 @@ def start_run(args, run_dir: Path, device: torch.device, is_main: bool, state: d
 def run_eval(args, run: Run, run_dir: Path, step: int) -> float:
     """Greedy held-out accuracy, logged to evals.jsonl and eval_records.jsonl."""
     result = evaluate(run.policy, run.tokenizer, run.eval_problems, reward_fn=run.reward_fn,
-                      max_new_tokens=args.max_new_tokens,
-                      sample_completions=fast_or_plain(args.fast).sample_completions)
+                      max_new_tokens=args.max_new_tokens, prompt_format=args.prompt_format,
+                      system=args.system, sample_completions=fast_or_plain(args.fast).sample_completions)
     return log_eval(run_dir, step, result)
 
 
