@@ -145,13 +145,21 @@ def test_the_layout_survives_saving_and_loading(layout, tmp_path):
     assert stop_token_ids(loaded, loaded_tokenizer) == stop_token_ids(model, tokenizer)
 
 
-def test_the_mask_ends_at_the_first_of_any_stop_id_by_position():
-    """Pad (<|endoftext|> in Qwen) is a stop id too: a row's real stop token is found by its position."""
-    im_end, endoftext = 256, 257
-    ids = torch.tensor([[5, im_end, endoftext, endoftext], [5, 6, endoftext, endoftext], [5, 6, 7, 8],
-                        [endoftext, endoftext, endoftext, endoftext]])
-    expected = torch.tensor([[1, 1, 0, 0], [1, 1, 1, 0], [1, 1, 1, 1], [1, 0, 0, 0]])
-    assert completion_mask_from_eos(ids, [im_end, endoftext]).equal(expected)
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_mask_text_and_truncation_end_at_the_first_stop_id_by_position(layout):
+    """Rows that end at different steps, padded with <|endoftext|>, itself a stop id, and text after a stop
+    token (as a path that stops at one id only leaves it): each row's mask, text and truncation follow its
+    first stop token, found by position."""
+    model, tokenizer = qwen25(layout)
+    im_end, pad = tokenizer.convert_tokens_to_ids(["<|im_end|>", "<|endoftext|>"])
+    a, b, c = tokenizer.encode("abc")
+    completions = torch.tensor([[a, b, im_end, pad, pad], [a, im_end, b, c, pad], [pad, pad, pad, pad, pad],
+                                [a, b, c, a, im_end], [a, b, c, a, b]])  # [N, C]
+    rollout = sample(model, tokenizer, ["q"], 5, 5, sample_completions=lambda *args: completions)
+    assert rollout.completion_mask.tolist() == [[1, 1, 1, 0, 0], [1, 1, 0, 0, 0], [1, 0, 0, 0, 0], [1] * 5,
+                                                [1] * 5]
+    assert rollout.texts == ["ab", "a", "", "abca", "abcab"]
+    assert rollout.truncated.tolist() == [False, False, False, False, True]
 
 
 @pytest.mark.parametrize("path", PATHS)
@@ -180,12 +188,12 @@ def test_greedy_is_greedy_under_qwens_generation_config():
     """Qwen2.5-Instruct's generation config says do_sample true, temperature 0.7, top_k 20: temperature 0
     still gives the argmax path, the same for every seed and equal to decode's."""
     model, tokenizer = qwen25("instruct")
-    questions = ["What is 17 * 4?", "hi"]
+    questions = ["What is 17 * 4?", "hi", "2+3?", "a"]
     texts = []
     for seed in (0, 1, 2):
         torch.manual_seed(seed)
-        texts.append(sample(model, tokenizer, questions, 1, 24, temperature=0).texts)
-    assert texts[0] == texts[1] == texts[2] == sample(model, tokenizer, questions, 1, 24, temperature=0,
+        texts.append(sample(model, tokenizer, questions, 1, 64, temperature=0).texts)
+    assert texts[0] == texts[1] == texts[2] == sample(model, tokenizer, questions, 1, 64, temperature=0,
                                                       sample_completions=decode).texts
     enc = tokenizer(format_prompts(tokenizer, questions), return_tensors="pt", padding=True)
     sampled = set()
@@ -193,6 +201,18 @@ def test_greedy_is_greedy_under_qwens_generation_config():
         torch.manual_seed(seed)
         sampled.add(tuple(model.generate(**enc, max_new_tokens=24)[0].tolist()))
     assert len(sampled) > 1
+
+
+def test_greedy_ignores_qwens_repetition_penalty():
+    """Two near-tied tokens, "7" just above "8": the argmax repeats "7"; Qwen's repetition_penalty 1.05, left
+    on, would push the repeated "7" below "8"."""
+    model, tokenizer = qwen25("instruct")
+    seven, eight = tokenizer.encode("78")
+    bias = torch.zeros(model.lm_head.out_features)
+    bias[seven], bias[eight] = 100.0, 98.0  # apart by more than the random model adds
+    model.lm_head.bias = torch.nn.Parameter(bias, requires_grad=False)
+    for path in (sample_with_generate, decode):
+        assert sample(model, tokenizer, ["hi"], 1, 6, temperature=0, sample_completions=path).texts == ["777777"]
 
 
 # ---------------------------------------------------------------------------- float32 buffers in bf16 copies
