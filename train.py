@@ -67,7 +67,7 @@ class Args:
     top_p: float = arg(1.0, "nucleus sampling", type=UNIT_OPEN)
     prompt_format: str = arg("chat", "chat (the tokenizer's chat template), raw (plain text: base models)",
                              choices=PROMPT_FORMATS)
-    system: str = arg("", "system message of every chat prompt (default: the template's own)")
+    system: str = arg("", "system message of every chat prompt; empty: the chat template's own")
     # optimisation
     lr: float = arg(2e-5, "AdamW learning rate (at the first step)", type=POSITIVE)
     lr_decay: float = arg(1.0, "last fraction of the steps in which the lr falls to 0", type=in_range(0, 1))
