@@ -140,7 +140,8 @@ def main(argv: list[str] | None = None) -> dict:
                    help="auto: bf16 on CUDA and on CPUs with native bf16 (as train.py), else fp32")
     p.add_argument("--prompt-format", default="chat", choices=PROMPT_FORMATS,
                    help="chat (the tokenizer's chat template), raw (plain text: base models), as train.py")
-    p.add_argument("--system", default="", help="system message of every chat prompt; empty: the chat template's own")
+    p.add_argument("--system", default="",
+                   help="system message of every chat prompt; empty: the chat template's own")
     p.add_argument("--fast", action=argparse.BooleanOptionalAction, default=True,
                    help="sample with the fast decoding loop (decoding.py); --no-fast: with HF generate")
     args = p.parse_args(argv)
