@@ -246,12 +246,11 @@ def sample_with_generate(model: PreTrainedModel, prompt_ids: torch.Tensor, promp
     # Explicit settings override a checkpoint's generation_config.json (Qwen2.5-Instruct ships do_sample=true,
     # temperature 0.7, top_p 0.8, top_k 20, repetition_penalty 1.05): temperature 0 is greedy whatever it
     # says, and samples come from softmax(logits / T), the distribution the loss uses.
-    sampling = (dict(do_sample=True, temperature=temperature, top_p=top_p) if temperature > 0
-                else dict(do_sample=False, temperature=1.0, top_p=1.0))
+    sampling = (dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=0) if temperature > 0
+                else dict(do_sample=False, temperature=1.0, top_p=1.0))  # greedy: no sampling warper at all
     prompt_ids, prompt_mask = (x.repeat_interleave(group_size, dim=0) for x in (prompt_ids, prompt_mask))
-    out = model.generate(input_ids=prompt_ids, attention_mask=prompt_mask, **sampling, top_k=0,
-                         repetition_penalty=1.0, max_new_tokens=max_new_tokens, eos_token_id=eos_token_id,
-                         pad_token_id=pad_token_id)
+    out = model.generate(input_ids=prompt_ids, attention_mask=prompt_mask, **sampling, repetition_penalty=1.0,
+                         max_new_tokens=max_new_tokens, eos_token_id=eos_token_id, pad_token_id=pad_token_id)
     return out[:, prompt_ids.shape[1]:]  # generate stops as soon as every row has produced EOS
 
 
