@@ -30,8 +30,8 @@ from data.tasks import Problem, load_eval_problems, load_problems
 from decoding import FAST_ON, decode
 from eval import evaluate
 from memory import describe_estimate, estimate_memory
-from model import (Rollout, completion_logprobs, describe_device, format_prompts, load_model, pick_device,
-                   resolve_precision, sample_with_generate, working_copy)
+from model import (Rollout, cast_weights, completion_logprobs, describe_device, format_prompts, load_model,
+                   pick_device, resolve_precision, sample_with_generate, working_copy)
 from verifier import RewardError, load_reward
 
 
@@ -423,8 +423,8 @@ def start_run(args, run_dir: Path, device: torch.device, is_main: bool, state: d
         print(f"[{args.algo}] --resume: no checkpoint in {run_dir}, starting from scratch")
     master, tokenizer = load_model(str(checkpoint / "model") if checkpoint else args.model, device)
     policy = working_copy(master, args.precision)  # bf16: on CUDA and on CPUs with native bf16 (auto)
-    reference = (load_model(args.model, device)[0].requires_grad_(False).to(policy.dtype) if with_reference
-                 else None)
+    reference = (cast_weights(load_model(args.model, device)[0].requires_grad_(False), policy.dtype)
+                 if with_reference else None)
     if args.grad_checkpointing:
         policy.activation_checkpointing_enable()
     optimizer = torch.optim.AdamW(master.parameters(), lr=args.lr, weight_decay=0.0, fused=True)
@@ -443,7 +443,8 @@ def where_it_runs(args, master, policy, reference, tokenizer, problems: list[Pro
     """The run's first line: the device, the precision and dtypes, and the memory it should need
     (memory.py), for the run's shapes; the prompt length is that of the longest question, templated."""
     longest = max((p.question for p in problems), key=len)
-    prompt_len = len(tokenizer(format_prompts(tokenizer, [longest]), add_special_tokens=False).input_ids[0])
+    prompt = format_prompts(tokenizer, [longest], args.prompt_format, args.system)
+    prompt_len = len(tokenizer(prompt, add_special_tokens=False).input_ids[0])
     rows = args.prompts_per_step * args.group_size // int(os.environ.get("WORLD_SIZE", 1))
     terms = estimate_memory(master.config, sum(p.numel() for p in master.parameters()), rows=rows,
                             prompt_len=prompt_len, completion_len=args.max_new_tokens,
@@ -458,7 +459,7 @@ def where_it_runs(args, master, policy, reference, tokenizer, problems: list[Pro
 def run_eval(args, run: Run, run_dir: Path, step: int) -> float:
     """Greedy held-out accuracy, logged to evals.jsonl and eval_records.jsonl."""
     result = evaluate(run.policy, run.tokenizer, run.eval_problems, reward_fn=run.reward_fn,
-                      max_new_tokens=args.max_new_tokens,
+                      max_new_tokens=args.max_new_tokens, prompt_format=args.prompt_format, system=args.system,
                       sample_completions=fast_or_plain(args.fast, run.policy.device).sample_completions)
     return log_eval(run_dir, step, result)
 

@@ -159,14 +159,15 @@ def decode_step(model: PreTrainedModel, weights: tuple, tokens: torch.Tensor, po
 
 @torch.no_grad()
 def decode(model: PreTrainedModel, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, group_size: int,
-           max_new_tokens: int, temperature: float, top_p: float, eos_token_id: int,
+           max_new_tokens: int, temperature: float, top_p: float, eos_token_id: int | list[int],
            pad_token_id: int) -> torch.Tensor:
     """Completion ids [B*G, C] for left-padded prompts [B, P]; replaces `model.sample_with_generate` (the same
     arguments, the same distribution, other random numbers): a short decoding loop doing `generate`'s job
     with less work.
 
       1. Each prompt is run once, then its KV cache is repeated G times: the prefill costs B rows, not B*G.
-      2. A row leaves the batch (and the cache) at its first EOS: later steps compute only unfinished rows.
+      2. A row leaves the batch (and the cache) at its first EOS (any of the ids given): later steps compute
+         only unfinished rows.
       3. Tokens are drawn by `model.next_tokens` (inverse CDF). C is the step at which the last row ended (or
          max_new_tokens); positions after a row's EOS hold pad, as with `generate`.
       4. For Llama/Qwen2 blocks, each new token goes through `decode_step` with a preallocated `DecodeCache`;
@@ -190,13 +191,14 @@ def decode(model: PreTrainedModel, prompt_ids: torch.Tensor, prompt_mask: torch.
     mask = prompt_mask.repeat_interleave(group_size, dim=0)  # [n, P + t] for the n live rows
     next_position = positions[:, -1].repeat_interleave(group_size) + 1  # [n]
     live = torch.arange(n, device=prompt_ids.device)  # which of the N rows are still decoding
+    stop_ids = torch.tensor(eos_token_id, device=prompt_ids.device)
     completion = torch.full((n, max_new_tokens), pad_token_id, dtype=torch.long, device=prompt_ids.device)
     for t in range(max_new_tokens):
         tokens = next_tokens(logits, temperature, top_p)  # [n]
         completion[live, t] = tokens
         if t == max_new_tokens - 1:
             break
-        finished = tokens == eos_token_id
+        finished = torch.isin(tokens, stop_ids)
         if finished.any():
             keep = (~finished).nonzero().flatten()
             if len(keep) == 0:

@@ -22,7 +22,8 @@ from tqdm import tqdm
 
 from data.tasks import Problem, load_eval_problems
 from decoding import FAST_ON, decode
-from model import DEVICES, load_model, pick_device, sample, sample_with_generate, working_copy
+from model import (DEVICES, PROMPT_FORMATS, format_prompts, load_model, load_tokenizer, pick_device, sample,
+                   sample_with_generate, working_copy)
 from verifier import Reward, extract_answer, load_reward, per_completion, reward_range, verify
 
 
@@ -49,10 +50,11 @@ def score_groups(questions: list[str], texts: list[str], answers: list[str],
 @torch.no_grad()
 def evaluate(model, tokenizer, problems: list[Problem], *, max_new_tokens: int, samples: int = 1,
              temperature: float = 0.0, batch_size: int = 32, progress: bool = False,
-             reward_fn: Reward = per_completion(verify),
-             sample_completions: Callable = sample_with_generate) -> dict:
+             reward_fn: Reward = per_completion(verify), sample_completions: Callable = sample_with_generate,
+             prompt_format: str = "chat", system: str = "") -> dict:
     """Accuracy of `model` on `problems` (reward 1 = correct): greedy when samples == 1 and temperature == 0.
-    Completion ids come from `sample_completions` (as in `model.sample`: HF generate, or the decoding loop).
+    Prompts and completions as in training (`model.sample`): completion ids from `sample_completions` (HF
+    generate, or the decoding loop), prompts in `prompt_format` with the `system` message.
 
     Returns accuracy (mean over all completions: pass@1 greedy, mean@n sampled), the same per level for
     problems that have one (arith-mix), pass@k for k = 1, 2, 4, .. up to n, and one record per completion.
@@ -64,7 +66,7 @@ def evaluate(model, tokenizer, problems: list[Problem], *, max_new_tokens: int, 
     for start in tqdm(starts, desc="eval", disable=not progress, leave=False):
         batch = problems[start : start + batch_size]
         rollout = sample(model, tokenizer, [p.question for p in batch], samples, max_new_tokens, temperature,
-                         sample_completions=sample_completions)
+                         sample_completions=sample_completions, prompt_format=prompt_format, system=system)
         batch_scores = score_groups([p.question for p in batch], rollout.texts, [p.answer for p in batch],
                                     reward_fn)  # [b][n]
         for i, (problem, scores) in enumerate(zip(batch, batch_scores)):
@@ -137,6 +139,10 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--seed", type=int, default=0, help="sampling seed")
     p.add_argument("--precision", default="auto", choices=["auto", "fp32", "bf16"],
                    help="auto: bf16 where the GPU or CPU has it natively (as train.py), else fp32")
+    p.add_argument("--prompt-format", default="chat", choices=PROMPT_FORMATS,
+                   help="chat (the tokenizer's chat template), raw (plain text: base models), as train.py")
+    p.add_argument("--system", default="",
+                   help="system message of every chat prompt; empty: the chat template's own")
     p.add_argument("--fast", action=argparse.BooleanOptionalAction, default=True,
                    help="sample with the fast decoding loop (decoding.py) where verified (CPU; on CUDA not "
                         "yet, as train.py); --no-fast: with HF generate")
@@ -149,6 +155,8 @@ def main(argv: list[str] | None = None) -> dict:
         reward_fn = load_reward(args.reward, args.reward_range)
         problems = load_eval_problems(args.dataset)
         problems = problems[: args.limit] if args.limit else problems
+        for name in args.model:  # each tokenizer alone: a missing chat template fails before any model loads
+            format_prompts(load_tokenizer(name), ["1 + 1?"], args.prompt_format, args.system)
         results = {}
         for name in args.model:
             model, tokenizer = load_model(name, device)
@@ -158,7 +166,8 @@ def main(argv: list[str] | None = None) -> dict:
                                      samples=args.samples, temperature=temperature,
                                      batch_size=args.batch_size, progress=True, reward_fn=reward_fn,
                                      sample_completions=decode if args.fast and device.type in FAST_ON
-                                     else sample_with_generate)  # as common.fast_or_plain chooses
+                                     else sample_with_generate,  # as common.fast_or_plain chooses
+                                     prompt_format=args.prompt_format, system=args.system)
     except (FileNotFoundError, ValueError, ImportError) as e:
         sys.exit(f"error: {e}")
 

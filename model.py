@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from model_files import gguf_folder, smollm2_folder, tiny_qwen2
+from model_files import byte_tokenizer, gguf_folder, smollm2_folder, tiny_qwen2
 
 # ----------------------------------------------------------------------------- loading
 
@@ -99,7 +99,16 @@ def working_copy(model: PreTrainedModel, precision: str = "auto") -> PreTrainedM
     """
     if resolve_precision(precision, model.device) == "fp32":
         return model
-    return copy.deepcopy(model).to(torch.bfloat16)
+    return cast_weights(copy.deepcopy(model), torch.bfloat16)
+
+
+def cast_weights(model: PreTrainedModel, dtype: torch.dtype) -> PreTrainedModel:
+    """`model` with its parameters cast to `dtype` and its buffers as they are, as from_pretrained(dtype=...)
+    loads it: the rotary inv_freq stays float32. `model.to(dtype)` would cast it too: a rotary phase error
+    that grows with the position, and log-probs unlike those of the same weights loaded in bf16."""
+    for param in model.parameters():
+        param.data = param.data.to(dtype)
+    return model
 
 
 def copy_weights(model: PreTrainedModel, into: PreTrainedModel) -> None:
@@ -121,32 +130,47 @@ def accumulate_gradients(net: PreTrainedModel, into: PreTrainedModel) -> None:
             param.grad = None
 
 
+def model_source(name: str) -> str:
+    """What from_pretrained reads for `name`: an alias's or a .gguf file's converted folder, a checkpoint's
+    model folder, a folder, or a hub id."""
+    path = Path(name).expanduser()
+    if name == "smollm2-135m":
+        path = smollm2_folder()
+    elif path.suffix == ".gguf":
+        path = gguf_folder(path)
+    elif not path.exists() and (name.startswith((".", "/", "~")) or name.count("/") != 1):
+        raise FileNotFoundError(f"unknown model {name!r}: not an alias (smollm2-135m, tiny-qwen2), "
+                                "a .gguf file, a folder or a hub id")
+    if (path / "model" / "config.json").exists():  # a train.py checkpoint folder
+        path = path / "model"
+    return str(path) if path.exists() else name
+
+
+def from_source(auto_class, name: str, **kwargs):
+    """auto_class.from_pretrained for `name` (`model_source`); a failure is one line."""
+    try:
+        return auto_class.from_pretrained(model_source(name), **kwargs)
+    except OSError as e:  # no such hub id, no network, or a folder without a model
+        raise FileNotFoundError(f"could not load model {name!r}: {str(e).splitlines()[0]}") from None
+
+
+def load_tokenizer(name: str) -> PreTrainedTokenizerBase:
+    """The tokenizer of model `name` (as `load_model` gives it); alone, it loads in a second, so train.py
+    checks the prompt format with it before any model loads."""
+    tokenizer = byte_tokenizer() if name == "tiny-qwen2" else from_source(AutoTokenizer, name)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    tokenizer.padding_side = "left"  # generation appends to the right end of every row
+    return tokenizer
+
+
 def load_model(name: str,
                device: torch.device | None = None) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Load (model, tokenizer) from an alias, a .gguf file, a local folder or a hub id, in float32."""
     device = device or pick_device()
-    if name == "tiny-qwen2":
-        model, tokenizer = tiny_qwen2()
-    else:
-        path = Path(name).expanduser()
-        if name == "smollm2-135m":
-            path = smollm2_folder()
-        elif path.suffix == ".gguf":
-            path = gguf_folder(path)
-        elif not path.exists() and (name.startswith((".", "/", "~")) or name.count("/") != 1):
-            raise FileNotFoundError(f"unknown model {name!r}: not an alias (smollm2-135m, tiny-qwen2), "
-                                    "a .gguf file, a folder or a hub id")
-        if (path / "model" / "config.json").exists():  # a train.py checkpoint folder
-            path = path / "model"
-        source = str(path) if path.exists() else name
-        try:
-            tokenizer = AutoTokenizer.from_pretrained(source)
-            model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
-        except OSError as e:  # no such hub id, no network, or a folder without a model
-            raise FileNotFoundError(f"could not load model {name!r}: {str(e).splitlines()[0]}") from None
-    if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    tokenizer.padding_side = "left"  # generation appends to the right end of every row
+    tokenizer = load_tokenizer(name)
+    model = (tiny_qwen2()[0] if name == "tiny-qwen2"
+             else from_source(AutoModelForCausalLM, name, dtype=torch.float32))
     return model.to(device).eval(), tokenizer  # eval mode (no dropout); training switches train mode on
 
 
@@ -159,24 +183,69 @@ class Rollout:
 
     input_ids: torch.Tensor  # [N, P + C] left-padded prompt followed by the completion
     attention_mask: torch.Tensor  # [N, P + C] 1 on prompt tokens and on completion tokens up to EOS
-    completion_mask: torch.Tensor  # [N, C] 1 on completion tokens up to and including the first EOS
-    texts: list[str]  # [N] decoded completions, without special tokens
-    truncated: torch.Tensor  # [N] bool: hit max_new_tokens without an EOS
+    completion_mask: torch.Tensor  # [N, C] 1 on completion tokens up to and including the first stop token
+    texts: list[str]  # [N] decoded completions up to the first stop token, without special tokens
+    truncated: torch.Tensor  # [N] bool: hit max_new_tokens without a stop token
 
     @property
     def completion_len(self) -> int:
         return self.completion_mask.shape[1]
 
 
-def format_prompts(tokenizer: PreTrainedTokenizerBase, questions: list[str]) -> list[str]:
-    """Apply the chat template: each question becomes one user turn, then the assistant's turn opens."""
-    return [tokenizer.apply_chat_template([{"role": "user", "content": q}], tokenize=False,
+PROMPT_FORMATS = ("chat", "raw")
+# --prompt-format raw, for base models: the question, then Qwen2.5-Math's chain-of-thought instruction, as the
+# user turn of Qwen2.5-Math's evaluation template "qwen-boxed" has them (QwenLM/Qwen2.5-Math,
+# evaluation/utils.py), without the chat markup; the newline after it is ours. The verifier reads the last
+# \boxed{}.
+RAW_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
+
+
+def format_prompts(tokenizer: PreTrainedTokenizerBase, questions: list[str], prompt_format: str = "chat",
+                   system: str = "") -> list[str]:
+    """The prompt of each question. chat: the tokenizer's chat template, the `system` message (if any), the
+    question as one user turn, then the assistant's turn opens. raw: plain text (`RAW_INSTRUCTION`)."""
+    if prompt_format == "raw":
+        if system:
+            raise ValueError("--system needs --prompt-format chat: a raw prompt has no system turn")
+        return [f"{q}\n{RAW_INSTRUCTION}\n" for q in questions]
+    if tokenizer.chat_template is None:
+        raise ValueError("the model's tokenizer has no chat template (a base model?): "
+                         "use --prompt-format raw")
+    system_turn = [{"role": "system", "content": system}] if system else []
+    return [tokenizer.apply_chat_template(system_turn + [{"role": "user", "content": q}], tokenize=False,
                                           add_generation_prompt=True) for q in questions]
 
 
-def completion_mask_from_eos(completion_ids: torch.Tensor, eos_token_id: int) -> torch.Tensor:
-    """Mask [N, C] up to and including the first EOS, by position: pad == EOS must not hide the real EOS."""
-    is_eos = completion_ids == eos_token_id  # [N, C]
+def end_of_turn_token(tokenizer: PreTrainedTokenizerBase) -> str | None:
+    """The special token with which the chat template closes an assistant turn (ChatML's <|im_end|>, Llama 3's
+    <|eot_id|>), None without a template. Found by rendering one turn and reading the special token right
+    after it, which needs no list of known names."""
+    if tokenizer.chat_template is None:
+        return None
+    answer = "The answer is 2."
+    text = tokenizer.apply_chat_template([{"role": "user", "content": "1 + 1?"},
+                                          {"role": "assistant", "content": answer}], tokenize=False)
+    after = text[text.rfind(answer) + len(answer):].lstrip() if answer in text else ""
+    special = [token.content for token in tokenizer.added_tokens_decoder.values() if token.special]
+    return next((token for token in special if after.startswith(token)), None)
+
+
+def stop_token_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> list[int]:
+    """The ids that end a completion, at the first of them: the tokenizer's EOS, the generation config's EOS
+    ids (Qwen2.5-Instruct's lists <|im_end|> and <|endoftext|>) and the chat template's end of turn. Qwen2.5's
+    base and Math tokenizers end text with <|endoftext|> but turns with <|im_end|>: stopping at EOS alone, a
+    row runs on into turns it invents, and the reward reads the last answer of the last one."""
+    configured = model.generation_config.eos_token_id  # None, an int or a list
+    end_of_turn = end_of_turn_token(tokenizer)
+    ids = {tokenizer.eos_token_id, *(configured if isinstance(configured, list) else [configured]),
+           tokenizer.convert_tokens_to_ids(end_of_turn) if end_of_turn else None}
+    return sorted(ids - {None})
+
+
+def completion_mask_from_eos(completion_ids: torch.Tensor, eos_token_id: int | list[int]) -> torch.Tensor:
+    """Mask [N, C] up to and including the first EOS (any of the ids given), by position: pad == EOS must not
+    hide the real EOS."""
+    is_eos = torch.isin(completion_ids, torch.tensor(eos_token_id, device=completion_ids.device))  # [N, C]
     first_eos = torch.where(is_eos.any(1), is_eos.int().argmax(1), completion_ids.shape[1])  # [N]
     positions = torch.arange(completion_ids.shape[1], device=completion_ids.device)  # [C]
     return (positions[None, :] <= first_eos[:, None]).long()  # [N, C]
@@ -205,12 +274,15 @@ def next_tokens(logits: torch.Tensor, temperature: float, top_p: float) -> torch
 
 def sample_with_generate(model: PreTrainedModel, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
                          group_size: int, max_new_tokens: int, temperature: float, top_p: float,
-                         eos_token_id: int, pad_token_id: int) -> torch.Tensor:
+                         eos_token_id: int | list[int], pad_token_id: int) -> torch.Tensor:
     """Completion ids [B*G, C] for left-padded prompts [B, P], G per prompt, from transformers' `generate`;
-    positions after a row's EOS hold pad, and C is where the last row ended (or max_new_tokens)."""
-    # Explicit settings override a checkpoint's generation_config.json (Qwen ships top_k=20 and
-    # repetition_penalty=1.05), so samples come from softmax(logits / T), the distribution the loss uses.
-    sampling = dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=0) if temperature > 0 else {}
+    a row ends at its first EOS (any of the ids given), positions after it hold pad, and C is where the last
+    row ended (or max_new_tokens)."""
+    # Explicit settings override a checkpoint's generation_config.json (Qwen2.5-Instruct ships do_sample=true,
+    # temperature 0.7, top_p 0.8, top_k 20, repetition_penalty 1.05): temperature 0 is greedy whatever it
+    # says, and samples come from softmax(logits / T), the distribution the loss uses.
+    sampling = (dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=0) if temperature > 0
+                else dict(do_sample=False, temperature=1.0, top_p=1.0))  # greedy: no sampling warper at all
     prompt_ids, prompt_mask = (x.repeat_interleave(group_size, dim=0) for x in (prompt_ids, prompt_mask))
     out = model.generate(input_ids=prompt_ids, attention_mask=prompt_mask, **sampling, repetition_penalty=1.0,
                          max_new_tokens=max_new_tokens, eos_token_id=eos_token_id, pad_token_id=pad_token_id)
@@ -219,24 +291,30 @@ def sample_with_generate(model: PreTrainedModel, prompt_ids: torch.Tensor, promp
 
 def sample(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, questions: list[str], group_size: int,
            max_new_tokens: int, temperature: float = 1.0, top_p: float = 1.0,
-           sample_completions: Callable = sample_with_generate) -> Rollout:
-    """B*G completions, G per question, as a `Rollout`; temperature 0 means greedy decoding. The completion
-    ids come from `sample_completions`, `sample_with_generate` or any function with its arguments."""
-    enc = tokenizer(format_prompts(tokenizer, questions), return_tensors="pt", padding=True,
-                    add_special_tokens=False, padding_side="left").to(model.device)  # completions go right
+           sample_completions: Callable = sample_with_generate, prompt_format: str = "chat",
+           system: str = "") -> Rollout:
+    """B*G completions, G per question, as a `Rollout`; temperature 0 means greedy decoding. Prompts as
+    `format_prompts` writes them; the completion ids come from `sample_completions`, `sample_with_generate`
+    or any function with its arguments; each completion ends at the first of `stop_token_ids`, and so do its
+    mask and the text the reward reads."""
+    enc = tokenizer(format_prompts(tokenizer, questions, prompt_format, system), return_tensors="pt",
+                    padding=True, padding_side="left",  # completions go right
+                    add_special_tokens=prompt_format == "raw").to(model.device)  # a template writes its own
+    stop_ids = stop_token_ids(model, tokenizer)
     completion_ids = sample_completions(model, enc["input_ids"], enc["attention_mask"], group_size,
-                                        max_new_tokens, temperature, top_p, tokenizer.eos_token_id,
+                                        max_new_tokens, temperature, top_p, stop_ids,
                                         tokenizer.pad_token_id)  # [N, C]
-    completion_mask = completion_mask_from_eos(completion_ids, tokenizer.eos_token_id)  # [N, C]
+    completion_mask = completion_mask_from_eos(completion_ids, stop_ids)  # [N, C]
     prompt_ids = enc["input_ids"].repeat_interleave(group_size, dim=0)  # [N, P]
     prompt_mask = enc["attention_mask"].repeat_interleave(group_size, dim=0)  # [N, P]
+    ended = torch.isin(completion_ids[:, -1], torch.tensor(stop_ids, device=completion_ids.device))  # [N]
     return Rollout(
         input_ids=torch.cat([prompt_ids, completion_ids], dim=1),
         attention_mask=torch.cat([prompt_mask, completion_mask], dim=1),
         completion_mask=completion_mask,
         texts=tokenizer.batch_decode(completion_ids.masked_fill(completion_mask == 0, tokenizer.pad_token_id),
                                      skip_special_tokens=True),
-        truncated=completion_mask.all(dim=1) & (completion_ids[:, -1] != tokenizer.eos_token_id),
+        truncated=completion_mask.all(dim=1) & ~ended,
     )
 
 

@@ -36,8 +36,8 @@ from common import (Run, after_step, all_sum, arg, at_least, dataclass_parser, e
                     summarise_run)
 from data.tasks import Problem, load_eval_problems, load_problems, step_problems
 from eval import score_groups
-from model import (DEVICES, Rollout, accumulate_gradients, copy_weights, pick_device, real_tokens,
-                   replace_groups, sample, trim_padding)
+from model import (DEVICES, PROMPT_FORMATS, Rollout, accumulate_gradients, copy_weights, format_prompts,
+                   load_tokenizer, pick_device, real_tokens, replace_groups, sample, trim_padding)
 from verifier import RewardError, load_reward, reward_range
 
 ALGOS, PRECISIONS = ("grpo", "avspo", "aapo", "dapo"), ("auto", "fp32", "bf16")
@@ -67,6 +67,9 @@ class Args:
     max_new_tokens: int = arg(64, "completion length limit (longer ones are truncated)", type=at_least(1))
     temperature: float = arg(1.0, "sampling temperature, also applied to the log-probs", type=POSITIVE)
     top_p: float = arg(1.0, "nucleus sampling", type=UNIT_OPEN)
+    prompt_format: str = arg("chat", "chat (the tokenizer's chat template), raw (plain text: base models)",
+                             choices=PROMPT_FORMATS)
+    system: str = arg("", "system message of every chat prompt; empty: the chat template's own")
     # optimisation
     lr: float = arg(2e-5, "AdamW learning rate (at the first step)", type=POSITIVE)
     lr_decay: float = arg(1.0, "last fraction of the steps in which the lr falls to 0", type=in_range(0, 1))
@@ -115,6 +118,8 @@ def parse_args(argv: list[str] | None = None) -> Args:
         load_reward(args.reward)
         load_problems(args.dataset, "train", args.seed)
         load_eval_problems(args.eval_dataset or args.dataset, args.seed)
+        # the tokenizer alone: a missing chat template fails here, not after the model has loaded
+        format_prompts(load_tokenizer(args.model), ["1 + 1?"], args.prompt_format, args.system)
     except (FileNotFoundError, ValueError, ImportError) as e:
         parser.error(str(e))
     return args
@@ -268,7 +273,7 @@ def sample_and_score(args: Args, run: Run, network, problems: list[Problem]) -> 
     start = time.perf_counter()
     paths = fast_or_plain(args.fast, network.device)
     rollout = sample(network, run.tokenizer, questions, args.group_size, args.max_new_tokens,
-                     args.temperature, args.top_p, paths.sample_completions)
+                     args.temperature, args.top_p, paths.sample_completions, args.prompt_format, args.system)
     run.costs["generate"] += time.perf_counter() - start
     run.costs["gen_tokens"] += rollout.completion_mask.sum().item()
     start = time.perf_counter()

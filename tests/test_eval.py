@@ -31,7 +31,7 @@ def test_evaluate_scores_known_completions(monkeypatch):
              "The answer is 1,000.", "1000", "#### 1000", "100"]  # problem 2: 3 of 4 correct
 
     def fake_sample(model, tokenizer, questions, group_size, max_new_tokens, temperature,
-                    sample_completions=None):
+                    **options):
         n = len(questions) * group_size
         return Rollout(torch.zeros(n, 1), torch.ones(n, 1), torch.ones(n, 1), texts[:n],
                        torch.zeros(n, dtype=torch.bool))
@@ -51,7 +51,7 @@ def test_evaluate_scores_known_completions(monkeypatch):
 def test_evaluate_counts_only_full_reward_as_correct_and_reports_pass_at_every_n(monkeypatch):
     """Rewards 1, 0.5, 0 for 3 samples: one correct (partial credit is not), pass@k for k = 1, 2 and n = 3."""
     def fake_sample(model, tokenizer, questions, group_size, max_new_tokens, temperature,
-                    sample_completions=None):
+                    **options):
         return Rollout(torch.zeros(3, 1), torch.ones(3, 1), torch.ones(3, 1), ["a", "b", "c"],
                        torch.zeros(3, dtype=torch.bool))
 
