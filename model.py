@@ -16,6 +16,7 @@ from typing import Callable
 
 import torch
 import torch.nn.functional as F
+from safetensors import SafetensorError
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from model_files import gguf_folder, smollm2_folder, tiny_qwen2
@@ -109,6 +110,9 @@ def load_model(name: str,
             model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
         except OSError as e:  # no such hub id, no network, or a folder without a model
             raise FileNotFoundError(f"could not load model {name!r}: {str(e).splitlines()[0]}") from None
+        except SafetensorError as e:  # a truncated or overwritten weights file (its message names none)
+            damaged = ", ".join(str(f) for f in sorted(path.glob("*.safetensors"))) or str(path)
+            raise FileNotFoundError(f"could not load model {name!r}: {damaged} is damaged ({e})") from None
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     tokenizer.padding_side = "left"  # generation appends to the right end of every row
