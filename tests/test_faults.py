@@ -393,3 +393,9 @@ def rank_1_fails(completion, gold):
     import os
     return float("nan") if os.environ["RANK"] == "1" else 0.0
 '''
+
+
+def test_resume_without_a_checkpoint_says_so_and_starts_at_step_0(tmp_path, capsys):
+    train.main(TINY + ["--steps", "1", "--eval-every", "0", "--out", str(tmp_path), "--resume"])
+    assert f"[grpo] --resume: no checkpoint in {tmp_path / 'grpo'}" in capsys.readouterr().out
+    assert [r["step"] for r in read_jsonl(tmp_path / "grpo" / "metrics.jsonl")] == [1]
