@@ -2,6 +2,7 @@
 earlier run, an --out that is a file, a --resume under other flags, a damaged checkpoint or log, a planted
 pickle, SIGTERM, and a run killed at random moments."""
 
+import contextlib
 import json
 import os
 import random
@@ -355,23 +356,29 @@ def test_sigterm_saves_the_step_under_way_and_exits_143(tmp_path):
 
 
 def test_sigterm_to_experiments_ends_its_workers_each_saved(tmp_path):
-    """Two runs in two pool workers; SIGTERM to experiments.py alone: each run saves its step and ends (no
-    orphan goes on logging), and experiments.py exits 143."""
+    """Two runs of 1000 steps in two pool workers; SIGTERM to experiments.py alone: each run saves its step and
+    ends (no orphan goes on logging), and experiments.py exits 143."""
     cmd = [sys.executable, "experiments.py", "--quick", "--only", "compare", "--methods", "grpo,avspo",
-           "--seeds", "0", "--jobs", "2", "--steps", "300", "--eval-every", "1000", "--out", str(tmp_path),
+           "--seeds", "0", "--jobs", "2", "--steps", "1000", "--eval-every", "1000", "--out", str(tmp_path),
            "--figures", str(tmp_path / "figures")]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)  # its own process group: the test cleans up every worker
     runs = [tmp_path / "compare" / f"seed0-{m}" / m for m in ("grpo", "avspo")]
-    for run in runs:
-        wait_for_lines(run / "metrics.jsonl", 1, proc)
-    proc.send_signal(signal.SIGTERM)
-    err = proc.communicate(timeout=180)[1]
+    try:
+        for run in runs:
+            wait_for_lines(run / "metrics.jsonl", 1, proc)
+        proc.send_signal(signal.SIGTERM)
+        err = proc.communicate(timeout=180)[1]
+    finally:  # nothing left behind if the test failed (it passed: the group is gone already)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode == 143, err[-2000:]
     logged = [len(read_jsonl(run / "metrics.jsonl")) for run in runs]
     time.sleep(2)
     assert [len(read_jsonl(run / "metrics.jsonl")) for run in runs] == logged  # no worker goes on
     for run, steps in zip(runs, logged):
+        assert 1 <= steps < 1000  # stopped, not run to the end
         assert torch.load(run / "checkpoint" / "state.pt", weights_only=True)["step"] == steps
 
 
