@@ -150,10 +150,10 @@ STOP_SIGNALS = {signal.SIGINT: "Ctrl-C", signal.SIGTERM: "SIGTERM"}  # SIGTERM: 
 
 @contextmanager
 def ctrl_c_stops_after_the_step():
-    """Inside the block, a first Ctrl-C or SIGTERM only asks to stop (the yielded list gets its signal number):
-    the loop ends its step, so that a checkpoint holds whole steps. The loop checks the request itself, so an
-    interrupt can never be lost inside a library that swallows exceptions. A second one stops at once,
-    unsaved."""
+    """Inside the block, a first Ctrl-C or SIGTERM only asks to stop (the yielded list gets its signal
+    number): the loop ends its step, so that a checkpoint holds whole steps. The loop checks the request
+    itself, so an interrupt can never be lost inside a library that swallows exceptions. A second one stops
+    at once, unsaved."""
     requested: list[int] = []
     if threading.current_thread() is not threading.main_thread():  # only the main thread receives signals
         yield requested
@@ -212,7 +212,7 @@ def one_owner(folder: Path):
         yield
 
 
-RESUMABLE = ("resume", "out", "save_every", "eval_every", "micro_batch", "grad_checkpointing", "overwrite")
+RESUMABLE = ("resume", "overwrite", "out", "save_every", "eval_every", "micro_batch", "grad_checkpointing")
 
 
 def earlier_run(run_dir: Path, out: str) -> str | None:
@@ -221,7 +221,7 @@ def earlier_run(run_dir: Path, out: str) -> str | None:
     if not any((run_dir / name).exists() for name in ("config.json", "checkpoint", "checkpoint.old")):
         return None
     logged = len(read_jsonl(run_dir / "metrics.jsonl"))
-    free = next(f"{out}-{n}" for n in itertools.count(2) if not Path(f"{out}-{n}").exists())
+    free = next(f"{Path(out)}-{n}" for n in itertools.count(2) if not Path(f"{Path(out)}-{n}").exists())
     return (f"{run_dir} holds an earlier run (steps logged: {logged}): add --resume to continue it, "
             f"--out {free} to keep it and start another, or --overwrite to replace it")
 
@@ -244,7 +244,7 @@ def resume_conflicts(run_dir: Path, args) -> str | None:
     if not changed:
         return None
     return (f"--resume {run_dir}: {'; '.join(changed)}, unlike its config.json; only "
-            f"{', '.join('--' + k.replace('_', '-') for k in RESUMABLE[1:])} may change on resume "
+            f"{', '.join('--' + k.replace('_', '-') for k in RESUMABLE[2:])} may change on resume "
             "(and --steps with --lr-decay 0)")
 
 
@@ -322,9 +322,9 @@ TOTALS = ("gen_tokens", "train_tokens")  # summed over a run's steps in metrics.
 
 
 def start_logs(run_dir: Path, config: dict, last_step: int) -> dict:
-    """A fresh run (last_step 0): config.json and empty logs, nothing an earlier run left in run_dir (parse_args
-    lets one be replaced only with --overwrite). A resumed one: drop what was logged after its checkpoint.
-    Returns the TOTALS of the last record kept."""
+    """A fresh run (last_step 0): config.json and empty logs, nothing an earlier run left in run_dir
+    (parse_args lets one be replaced only with --overwrite). A resumed one: drop what was logged after its
+    checkpoint. Returns the TOTALS of the last record kept."""
     if last_step == 0:
         shutil.rmtree(run_dir, ignore_errors=True)  # an old checkpoint must not outlive its logs
     run_dir.mkdir(parents=True, exist_ok=True)

@@ -274,7 +274,8 @@ def sample_and_score(args: Args, run: Run, network, problems: list[Problem]) -> 
     try:
         rewards = torch.tensor(score_groups(questions, rollout.texts, answers, run.reward_fn))  # [b, G]
     except RewardError as error:  # under torchrun the others wait in gather_groups, which tells them
-        gather_groups(torch.full((len(problems), args.group_size), math.nan), error)
+        rows = args.prompts_per_step // int(os.environ.get("WORLD_SIZE", 1))  # [b, G], as every process sends
+        gather_groups(torch.full((rows, args.group_size), math.nan), error)
         raise
     run.costs["score"] += time.perf_counter() - start
     return rollout, rewards

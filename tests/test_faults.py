@@ -356,14 +356,14 @@ def test_sigterm_saves_the_step_under_way_and_exits_143(tmp_path):
 
 
 def test_sigterm_to_experiments_ends_its_workers_each_saved(tmp_path):
-    """Two runs of 1000 steps in two pool workers; SIGTERM to experiments.py alone: each run saves its step and
-    ends (no orphan goes on logging), and experiments.py exits 143."""
+    """Two runs of 1000 steps in two pool workers; SIGTERM to experiments.py alone: each run saves its step
+    and ends (no orphan goes on logging), and experiments.py exits 143."""
     cmd = [sys.executable, "experiments.py", "--quick", "--only", "compare", "--methods", "grpo,avspo",
            "--seeds", "0", "--jobs", "2", "--steps", "1000", "--eval-every", "1000", "--out", str(tmp_path),
            "--figures", str(tmp_path / "figures")]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)  # its own process group: the test cleans up every worker
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)  # its own group: the test can end every worker
     runs = [tmp_path / "compare" / f"seed0-{m}" / m for m in ("grpo", "avspo")]
     try:
         for run in runs:
