@@ -315,7 +315,8 @@ def test_avspo_state_resumes_under_weights_only(tmp_path):
 
 
 @pytest.mark.parametrize("value", [np.bool_(True), np.float32(0.5), np.int64(1), np.array(0.25),
-                                   torch.tensor(1.0), torch.tensor(True), torch.tensor(0.5, dtype=torch.bfloat16)])
+                                   torch.tensor(1.0), torch.tensor(True),
+                                   torch.tensor(0.5, dtype=torch.bfloat16)])
 def test_every_real_number_type_is_a_reward(value):
     rewards = checked(lambda q, c, g: [value], "user:fn", (0.0, 1.0))(["q"], ["c"], ["g"])
     assert rewards == [float(value)] and type(rewards[0]) is float
