@@ -8,9 +8,11 @@ dataclasses, and is rebuilt with the same classes on resume.
 import argparse
 import dataclasses
 import fcntl
+import itertools
 import json
 import math
 import os
+import pickle
 import shutil
 import signal
 import sys
@@ -112,14 +114,20 @@ def all_sum(values: list[float], device: torch.device) -> list[float]:
     return total.tolist()
 
 
-def gather_groups(local: torch.Tensor) -> torch.Tensor:
-    """[B/N, G] rows of each of N processes -> [B, G] in rank order (the order of the step's prompts)."""
+def gather_groups(local: torch.Tensor, error: RewardError | None = None) -> torch.Tensor:
+    """[B/N, G] rows of each of N processes -> [B, G] in rank order (the order of the step's prompts). A
+    process whose reward failed sends NaN rows and its `error`: every process then raises that error, rather
+    than wait for the failed one (a checked reward is never NaN)."""
     if not dist.is_initialized():
         return local
     nccl = dist.get_backend() == "nccl"  # nccl gathers CUDA tensors only
     device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
     parts = [torch.empty_like(local, device=device) for _ in range(dist.get_world_size())]
     dist.all_gather(parts, local.to(device))
+    if any(part.isnan().any() for part in parts):
+        errors = [None] * dist.get_world_size()
+        dist.all_gather_object(errors, error)
+        raise next(e for e in errors if e is not None)
     return torch.cat(parts).cpu()
 
 def sum_gradients(model) -> None:
@@ -135,43 +143,54 @@ def sum_gradients(model) -> None:
 # ------------------------------------------------------------------------------ checkpoints and logs
 
 
+class RunFolderError(Exception):
+    """A file of a run folder that cannot be used (damaged, or a pickle that would run code): one line naming
+    it, and nothing is written."""
+
+
+STOP_SIGNALS = {signal.SIGINT: "Ctrl-C", signal.SIGTERM: "SIGTERM"}  # SIGTERM: schedulers, `timeout`
+
+
 @contextmanager
 def ctrl_c_stops_after_the_step():
-    """Inside the block, a first Ctrl-C only asks to stop (the yielded list becomes non-empty): the loop ends
-    its step, so that a checkpoint holds whole steps. The loop checks the request itself, so an interrupt can
-    never be lost inside a library that swallows exceptions. A second Ctrl-C stops at once, unsaved."""
-    requested: list[bool] = []
+    """Inside the block, a first Ctrl-C or SIGTERM only asks to stop (the yielded list gets its signal
+    number): the loop ends its step, so that a checkpoint holds whole steps. The loop checks the request
+    itself, so an interrupt can never be lost inside a library that swallows exceptions. A second one stops
+    at once, unsaved."""
+    requested: list[int] = []
     if threading.current_thread() is not threading.main_thread():  # only the main thread receives signals
         yield requested
         return
 
-    def on_ctrl_c(signum, frame):
+    def on_signal(signum, frame):
         if requested:
             raise KeyboardInterrupt
-        requested.append(True)
-        os.write(2, b"\nCtrl-C: stopping at the end of the step under way "
-                    b"(press again to stop at once, unsaved)\n")
+        requested.append(signum)
+        os.write(2, f"\n{STOP_SIGNALS[signum]}: stopping at the end of the step under way "
+                    "(a second one stops at once, unsaved)\n".encode())
 
-    previous = signal.signal(signal.SIGINT, on_ctrl_c)
+    previous = {signum: signal.signal(signum, on_signal) for signum in STOP_SIGNALS}
     try:
         yield requested
     finally:
-        signal.signal(signal.SIGINT, previous)
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
 
 
 @contextmanager
 def exits_cleanly():
-    """train.py's way out: Ctrl-C ends the step under way, then exits with code 130 once it is saved
-    (`ctrl_c_stops_after_the_step` yields the stop requests); an unknown model, a missing file or a bad
-    reward exits with one line, not a traceback; the processes of torchrun are closed whichever way it
-    ends."""
+    """train.py's way out: Ctrl-C or SIGTERM ends the step under way, then exits with code 128 + the signal
+    (130, 143) once it is saved (`ctrl_c_stops_after_the_step` yields the stop requests); an unknown model, a
+    missing file, a damaged run folder or a bad reward exits with one line, not a traceback; the processes of
+    torchrun are closed whichever way it ends."""
+    requested: list[int] = []
     try:
-        with ctrl_c_stops_after_the_step() as stop_requested:
-            yield stop_requested
-    except (FileNotFoundError, RewardError) as e:
+        with ctrl_c_stops_after_the_step() as requested:
+            yield requested
+    except (FileNotFoundError, RunFolderError, RewardError) as e:
         sys.exit(f"error: {e}")
-    except KeyboardInterrupt:  # the checkpoint is saved and said so (or a second Ctrl-C); no traceback
-        sys.exit(130)
+    except KeyboardInterrupt:  # the checkpoint is saved and said so (or a second signal); no traceback
+        sys.exit(128 + (requested[0] if requested else signal.SIGINT))
     finally:
         close_processes()
 
@@ -196,7 +215,18 @@ def one_owner(folder: Path):
         yield
 
 
-RESUMABLE = ("resume", "out", "save_every", "eval_every", "micro_batch", "grad_checkpointing")
+RESUMABLE = ("resume", "overwrite", "out", "save_every", "eval_every", "micro_batch", "grad_checkpointing")
+
+
+def earlier_run(run_dir: Path, out: str) -> str | None:
+    """Why a fresh run may not start in run_dir (<out>/<algo>): one line saying what to type when it holds an
+    earlier run, which the fresh run's logs would replace; None when it holds none."""
+    if not any((run_dir / name).exists() for name in ("config.json", "checkpoint", "checkpoint.old")):
+        return None
+    logged = len(read_jsonl(run_dir / "metrics.jsonl"))
+    free = next(f"{Path(out)}-{n}" for n in itertools.count(2) if not Path(f"{Path(out)}-{n}").exists())
+    return (f"{run_dir} holds an earlier run (steps logged: {logged}): add --resume to continue it, "
+            f"--out {free} to keep it and start another, or --overwrite to replace it")
 
 
 def resume_conflicts(run_dir: Path, args) -> str | None:
@@ -217,7 +247,7 @@ def resume_conflicts(run_dir: Path, args) -> str | None:
     if not changed:
         return None
     return (f"--resume {run_dir}: {'; '.join(changed)}, unlike its config.json; only "
-            f"{', '.join('--' + k.replace('_', '-') for k in RESUMABLE[1:])} may change on resume "
+            f"{', '.join('--' + k.replace('_', '-') for k in RESUMABLE[2:])} may change on resume "
             "(and --steps with --lr-decay 0)")
 
 
@@ -245,15 +275,37 @@ def find_checkpoint(run_dir: Path) -> Path | None:
 
 
 def restore_checkpoint(folder: Path, optimizer, state: dict) -> int:
-    """Load optimizer and method state saved by `save_checkpoint`; returns the last completed step."""
-    saved = torch.load(folder / "state.pt", weights_only=False)
+    """Load optimizer and method state saved by `save_checkpoint`; returns the last completed step. Only
+    tensors and plain data load (weights_only): a state.pt from someone else cannot run code here."""
+    path = folder / "state.pt"
+    try:
+        saved = torch.load(path, weights_only=True)
+    except pickle.UnpicklingError:  # torch's message is a page long
+        raise RunFolderError(f"{path}: refused, it holds objects other than tensors and plain data, which "
+                             "could run code (train.py never saves such a file)") from None
+    except (RuntimeError, EOFError) as e:  # a truncated or overwritten file
+        raise RunFolderError(f"{path} is damaged ({str(e).splitlines()[0]}): restore it, or start again "
+                             "with --overwrite") from None
     optimizer.load_state_dict(saved["optimizer"])
     state.update({key: type(state[key])(**value) for key, value in saved["algo_state"].items()})
     return saved["step"]
 
 
 def read_jsonl(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    """A log's records. A torn last line (the run killed while appending it) is dropped with a warning: on
+    --resume its step is redone, as the checkpoint is saved after the log. A bad line before the last
+    is a RunFolderError naming file and line."""
+    lines = path.read_text(errors="replace").splitlines() if path.exists() else []
+    records = []
+    for number, line in enumerate(lines, start=1):
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError as e:
+            if number < len(lines):
+                raise RunFolderError(f"{path}:{number}: not a JSON record ({e.msg})") from None
+            print(f"warning: {path}:{number}: a torn last line, dropped (the run stopped while writing it)",
+                  file=sys.stderr)
+    return records
 
 
 def append_jsonl(path: Path, record: dict) -> None:
@@ -273,8 +325,11 @@ TOTALS = ("gen_tokens", "train_tokens")  # summed over a run's steps in metrics.
 
 
 def start_logs(run_dir: Path, config: dict, last_step: int) -> dict:
-    """A fresh run (last_step 0): config.json and empty logs, whatever an earlier run left in run_dir. A
-    resumed one: drop what was logged after its checkpoint. Returns the TOTALS of the last record kept."""
+    """A fresh run (last_step 0): config.json and empty logs, nothing an earlier run left in run_dir
+    (parse_args lets one be replaced only with --overwrite). A resumed one: drop what was logged after its
+    checkpoint. Returns the TOTALS of the last record kept."""
+    if last_step == 0:
+        shutil.rmtree(run_dir, ignore_errors=True)  # an old checkpoint must not outlive its logs
     run_dir.mkdir(parents=True, exist_ok=True)
     if last_step == 0:
         (run_dir / "config.json").write_text(json.dumps(config, indent=2))

@@ -43,6 +43,7 @@ import math
 import multiprocessing
 import os
 import platform
+import signal
 import sys
 from concurrent.futures import FIRST_EXCEPTION, ProcessPoolExecutor, wait
 from pathlib import Path
@@ -133,12 +134,26 @@ def run_all(tasks: list[tuple], jobs: int) -> list:
     if jobs == 1:
         return [fn(*a) for fn, *a in tasks]
     threads = max(1, (os.cpu_count() or 1) // jobs)
-    with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
-        futures = [pool.submit(with_threads, threads, *task) for task in tasks]
-        done, _ = wait(futures, return_when=FIRST_EXCEPTION)
+    # a worker ignores SIGTERM outside train.main, whose own handler ends the step under way and saves it
+    with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn"), initializer=signal.signal,
+                             initargs=(signal.SIGTERM, signal.SIG_IGN)) as pool:
+        try:
+            futures = [pool.submit(with_threads, threads, *task) for task in tasks]
+            done, _ = wait(futures, return_when=FIRST_EXCEPTION)
+        except SystemExit:  # SIGTERM (`end_with_workers`): no queued run starts; those under way save and end
+            pool.shutdown(cancel_futures=True)
+            raise
         if any(f.exception() for f in done):  # say so now, not after every queued run; those under way finish
             pool.shutdown(cancel_futures=True)
         return [f.result() for f in futures]
+
+
+def end_with_workers(signum: int, frame) -> None:
+    """SIGTERM (a scheduler's, `timeout`'s) reaches this process alone: passed on to the workers, each run
+    under way ends its step, saves it and exits as train.py does (143); then this process exits 143 too."""
+    for worker in multiprocessing.active_children():
+        os.kill(worker.pid, signal.SIGTERM)
+    sys.exit(128 + signum)
 
 
 def with_threads(threads: int, fn: Callable, *args):
@@ -639,4 +654,5 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
+    signal.signal(signal.SIGTERM, end_with_workers)  # as Ctrl-C: runs under way save their step
     main()

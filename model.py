@@ -16,6 +16,7 @@ from typing import Callable
 
 import torch
 import torch.nn.functional as F
+from safetensors import SafetensorError
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from model_files import byte_tokenizer, gguf_folder, smollm2_folder, tiny_qwen2
@@ -148,10 +149,14 @@ def model_source(name: str) -> str:
 
 def from_source(auto_class, name: str, **kwargs):
     """auto_class.from_pretrained for `name` (`model_source`); a failure is one line."""
+    source = model_source(name)
     try:
-        return auto_class.from_pretrained(model_source(name), **kwargs)
+        return auto_class.from_pretrained(source, **kwargs)
     except OSError as e:  # no such hub id, no network, or a folder without a model
         raise FileNotFoundError(f"could not load model {name!r}: {str(e).splitlines()[0]}") from None
+    except SafetensorError as e:  # a truncated or overwritten weights file (its message names none)
+        damaged = ", ".join(str(f) for f in sorted(Path(source).glob("*.safetensors"))) or source
+        raise FileNotFoundError(f"could not load model {name!r}: {damaged} is damaged ({e})") from None
 
 
 def load_tokenizer(name: str) -> PreTrainedTokenizerBase:

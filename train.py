@@ -20,6 +20,7 @@ import contextlib
 import dataclasses
 import math
 import os
+import sys
 import time
 from functools import partial
 from pathlib import Path
@@ -30,8 +31,8 @@ from tqdm import tqdm
 
 from advantage import (AVSPO_ENDS, AdaptiveThreshold, aapo_advantages, aapo_margin, avspo_advantages,
                        collapsed_groups, grpo_advantages)
-from common import (Run, after_step, all_sum, arg, at_least, dataclass_parser, exits_cleanly, fast_or_plain,
-                    first_eval, gather_groups, group_map, in_range, init_processes, one_owner,
+from common import (Run, after_step, all_sum, arg, at_least, dataclass_parser, earlier_run, exits_cleanly,
+                    fast_or_plain, first_eval, gather_groups, group_map, in_range, init_processes, one_owner,
                     resume_conflicts, save_checkpoint, start_logs, start_run, step_metrics, sum_gradients,
                     summarise_run)
 from data.tasks import Problem, load_eval_problems, load_problems, step_problems
@@ -57,6 +58,7 @@ class Args:
     out: str = arg("runs/default", "run folder: one subfolder per algorithm, plus curves.png")
     seed: int = arg(0, "seeds the prompts of each step and the sampling")
     resume: bool = arg(False, "continue each algorithm from the checkpoint in its run folder")
+    overwrite: bool = arg(False, "replace the runs in --out (else a folder holding one is refused)")
     device: str = arg("auto", "auto (CUDA if this process can use it, else CPU), cpu, cuda", choices=DEVICES)
     fast: bool = arg(True, "fast paths (decoding.py, packing.py) where verified (CPU; on CUDA not yet); "
                            "--no-fast: HF generate, plain forward")
@@ -110,9 +112,14 @@ def parse_args(argv: list[str] | None = None) -> Args:
         parser.error(f"--virtual-delta {args.virtual_delta} is wider than --reward-range {args.reward_range}")
     if not (existing := next(p for p in [Path(args.out), *Path(args.out).parents] if p.exists())).is_dir():
         parser.error(f"--out {args.out}: {existing} is a file, not a folder")
+    if args.resume and args.overwrite:
+        parser.error("--resume continues the runs in --out, --overwrite replaces them: choose one")
     for algo in args.algo.split(",") if args.resume else []:  # one run folder, one configuration
         if conflicts := resume_conflicts(Path(args.out) / algo, dataclasses.replace(args, algo=algo)):
             parser.error(conflicts)
+    for algo in args.algo.split(",") if not (args.resume or args.overwrite) else []:
+        if earlier := earlier_run(Path(args.out) / algo, args.out):  # a fresh run destroys no other
+            sys.exit(f"error: {earlier}")
     try:  # read the data and the reward before any model: a bad line fails in a second, naming file and line
         pick_device(args.device)  # --device cuda where CUDA is unusable: one line, saying why
         load_reward(args.reward)
@@ -277,7 +284,12 @@ def sample_and_score(args: Args, run: Run, network, problems: list[Problem]) -> 
     run.costs["generate"] += time.perf_counter() - start
     run.costs["gen_tokens"] += rollout.completion_mask.sum().item()
     start = time.perf_counter()
-    rewards = torch.tensor(score_groups(questions, rollout.texts, answers, run.reward_fn))  # [b, G]
+    try:
+        rewards = torch.tensor(score_groups(questions, rollout.texts, answers, run.reward_fn))  # [b, G]
+    except RewardError as error:  # under torchrun the others wait in gather_groups, which tells them
+        rows = args.prompts_per_step // int(os.environ.get("WORLD_SIZE", 1))  # [b, G], as every process sends
+        gather_groups(torch.full((rows, args.group_size), math.nan), error)
+        raise
     run.costs["score"] += time.perf_counter() - start
     return rollout, rewards
 

@@ -84,6 +84,8 @@ ABS_TOL = 1e-12  # \sin\pi vs 0
 # Commas only in groups of 3 (unambiguous), LaTeX's {,} too; {,} also as a decimal comma (1{,}5).
 _NUM = r"-?(?:\d+(?:(?:,|\{,\})\d{3})*(?:(?:\.|\{,\})\d+)?|\.\d+)"
 _NUMBER = re.compile(rf"(?<![A-Za-z]){_NUM}(?:/\d+(?:\.\d+)?)?")  # "1/2" is one answer, not "2"
+# The last-number rule reads digits joined by commas whole: "1,5" is 1.5 or the list 1, 5, never 5.
+_LAST_NUMBER = re.compile(rf"(?<![A-Za-z]){_NUM}(?:,\d+)*(?:/\d+(?:\.\d+)?)?")
 _BOX_OR_BRACE = re.compile(r"\\(?:boxed|fbox)\s*\{|[{}]")
 _HASHES = re.compile(r"####[ \t]*([^\n]*)")
 # "the answer is", "final answer:", "Answer =", and the "Q: ... A: ..." convention.
@@ -224,7 +226,7 @@ def _extract(text: str) -> tuple[str | None, list[str]]:
     formula = _final_formula(text)
     if formula:
         return formula, []
-    last_number = _last_match(_NUMBER, text)
+    last_number = _last_match(_LAST_NUMBER, text)
     if last_number is None and short and len(bare.split()) <= 2:  # "odd", "Evelyn": a word answer
         return bare or None, []
     return (last_number.group() if last_number else None), []
@@ -1109,7 +1111,8 @@ def load_reward(spec: str = "verifier", reward_range: tuple[float, float] = (0.0
     - TRL's ``f(prompts, completions, **kwargs) -> list[float]`` (it has a ``completions`` parameter),
       called once per batch with the keywords it accepts: ``prompts`` and ``completions`` as TRL passes
       them for a conversational dataset (each a list of {"role", "content"} messages; our prompts go
-      through the chat template) and the golds as ``solution=``; a None in what it returns scores 0.
+      through the chat template) and the golds as ``solution=``; a None in what it returns scores 0, with
+      a warning the first time (TRL's convention: the reward does not apply).
 
     A bad spec, or a function of neither shape, raises ValueError in one line naming what was expected.
 
@@ -1169,13 +1172,15 @@ def per_completion(fn: Callable[[str, str], float], spec: str = "verifier") -> R
 
 
 def checked(reward: Reward, spec: str, reward_range: tuple[float, float]) -> Reward:
-    """`reward` with every value checked where it enters the run: an int or a float (not a string, not None),
+    """`reward` with every value checked where it enters the run: a real number (not a string, not None),
     finite, inside reward_range; else RewardError, one line naming the spec, the problem and the
-    completion. A string "1" would train as 1.0 unseen, and a NaN would silently skip every update."""
+    completion. A string "1" would train as 1.0 unseen, and a NaN would silently skip every update. Real
+    numbers of any kind count, as in TRL: Python's, numpy's scalars (numpy.bool_ too) and 0-d tensors."""
     lo, hi = reward_range
 
     def checked_reward(questions: list[str], completions: list[str], golds: list[str]) -> list[float]:
-        rewards = reward(questions, completions, golds)
+        rewards = [value.item() if getattr(value, "ndim", None) == 0 and hasattr(value, "item") else value
+                   for value in reward(questions, completions, golds)]  # numpy scalars, 0-d tensors
         for i, (value, question) in enumerate(zip(rewards, questions)):
             problem = f"completion {i} of the batch, {completions[i][:60]!r}, of problem {question[:60]!r}"
             if not isinstance(value, numbers.Real):
@@ -1210,5 +1215,11 @@ def _trl_style(fn: Callable, signature: inspect.Signature, spec: str) -> Reward:
             raise
         if len(rewards) != len(completions):
             raise ValueError(f"reward {spec!r}: {len(rewards)} rewards for {len(completions)} completions")
+        nones = sum(r is None for r in rewards)
+        if nones and not warned:  # TRL warns too: a None means "does not apply", scored 0 here
+            warned.append(True)
+            print(f"warning: reward {spec!r} returned None for {nones} of {len(rewards)} "
+                  "completions: they score 0 (warned once per run)", file=sys.stderr)
         return [0.0 if r is None else r for r in rewards]  # checked where they enter (`checked`)
+    warned: list[bool] = []
     return reward

@@ -80,11 +80,16 @@ def read_jsonl(path: Path) -> list[Problem]:
     if not path.is_file():
         raise FileNotFoundError(f"dataset file not found: {path}")
     problems = []
-    with path.open(encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
+    with path.open("rb") as f:  # bytes, decoded line by line: a decode error can name its line
+        for lineno, raw in enumerate(f, start=1):
+            where = f"{path}:{lineno}"
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise ValueError(f"{where}: not UTF-8 (byte {raw[e.start]:#x} at column {e.start + 1}); "
+                                 "save the file as UTF-8") from None
             if not line.strip():
                 continue
-            where = f"{path}:{lineno}"
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as e:

@@ -76,6 +76,15 @@ def test_bad_jsonl_names_file_and_line(tmp_path, lines, message):
     assert str(path) in str(info.value)
 
 
+def test_a_line_that_is_not_utf8_is_named(tmp_path):
+    path = tmp_path / "latin1.jsonl"
+    path.write_bytes(b'{"question": "ok", "answer": "#### 1"}\n'
+                     b'{"question": "caf\xe9?", "answer": "#### 2"}\n')
+    with pytest.raises(ValueError) as info:
+        load_problems(str(path))
+    assert str(info.value) == f"{path}:2: not UTF-8 (byte 0xe9 at column 18); save the file as UTF-8"
+
+
 def test_unknown_specs(tmp_path):
     with pytest.raises(FileNotFoundError, match="not found"):
         load_problems(str(tmp_path / "missing.jsonl"))

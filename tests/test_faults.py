@@ -1,6 +1,8 @@
-"""Faults a user meets, each refused in one line or survived: a bad reward, a run folder in use, an --out
-that is a file, a --resume under other flags, and a run killed at random moments."""
+"""Faults a user meets, each refused in one line or survived: a bad reward, a run folder in use or holding an
+earlier run, an --out that is a file, a --resume under other flags, a damaged checkpoint or log, a planted
+pickle, SIGTERM, and a run killed at random moments."""
 
+import contextlib
 import json
 import os
 import random
@@ -11,14 +13,16 @@ import textwrap
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
 import common
 import train
 from common import read_jsonl
+from eval import main as eval_main
 from model import load_model
-from verifier import RewardError, load_reward
+from verifier import RewardError, checked, load_reward
 
 TINY = ["--model", "tiny-qwen2", "--max-new-tokens", "8", "--group-size", "4", "--eval-size", "4"]
 ROOT = Path(__file__).resolve().parent.parent
@@ -33,6 +37,7 @@ def none(completion, gold): return None
 def raises(completion, gold): return {"x": 1}[completion]
 def parity(completion, gold): return float(len(completion) % 2)
 def trl_strings(prompts, completions, **kwargs): return ["1"] * len(completions)
+def trl_none(prompts, completions, **kwargs): return [None] * len(completions)
 
 def breaks_later(completion, gold):
     global calls
@@ -214,3 +219,191 @@ def test_sigkill_at_random_moments_then_resume_loses_and_doubles_no_step(tmp_pat
     assert [r["step"] for r in read_jsonl(run / "grpo" / "metrics.jsonl")] == list(range(1, 61))
     assert torch.load(run / "grpo" / "checkpoint" / "state.pt", weights_only=False)["step"] == 60
     load_model(str(run / "grpo" / "checkpoint"), torch.device("cpu"))
+
+
+# ---------------------------------------------------------------- a second run, damage, signals (issue 44)
+
+
+def test_a_second_run_into_a_run_folder_is_refused_saying_what_to_type(tmp_path, monkeypatch):
+    out = tmp_path / "run"
+    train.main(TINY + ["--steps", "1", "--save-every", "1", "--out", str(out)])
+    before = (out / "grpo" / "metrics.jsonl").read_text()
+    monkeypatch.setattr(common, "load_model", lambda *a, **k: pytest.fail("a model loaded"))
+    with pytest.raises(SystemExit) as exit_info:
+        train.main(TINY + ["--steps", "1", "--out", str(out)])
+    assert exit_info.value.code == (f"error: {out / 'grpo'} holds an earlier run (steps logged: 1): add "
+                                    f"--resume to continue it, --out {out}-2 to keep it and start another, "
+                                    "or --overwrite to replace it")
+    assert (out / "grpo" / "metrics.jsonl").read_text() == before
+    monkeypatch.undo()
+    train.main(TINY + ["--steps", "1", "--save-every", "0", "--seed", "1", "--out", str(out), "--overwrite"])
+    assert not (out / "grpo" / "checkpoint").exists()  # the replaced run's checkpoint is gone with its logs
+    assert json.loads((out / "grpo" / "config.json").read_text())["seed"] == 1
+
+
+def test_a_torn_last_log_line_is_dropped_and_its_step_redone(tmp_path, capsys):
+    """Killed while appending step 2 (its checkpoint comes after its log line): --resume warns, redoes it."""
+    flags = TINY + ["--lr-decay", "0", "--save-every", "1", "--eval-every", "0", "--out", str(tmp_path)]
+    train.main(flags + ["--steps", "1"])
+    metrics = tmp_path / "grpo" / "metrics.jsonl"
+    with metrics.open("a") as f:
+        f.write('{"step": 2, "reward_me')
+    train.main(flags + ["--steps", "2", "--resume"])
+    assert [r["step"] for r in read_jsonl(metrics)] == [1, 2]
+    assert f"warning: {metrics}:2: a torn last line, dropped" in capsys.readouterr().err
+
+
+def test_a_bad_log_line_before_the_last_is_one_line(tmp_path):
+    flags = TINY + ["--steps", "2", "--lr-decay", "0", "--eval-every", "0", "--out", str(tmp_path)]
+    train.main(flags)
+    metrics = tmp_path / "grpo" / "metrics.jsonl"
+    metrics.write_text("{torn\n" + metrics.read_text())
+    with pytest.raises(SystemExit) as exit_info:
+        train.main(flags + ["--resume"])
+    assert str(exit_info.value.code).startswith(f"error: {metrics}:1: not a JSON record")
+
+
+def damage(path: Path) -> None:
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+
+@pytest.mark.parametrize("file", ["model/model.safetensors", "state.pt"])
+def test_a_damaged_checkpoint_is_one_line_naming_the_file(tmp_path, capsys, file):
+    flags = TINY + ["--steps", "1", "--eval-every", "0", "--out", str(tmp_path)]
+    train.main(flags)
+    checkpoint, logs = tmp_path / "grpo" / "checkpoint", (tmp_path / "grpo" / "metrics.jsonl").read_text()
+    damage(checkpoint / file)
+    with pytest.raises(SystemExit) as exit_info:
+        train.main(flags + ["--resume"])
+    line = str(exit_info.value.code)
+    assert line.startswith("error: ") and f"{checkpoint / file}" in line and "damaged" in line, line
+    assert "\n" not in line and "Traceback" not in capsys.readouterr().err
+    assert (tmp_path / "grpo" / "metrics.jsonl").read_text() == logs  # nothing lost
+    if file == "model/model.safetensors":
+        with pytest.raises(SystemExit) as exit_info:
+            eval_main(["--model", str(checkpoint), "--limit", "1", "--max-new-tokens", "2"])
+        assert f"{checkpoint / file} is damaged" in str(exit_info.value.code)
+
+
+def test_a_planted_pickle_in_state_pt_is_refused_and_runs_nothing(tmp_path):
+    flags = TINY + ["--steps", "1", "--eval-every", "0", "--out", str(tmp_path)]
+    train.main(flags)
+    state, ran = tmp_path / "grpo" / "checkpoint" / "state.pt", tmp_path / "the-planted-code-ran"
+    torch.save({"step": 1, "optimizer": Planted(str(ran)), "algo_state": {}}, state)
+    with pytest.raises(SystemExit) as exit_info:
+        train.main(flags + ["--resume"])
+    assert exit_info.value.code == (f"error: {state}: refused, it holds objects other than tensors and plain "
+                                    "data, which could run code (train.py never saves such a file)")
+    assert not ran.exists()
+
+
+class Planted:
+    """Unpickled, it creates a file: code run by loading."""
+
+    def __init__(self, path: str):
+        self.path = path
+
+    def __reduce__(self):
+        return open, (self.path, "w")
+
+
+def test_avspo_state_resumes_under_weights_only(tmp_path):
+    flags = TINY + ["--algo", "avspo", "--lr-decay", "0", "--eval-every", "0", "--out", str(tmp_path)]
+    train.main(flags + ["--steps", "1"])
+    train.main(flags + ["--steps", "2", "--resume"])  # the optimizer and AdaptiveThreshold load as plain data
+    assert [r["step"] for r in read_jsonl(tmp_path / "avspo" / "metrics.jsonl")] == [1, 2]
+
+
+@pytest.mark.parametrize("value", [np.bool_(True), np.float32(0.5), np.int64(1), np.array(0.25),
+                                   torch.tensor(1.0), torch.tensor(True),
+                                   torch.tensor(0.5, dtype=torch.bfloat16)])
+def test_every_real_number_type_is_a_reward(value):
+    rewards = checked(lambda q, c, g: [value], "user:fn", (0.0, 1.0))(["q"], ["c"], ["g"])
+    assert rewards == [float(value)] and type(rewards[0]) is float
+
+
+def test_a_tensor_of_several_numbers_is_no_reward():
+    with pytest.raises(RewardError, match="a Tensor, not a number"):
+        checked(lambda q, c, g: [torch.tensor([1.0])], "user:fn", (0.0, 1.0))(["q"], ["c"], ["g"])
+
+
+def test_a_trl_none_scores_0_with_one_warning_a_run(rewards, capsys):
+    reward = load_reward("user_rewards:trl_none")
+    assert reward(["q", "q"], ["a", "b"], ["g", "g"]) == [0.0, 0.0]
+    assert reward(["q"], ["a"], ["g"]) == [0.0]
+    assert capsys.readouterr().err.splitlines() == [
+        "warning: reward 'user_rewards:trl_none' returned None for 2 of 2 completions: they score 0 (warned "
+        "once per run)"]
+
+
+def wait_for_lines(path: Path, lines: int, proc: subprocess.Popen) -> None:
+    deadline = time.monotonic() + 240
+    while len(read_jsonl(path)) < lines and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.1)
+
+
+def test_sigterm_saves_the_step_under_way_and_exits_143(tmp_path):
+    cmd = [sys.executable, "train.py", *TINY, "--steps", "1000", "--eval-every", "0", "--out", str(tmp_path)]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    metrics = tmp_path / "grpo" / "metrics.jsonl"
+    wait_for_lines(metrics, 2, proc)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 143, err[-2000:]
+    assert "SIGTERM: stopping at the end of the step under way" in err and "Traceback" not in err
+    assert "interrupted: step" in out
+    saved = torch.load(tmp_path / "grpo" / "checkpoint" / "state.pt", weights_only=True)["step"]
+    assert saved >= 2 and saved == len(read_jsonl(metrics))
+
+
+def test_sigterm_to_experiments_ends_its_workers_each_saved(tmp_path):
+    """Two runs of 1000 steps in two pool workers; SIGTERM to experiments.py alone: each run saves its step
+    and ends (no orphan goes on logging), and experiments.py exits 143."""
+    cmd = [sys.executable, "experiments.py", "--quick", "--only", "compare", "--methods", "grpo,avspo",
+           "--seeds", "0", "--jobs", "2", "--steps", "1000", "--eval-every", "1000", "--out", str(tmp_path),
+           "--figures", str(tmp_path / "figures")]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)  # its own group: the test can end every worker
+    runs = [tmp_path / "compare" / f"seed0-{m}" / m for m in ("grpo", "avspo")]
+    try:
+        for run in runs:
+            wait_for_lines(run / "metrics.jsonl", 1, proc)
+        proc.send_signal(signal.SIGTERM)
+        err = proc.communicate(timeout=180)[1]
+    finally:  # nothing left behind if the test failed (it passed: the group is gone already)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 143, err[-2000:]
+    logged = [len(read_jsonl(run / "metrics.jsonl")) for run in runs]
+    time.sleep(2)
+    assert [len(read_jsonl(run / "metrics.jsonl")) for run in runs] == logged  # no worker goes on
+    for run, steps in zip(runs, logged):
+        assert 1 <= steps < 1000  # stopped, not run to the end
+        assert torch.load(run / "checkpoint" / "state.pt", weights_only=True)["step"] == steps
+
+
+def test_a_bad_reward_on_one_torchrun_process_ends_every_process_with_its_line(tmp_path):
+    (tmp_path / "user_rewards.py").write_text(REWARDS + RANK_1_FAILS)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train.py",
+           *TINY, "--steps", "2", "--eval-every", "0", "--reward", "user_rewards:rank_1_fails", "--out",
+           str(tmp_path / "run")]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(tmp_path)}
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)  # no hang
+    assert proc.returncode != 0
+    line = "error: reward 'user_rewards:rank_1_fails' returned nan for completion 0 of the batch"
+    assert proc.stderr.count(line) == 2, proc.stderr[-3000:]  # each process ends with it
+    assert "]: Traceback" not in proc.stderr, proc.stderr[-3000:]  # no process's traceback
+
+
+RANK_1_FAILS = '''
+def rank_1_fails(completion, gold):
+    import os
+    return float("nan") if os.environ["RANK"] == "1" else 0.0
+'''
+
+
+def test_resume_without_a_checkpoint_says_so_and_starts_at_step_0(tmp_path, capsys):
+    train.main(TINY + ["--steps", "1", "--eval-every", "0", "--out", str(tmp_path), "--resume"])
+    assert f"[grpo] --resume: no checkpoint in {tmp_path / 'grpo'}" in capsys.readouterr().out
+    assert [r["step"] for r in read_jsonl(tmp_path / "grpo" / "metrics.jsonl")] == [1]

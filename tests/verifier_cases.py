@@ -214,6 +214,7 @@ _ACCEPT = [
     ("decimal comma", "(1,5; -0,5)", r"\boxed{(1.5, -0.5)}"),
     ("decimal comma", "1000; 2000", r"\boxed{1,000; 2,000}"),
     ("decimal comma", "3, 5", r"\boxed{3,5}"),
+    ("decimal comma", "1.5", "so we get 1,5."),  # the last-number rule reads "1,5" whole
     # labelled answers: only the values count
     ("labelled", "4, 5", r"\boxed{AB=4, CD=5}"),
     ("labelled", "AB=4, CD=5", r"\boxed{4, 5}"),
@@ -429,6 +430,7 @@ _REJECT = [
     ("decimal comma", "1.234", r"\boxed{1,234}"),
     ("decimal comma", "111", r"\boxed{0,111}"),
     ("decimal comma", "0.11", r"\boxed{0,111}"),
+    ("decimal comma", "5", "so we get 1,5."),  # the last number is "1,5", not its "5"
     ("decimal comma", "111", "The answer is 0,111."),
     ("decimal comma", "1.22", r"\boxed{1,23}"),
     ("decimal comma", "1.22", r"\boxed{12,2}"),
