@@ -77,32 +77,34 @@ def test_the_terminal_shows_a_collapsed_group_one_line_per_completion(capsys):
 def test_samples_match_the_steps_metrics(tmp_path, monkeypatch, capsys):
     """Every step's groups (--log-samples every, one process: all B groups): the rewards, advantages and ACR
     that metrics.jsonl reports for the step. AVSPO, triggered on any collapse, moves the collapsed groups'
-    advantages away from GRPO's zeros; the records carry AVSPO's."""
+    advantages away from GRPO's zeros, and the records carry AVSPO's; DAPO's are the groups it trained, after
+    resampling."""
     (tmp_path / "half_collapsed.py").write_text(HALF_COLLAPSED)
     monkeypatch.syspath_prepend(str(tmp_path))
-    train.main(TINY + ["--algo", "avspo", "--acr-threshold", "0", "--fixed-threshold", "--steps", "3",
+    train.main(TINY + ["--algo", "avspo,dapo", "--acr-threshold", "0", "--fixed-threshold", "--steps", "3",
                        "--prompts-per-step", "4", "--reward", "half_collapsed:reward",
                        "--log-samples", "every", "--eval-every", "2", "--save-every", "0",
                        "--out", str(tmp_path / "run")])
-    metrics = read_jsonl(tmp_path / "run" / "avspo" / "metrics.jsonl")
-    samples = read_jsonl(tmp_path / "run" / "avspo" / "samples.jsonl")
-    assert [r["step"] for r in samples] == [1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3]
-    for row in metrics:
-        groups = [r for r in samples if r["step"] == row["step"]]
-        assert [r["group"] for r in groups] == [0, 1, 2, 3]
-        rewards = torch.tensor([r["rewards"] for r in groups])  # [B, G]
-        advantages = torch.tensor([r["advantages"] for r in groups])  # [B, G]
-        assert rewards.mean().item() == pytest.approx(row["reward_mean"])
-        collapsed = [r["collapsed"] for r in groups]
-        assert row["acr"] == advantage_collapse_rate(rewards) == sum(map(bool, collapsed)) / 4
-        assert collapsed.count("all-correct") / 4 == row["all_correct_frac"]
-        assert advantages.abs().mean().item() == pytest.approx(row["adv_abs_mean"], abs=1e-4)
-        assert "".join("01"[bool(advantages[b].abs().max() > 0)] for b in range(4)) == row["groups_signal"]
-        treated = [r for r in groups if r["collapsed"]]
-        assert all(r["advantages"] != r["grpo_advantages"] == [0.0] * 4 for r in treated)
-    assert any(row["acr"] > 0 for row in metrics)  # the test saw AVSPO act
-    out = capsys.readouterr().out
-    assert out.count("a training group of this step") == 2  # the evaluations of steps 2 and 3
+    for algo in ("avspo", "dapo"):
+        metrics = read_jsonl(tmp_path / "run" / algo / "metrics.jsonl")
+        samples = read_jsonl(tmp_path / "run" / algo / "samples.jsonl")
+        assert [r["step"] for r in samples] == [1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3]
+        for row in metrics:
+            groups = [r for r in samples if r["step"] == row["step"]]
+            assert [r["group"] for r in groups] == [0, 1, 2, 3]
+            rewards = torch.tensor([r["rewards"] for r in groups])  # [B, G]
+            advantages = torch.tensor([r["advantages"] for r in groups])  # [B, G]
+            assert rewards.mean().item() == pytest.approx(row["reward_mean"])
+            collapsed = [r["collapsed"] for r in groups]
+            assert row["acr"] == advantage_collapse_rate(rewards) == sum(map(bool, collapsed)) / 4
+            assert collapsed.count("all-correct") / 4 == row["all_correct_frac"]
+            assert advantages.abs().mean().item() == pytest.approx(row["adv_abs_mean"], abs=1e-4)
+            assert "".join("01"[bool(a.abs().max() > 0)] for a in advantages) == row["groups_signal"]
+            assert "".join("01"[r.get("resampled", False)] for r in groups) == row["groups_replaced"]
+            for r in groups if algo == "avspo" else []:  # a collapsed group: AVSPO's advantages, not zeros
+                assert r["advantages"] != r["grpo_advantages"] == [0.0] * 4 or not r["collapsed"]
+        assert any(row["acr" if algo == "avspo" else "resampled_groups"] > 0 for row in metrics)  # it acted
+    assert capsys.readouterr().out.count("a training group of this step") == 4  # steps 2 and 3, twice
 
 
 def test_by_default_only_evaluation_steps_are_logged_and_a_flag_quiets_the_terminal(tmp_path, capsys):
