@@ -1,6 +1,7 @@
 """samples.jsonl and the group shown at each evaluation: the training groups in words, with the same rewards,
 advantages and ACR as the step's metrics, and a bounded size."""
 
+import dataclasses
 import json
 
 import pytest
@@ -8,7 +9,8 @@ import torch
 
 import train
 from advantage import advantage_collapse_rate, avspo_advantages, grpo_advantages
-from common import SAMPLE_CHARS, SAMPLE_GROUPS, group_samples, read_jsonl, show_group, start_logs, write_jsonl
+from common import (SAMPLE_CHARS, SAMPLE_GROUPS, group_samples, read_jsonl, resume_conflicts, show_group,
+                    start_logs, write_jsonl)
 from data.tasks import Problem
 
 TINY = ["--model", "tiny-qwen2", "--max-new-tokens", "8", "--group-size", "4", "--eval-size", "4"]
@@ -116,7 +118,10 @@ def test_by_default_only_evaluation_steps_are_logged_and_a_flag_quiets_the_termi
     assert read_jsonl(tmp_path / "grpo" / "samples.jsonl") == []  # and the earlier run's are gone
 
 
-def test_a_resumed_run_keeps_the_samples_its_checkpoint_covers(tmp_path):
+def test_a_resumed_run_keeps_the_samples_its_checkpoint_covers_and_may_log_otherwise(tmp_path):
     write_jsonl(tmp_path / "samples.jsonl", [{"step": s, "group": 0} for s in (10, 20, 30)])
-    start_logs(tmp_path, {"seed": 0}, 20)
+    (tmp_path / "config.json").write_text(json.dumps(dataclasses.asdict(train.Args())))
+    start_logs(tmp_path, {}, 20)
     assert [r["step"] for r in read_jsonl(tmp_path / "samples.jsonl")] == [10, 20]
+    # what is logged and shown leaves the steps as they were: --resume may change it
+    assert resume_conflicts(tmp_path, train.Args(log_samples="every", show_group=False)) is None
