@@ -6,6 +6,7 @@ import json
 
 import pytest
 import torch
+import transformers
 
 import train
 from advantage import advantage_collapse_rate, avspo_advantages, grpo_advantages
@@ -109,11 +110,14 @@ def test_samples_match_the_steps_metrics(tmp_path, monkeypatch, capsys):
     assert capsys.readouterr().out.count("a training group of this step") == 4  # steps 2 and 3, twice
 
 
-def test_by_default_only_evaluation_steps_are_logged_and_a_flag_quiets_the_terminal(tmp_path, capsys):
-    train.main(TINY + ["--steps", "3", "--eval-every", "2", "--no-show-group", "--save-every", "0",
-                       "--out", str(tmp_path)])
+def test_by_default_only_evaluation_steps_are_logged_and_a_flag_quiets_the_terminal(tmp_path, capfd):
+    """... and no library's progress bar: loading the model and saving a checkpoint print nothing."""
+    transformers.logging.enable_progress_bar()  # as in a fresh process: start_run turns them off
+    train.main(TINY + ["--steps", "3", "--eval-every", "2", "--no-show-group", "--out", str(tmp_path)])
     assert sorted({r["step"] for r in read_jsonl(tmp_path / "grpo" / "samples.jsonl")}) == [2, 3]
-    assert "a training group" not in capsys.readouterr().out
+    out, err = capfd.readouterr()
+    assert "a training group" not in out and (tmp_path / "grpo" / "checkpoint").exists()
+    assert "Loading weights" not in err and "Writing model shards" not in err
     train.main(TINY + ["--steps", "1", "--log-samples", "none", "--save-every", "0", "--out", str(tmp_path)])
     assert read_jsonl(tmp_path / "grpo" / "samples.jsonl") == []  # and the earlier run's are gone
 
