@@ -24,10 +24,11 @@ from typing import Callable, NamedTuple
 
 import torch
 import torch.distributed as dist
+import transformers
 from tqdm import tqdm
 
 import packing
-from advantage import advantage_collapse_rate, effective_collapse_rate
+from advantage import advantage_collapse_rate, effective_collapse_rate, grpo_advantages
 from data.tasks import Problem, load_eval_problems, load_problems
 from decoding import FAST_ON, decode
 from eval import evaluate
@@ -215,7 +216,8 @@ def one_owner(folder: Path):
         yield
 
 
-RESUMABLE = ("resume", "overwrite", "out", "save_every", "eval_every", "micro_batch", "grad_checkpointing")
+RESUMABLE = ("resume", "overwrite", "out", "save_every", "eval_every", "micro_batch", "grad_checkpointing",
+             "log_samples", "show_group")
 
 
 def earlier_run(run_dir: Path, out: str) -> str | None:
@@ -333,7 +335,7 @@ def start_logs(run_dir: Path, config: dict, last_step: int) -> dict:
     run_dir.mkdir(parents=True, exist_ok=True)
     if last_step == 0:
         (run_dir / "config.json").write_text(json.dumps(config, indent=2))
-    for name in ("metrics.jsonl", "evals.jsonl"):
+    for name in ("metrics.jsonl", "evals.jsonl", "samples.jsonl"):
         kept = [r for r in read_jsonl(run_dir / name) if r["step"] <= last_step] if last_step else []
         write_jsonl(run_dir / name, kept)
     last = (read_jsonl(run_dir / "metrics.jsonl") or [{}])[-1]
@@ -405,12 +407,18 @@ def collapse_warning(run_dir: Path, group_size: int) -> str | None:
             "or --algo avspo or dapo")
 
 
+def group_kinds(rewards: torch.Tensor) -> list[str]:
+    """Each of the B groups of rewards [B, G] as one character: C all-correct, W all-wrong, = all equal
+    otherwise, M mixed."""
+    return ["C" if lo == 1 else "W" if hi == 0 else "=" if lo == hi else "M"
+            for lo, hi in zip(rewards.amin(1).tolist(), rewards.amax(1).tolist())]
+
+
 def group_map(first_rewards: torch.Tensor, advantages: torch.Tensor, replaced: torch.Tensor) -> dict:
-    """The batch's B groups as strings, for a collapse map: how each group came out as first sampled (C
-    all-correct, W all-wrong, = all equal otherwise, M mixed), whether the method gave it a non-zero advantage
-    (1/0), and whether dynamic sampling replaced its prompt (1/0)."""
-    kinds = ["C" if lo == 1 else "W" if hi == 0 else "=" if lo == hi else "M"
-             for lo, hi in zip(first_rewards.amin(1).tolist(), first_rewards.amax(1).tolist())]
+    """The batch's B groups as strings, for a collapse map: how each group came out as first sampled
+    (`group_kinds`), whether the method gave it a non-zero advantage (1/0), and whether dynamic sampling
+    replaced its prompt (1/0)."""
+    kinds = group_kinds(first_rewards)
     signal = (advantages.abs().amax(dim=1) >= 1e-6).tolist()  # as effective_collapse_rate's tau
     return {"groups_sampled": "".join(kinds), "groups_signal": "".join("01"[s] for s in signal),
             "groups_replaced": "".join("01"[r] for r in replaced.tolist())}
@@ -429,6 +437,52 @@ def step_metrics(rewards, advantages, rollout: Rollout, costs: dict, device) -> 
             "truncated_frac": truncated / rewards.numel(),
             "gen_tokens": int(gen_tokens), "gen_tokens_per_s": gen_tokens / costs["generate"],
             "time_generate": costs["generate"], "time_score": costs["score"]}
+
+
+# ------------------------------------------------------------------------------ the training groups, in words
+
+SAMPLE_CHARS, SAMPLE_GROUPS = 500, 8  # samples.jsonl's bounds: characters of a text, groups of a step
+COLLAPSED = {"C": "all-correct", "W": "all-wrong", "=": "all-equal"}  # the collapsed `group_kinds`
+
+
+def cut(text: str, limit: int) -> str:
+    """At most `limit` characters; a cut text ends in an ellipsis."""
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def group_samples(step: int, problems: list[Problem], texts: list[str], first: int, rewards: torch.Tensor,
+                  advantages: torch.Tensor, ref_rewards: torch.Tensor | None,
+                  replaced: torch.Tensor) -> list[dict]:
+    """samples.jsonl's records of a step: this process's groups as trained (at most SAMPLE_GROUPS), the
+    `problems` and their G `texts` each, problems[0] being the batch's group `first`; rewards, advantages and
+    AAPO's r_ref [B, G] are the batch's. Beside the method's advantages, GRPO's for the same rewards: the two
+    differ where AVSPO's virtual rewards or AAPO's margin act. Texts are cut to SAMPLE_CHARS characters."""
+    grpo, kinds, group_size = grpo_advantages(rewards), group_kinds(rewards), rewards.shape[1]  # [B, G]
+    records = []
+    for i, problem in enumerate(problems[:SAMPLE_GROUPS]):
+        b = first + i
+        records.append({
+            "step": step, "group": b, "prompt": cut(problem.question, SAMPLE_CHARS),
+            "gold": cut(problem.answer, SAMPLE_CHARS), "collapsed": COLLAPSED.get(kinds[b]),
+            "rewards": rewards[b].tolist(), "advantages": [round(a, 4) for a in advantages[b].tolist()],
+            "grpo_advantages": [round(a, 4) for a in grpo[b].tolist()],
+            **({"ref_rewards": ref_rewards[b].tolist()} if ref_rewards is not None else {}),  # AAPO
+            **({"resampled": True} if replaced[b] else {}),  # DAPO: a new prompt, in place of a collapsed one
+            "completions": [cut(t, SAMPLE_CHARS) for t in texts[i * group_size : (i + 1) * group_size]]})
+    return records
+
+
+def show_group(algo: str, step: int, accuracy: float, samples: list[dict]) -> None:
+    """At an evaluation, one of the step's training groups in words, a collapsed one where there is one: each
+    completion on one line, its reward and advantage beside GRPO's for the same rewards."""
+    group = next((s for s in samples if s["collapsed"]), samples[0])
+    one_line = lambda text, limit: cut(" ".join(text.split()), limit)  # noqa: E731
+    lines = [f"[{algo}] step {step}: held-out accuracy {accuracy:.3f}; a training group of this step, "
+             f"{group['collapsed'] or 'mixed'}: {one_line(group['prompt'], 40)} "
+             f"(gold {one_line(group['gold'], 20)})", "  reward  advantage  GRPO's  completion"]
+    lines += [f"  {r:6.2f}  {a:+9.3f}  {g:+6.3f}  {one_line(text, 80)}" for r, a, g, text in
+              zip(group["rewards"], group["advantages"], group["grpo_advantages"], group["completions"])]
+    tqdm.write("\n".join(lines))
 
 
 # ------------------------------------------------------------------------------ a run: setup, each step's end
@@ -473,6 +527,7 @@ def start_run(args, run_dir: Path, device: torch.device, is_main: bool, state: d
               with_reference: bool) -> Run:
     """The models, optimizer, method state and problems of a run (train.Args `args`): new, or as saved with
     --resume."""
+    transformers.logging.disable_progress_bar()  # the run's own bar alone: none for loading or saving weights
     checkpoint = find_checkpoint(run_dir) if args.resume else None
     if args.resume and not checkpoint and is_main:
         print(f"[{args.algo}] --resume: no checkpoint in {run_dir}, starting from scratch")
@@ -536,15 +591,23 @@ def first_eval(args, run: Run, run_dir: Path) -> None:
         run_eval(args, run, run_dir, run.done)
 
 
-def after_step(args, run: Run, run_dir: Path, record: dict, totals: dict, stop: bool) -> dict:
-    """Process 0, after each step: log it, warn once if the early ACR says the setup wastes its samples, save,
-    evaluate. Returns the run's totals so far (`log_step`)."""
+def after_step(args, run: Run, run_dir: Path, record: dict, totals: dict, stop: bool,
+               samples: list[dict]) -> dict:
+    """Process 0, after each step: log it and (--log-samples) its groups, warn once if the early ACR says the
+    setup wastes its samples, save, evaluate and show one group. Returns the run's totals so far
+    (`log_step`)."""
     totals = log_step(run_dir, record, totals)
     step = record["step"]
+    evaluating = eval_due(args, step) and (not stop or step == args.steps)
+    if args.log_samples == "every" or args.log_samples == "evals" and evaluating:
+        for sample in samples:
+            append_jsonl(run_dir / "samples.jsonl", sample)
     if step == early_steps(args.steps) and (warning := collapse_warning(run_dir, args.group_size)):
         tqdm.write(f"[{args.algo}] {warning}")  # the paper's early-ACR diagnostic
     if args.save_every and (step % args.save_every == 0 or step == args.steps or stop):
         save_checkpoint(run_dir, run.master, run.tokenizer, run.optimizer, step, run.state)
-    if eval_due(args, step) and (not stop or step == args.steps):
-        run_eval(args, run, run_dir, step)
+    if evaluating:
+        accuracy = run_eval(args, run, run_dir, step)
+        if args.show_group:
+            show_group(args.algo, step, accuracy, samples)
     return totals

@@ -32,7 +32,8 @@ from tqdm import tqdm
 from advantage import (AVSPO_ENDS, AdaptiveThreshold, aapo_advantages, aapo_margin, avspo_advantages,
                        collapsed_groups, grpo_advantages)
 from common import (Run, after_step, all_sum, arg, at_least, dataclass_parser, earlier_run, exits_cleanly,
-                    fast_or_plain, first_eval, gather_groups, group_map, in_range, init_processes, one_owner,
+                    fast_or_plain, first_eval, gather_groups, group_map, group_samples, in_range, init_processes,
+                    one_owner,
                     resume_conflicts, save_checkpoint, start_logs, start_run, step_metrics, sum_gradients,
                     summarise_run)
 from data.tasks import Problem, load_eval_problems, load_problems, step_problems
@@ -98,6 +99,9 @@ class Args:
     eval_every: int = arg(10, "held-out accuracy every N steps (0: before and after)", type=at_least(0))
     eval_size: int = arg(64, "held-out problems per evaluation", type=at_least(1))
     save_every: int = arg(10, "checkpoint every N steps, at the end and on Ctrl-C (0: no)", type=at_least(0))
+    log_samples: str = arg("evals", "samples.jsonl: the groups' prompts, completions, rewards, advantages, "
+                           "on evaluation steps, every step or none", choices=("evals", "every", "none"))
+    show_group: bool = arg(True, "at each evaluation, print one training group (a collapsed one if any)")
 
 
 def parse_args(argv: list[str] | None = None) -> Args:
@@ -139,10 +143,11 @@ SampleAndScore = Callable[[torch.nn.Module, list[Problem]], tuple[Rollout, torch
 
 def sample_batch(args: Args, sample_and_score: SampleAndScore, policy, problems_of_round, mine: slice,
                  pad_token_id: int):
-    """This process's rollout; the batch's rewards [B, G] as trained and as first sampled; which of the B
-    groups were replaced [B]; how many groups were sampled again. DAPO's dynamic sampling (Yu et al. 2025,
+    """This process's rollout and prompts; the batch's rewards [B, G] as trained and as first sampled; which
+    of the B groups were replaced [B]; how many were sampled again. DAPO's dynamic sampling (Yu et al. 2025,
     arXiv 2503.14476) gives each collapsed group a new prompt, up to --resample-rounds times."""
-    rollout, local = sample_and_score(policy, problems_of_round(0)[mine])  # [b, G]
+    problems = problems_of_round(0)[mine]
+    rollout, local = sample_and_score(policy, problems)  # [b, G]
     rewards = first_rewards = gather_groups(local.clone())  # [B, G]; a copy, as the rounds overwrite local
     replaced, resampled = torch.zeros(len(rewards), dtype=torch.bool), 0
     for round in range(1, (args.resample_rounds if args.algo == "dapo" else 0) + 1):
@@ -154,9 +159,10 @@ def sample_batch(args: Args, sample_and_score: SampleAndScore, policy, problems_
             fresh = problems_of_round(round)[mine]
             new, local[redo] = sample_and_score(policy, [fresh[g] for g in redo])
             rollout = replace_groups(rollout, redo, new, args.group_size, pad_token_id)
+            problems = [fresh[g] if g in redo else p for g, p in enumerate(problems)]
         rewards, replaced = gather_groups(local), replaced | collapsed
         resampled += int(collapsed.sum())
-    return rollout, rewards, first_rewards, replaced, resampled
+    return rollout, problems, rewards, first_rewards, replaced, resampled
 
 
 def reference_rewards(args: Args, sample_and_score: SampleAndScore, reference, problems: list[Problem]):
@@ -294,13 +300,14 @@ def sample_and_score(args: Args, run: Run, network, problems: list[Problem]) -> 
     return rollout, rewards
 
 
-def train_step(args: Args, run: Run, step: int, rank: int, mine: slice, device: torch.device) -> dict:
-    """One step: sample and score the batch, its advantages (ALGO LOGIC), the update; returns its record."""
+def train_step(args: Args, run: Run, step: int, rank: int, mine: slice, device: torch.device) -> tuple:
+    """One step: sample and score the batch, its advantages (ALGO LOGIC), the update; returns its record and
+    this process's groups in words (`group_samples`)."""
     torch.manual_seed(args.seed * 1_000_003 + step * 1_000 + rank)  # samples: (seed, step, rank) alone
     run.costs.clear()
     score = partial(sample_and_score, args, run)
     problems_of_round = partial(step_problems, run.train_problems, args.prompts_per_step, args.seed, step)
-    rollout, rewards, first_rewards, replaced, resampled = sample_batch(
+    rollout, problems, rewards, first_rewards, replaced, resampled = sample_batch(
         args, score, run.policy, problems_of_round, mine, run.tokenizer.pad_token_id)  # rewards [B, G]
     ref_rewards = reference_rewards(args, score, run.reference, problems_of_round(0)[mine])
     advantages, extra = compute_advantages(args, rewards, run.state, ref_rewards)  # [B, G]: ALGO LOGIC
@@ -309,8 +316,10 @@ def train_step(args: Args, run: Run, step: int, rank: int, mine: slice, device: 
         group["lr"] = lr
     b_advantages = advantages[mine].flatten().to(device)  # this process's rows
     stats = update_policy(run.master, run.policy, run.optimizer, rollout, b_advantages, run.reference, args)
-    return {"step": step, **step_metrics(rewards, advantages, rollout, run.costs, device), **extra, **stats,
-            "resampled_groups": resampled, "lr": lr, **group_map(first_rewards, advantages, replaced)}
+    record = {"step": step, **step_metrics(rewards, advantages, rollout, run.costs, device), **extra, **stats,
+              "resampled_groups": resampled, "lr": lr, **group_map(first_rewards, advantages, replaced)}
+    return record, group_samples(step, problems, rollout.texts, mine.start, rewards, advantages, ref_rewards,
+                                 replaced)
 
 
 def train(args: Args, run_dir: Path, stop_requested: Sequence = ()) -> dict | None:
@@ -332,14 +341,14 @@ def train(args: Args, run_dir: Path, stop_requested: Sequence = ()) -> dict | No
                disable=rank > 0)
     for step in bar:
         try:
-            record = train_step(args, run, step, rank, mine, device)
+            record, samples = train_step(args, run, step, rank, mine, device)
         except RewardError:  # before the update: save the steps before it, so --resume redoes none of them
             if is_main and args.save_every and step - 1 > run.done:
                 save_checkpoint(run_dir, run.master, run.tokenizer, run.optimizer, step - 1, run.state)
             raise
         stop = all_sum([len(stop_requested)], device)[0] > 0  # every process stops after the same step
         if is_main:
-            totals = after_step(args, run, run_dir, record, totals, stop)
+            totals = after_step(args, run, run_dir, record, totals, stop, samples)
             bar.set_postfix_str(" ".join(f"{k} {record[k]:.2f}" for k in ("reward_mean", "acr", "grad_norm")))
         if stop:
             break

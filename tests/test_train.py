@@ -597,7 +597,7 @@ def test_dynamic_sampling_replaces_collapsed_groups_only(tiny, algo, rounds, exp
         return rollout, rewards
 
     args = train.Args(algo=algo, resample_rounds=rounds, group_size=2, prompts_per_step=2)
-    rollout, rewards, first, replaced, resampled = train.sample_batch(
+    rollout, problems, rewards, first, replaced, resampled = train.sample_batch(
         args, sample_and_score, model, lambda r: [Problem(q, "0") for q in draws[r]], slice(0, 2),
         tokenizer.pad_token_id)
     assert resampled == expected_resampled
@@ -606,6 +606,7 @@ def test_dynamic_sampling_replaces_collapsed_groups_only(tiny, algo, rounds, exp
     assert rewards[0].tolist() == [1.0, 0.0]  # the mixed group is kept in every case
     assert rewards[1].tolist() == ([1.0, 0.0] if expected_resampled == 2 else [0.0, 0.0])
     assert rollout.input_ids.shape[0] == 4
+    assert [p.question for p in problems] == ["ok-0", {0: "dead-0", 1: "dead-1b", 2: "ok-2"}[expected_resampled]]
 
 
 def test_a_users_reward_function_is_used_for_training_and_eval(tmp_path, monkeypatch):
