@@ -307,7 +307,7 @@ def one_step_each(size: str, precision: str, checkpointing: bool, device: torch.
                           micro_batch=4, lr=1e-5, precision=precision, grad_checkpointing=checkpointing)
         run = common.Run(master, policy, reference, tokenizer, optimizer, train.algo_state(args),
                          load_reward(args.reward, args.reward_range), problems, [], 0, Counter())
-        record = train.train_step(args, run, 1, 0, slice(0, args.prompts_per_step), device)
+        record, _ = train.train_step(args, run, 1, 0, slice(0, args.prompts_per_step), device)
         ok = record["skipped"] == 0 and math.isfinite(record["grad_norm"])
         return ok, f"rows trained {record['rows_trained']}, grad norm {record['grad_norm']:.3g}"
 

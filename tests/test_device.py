@@ -130,7 +130,7 @@ def test_a_train_step_keeps_cudas_device_rules(tmp_path, algo, beta, fast):
                            with_reference=algo == "aapo" or beta > 0)
     models = [m for m in (run.master, run.policy, run.reference) if m is not None]
     with CudaDeviceRules(*models):
-        record = train.train_step(args, run, 1, 0, slice(0, args.prompts_per_step), device)
+        record, _ = train.train_step(args, run, 1, 0, slice(0, args.prompts_per_step), device)
         assert 0 <= common.run_eval(args, run, tmp_path, 1) <= 1
     assert record["skipped"] == 0
     if algo == "avspo" or beta > 0:  # virtual rewards, or the KL: every row trains, under the rules
