@@ -32,9 +32,9 @@ from tqdm import tqdm
 from advantage import (AVSPO_ENDS, AdaptiveThreshold, aapo_advantages, aapo_margin, avspo_advantages,
                        collapsed_groups, grpo_advantages)
 from common import (Run, after_step, all_sum, arg, at_least, dataclass_parser, earlier_run, exits_cleanly,
-                    fast_or_plain, first_eval, gather_groups, group_map, group_samples, in_range, init_processes,
-                    one_owner, resume_conflicts, save_checkpoint, start_logs, start_run, step_metrics,
-                    sum_gradients, summarise_run)
+                    fast_or_plain, first_eval, gather_groups, group_map, group_samples, in_range,
+                    init_processes, one_owner, resume_conflicts, save_checkpoint, start_logs, start_run,
+                    step_metrics, sum_gradients, summarise_run)
 from data.tasks import Problem, load_eval_problems, load_problems, step_problems
 from eval import score_groups
 from model import (DEVICES, PROMPT_FORMATS, Rollout, accumulate_gradients, copy_weights, format_prompts,

@@ -118,8 +118,9 @@ def test_by_default_only_evaluation_steps_are_logged_and_a_flag_quiets_the_termi
     out, err = capfd.readouterr()
     assert "a training group" not in out and (tmp_path / "grpo" / "checkpoint").exists()
     assert "Loading weights" not in err and "Writing model shards" not in err
-    train.main(TINY + ["--steps", "1", "--log-samples", "none", "--save-every", "0", "--out", str(tmp_path)])
-    assert read_jsonl(tmp_path / "grpo" / "samples.jsonl") == []  # and the earlier run's are gone
+    train.main(TINY + ["--steps", "1", "--log-samples", "none", "--save-every", "0", "--overwrite", "--out",
+                       str(tmp_path)])
+    assert read_jsonl(tmp_path / "grpo" / "samples.jsonl") == []  # and the replaced run's are gone
 
 
 def test_a_resumed_run_keeps_the_samples_its_checkpoint_covers_and_may_log_otherwise(tmp_path):
