@@ -62,6 +62,7 @@ import math
 import numbers
 import re
 import sys
+from collections import Counter
 from fractions import Fraction
 from functools import lru_cache
 from typing import Callable, NamedTuple, Union
@@ -1102,7 +1103,11 @@ class RewardError(ValueError):
     """A reward that is not a finite number inside the declared range: one line, and the run stops."""
 
 
-def load_reward(spec: str = "verifier", reward_range: tuple[float, float] = (0.0, 1.0)) -> Reward:
+REWARD_TIMEOUT = 5.0  # seconds a reward call may take (--reward-timeout); math-verify's own default
+
+
+def load_reward(spec: str = "verifier", reward_range: tuple[float, float] = (0.0, 1.0),
+                time_limit: float = REWARD_TIMEOUT, counts: Counter | None = None) -> Reward:
     """The rewards of a batch of completions, checked where they enter (`checked`), from a spec: "verifier"
     (this module's ``verify``), "math-verify" (the optional package, imported only when asked), or
     "module:function", a user's function of either shape, told apart by its signature:
@@ -1116,18 +1121,30 @@ def load_reward(spec: str = "verifier", reward_range: tuple[float, float] = (0.0
 
     A bad spec, or a function of neither shape, raises ValueError in one line naming what was expected.
 
+    Any reward but the verifier (pure Python, bounded work: it runs here) runs in a process of its own
+    (reward_worker.py), each call limited to `time_limit` seconds: a call past it scores 0, and its
+    completions are added to counts["reward_timeouts"]. time_limit 0: no limit, the reward runs here.
+
     >>> load_reward()(["What is 2 + 3?"] * 2, ["\\boxed{5}", "6"], ["5", "5"])
     [1.0, 0.0]
     """
-    return checked(_batch_reward(spec), str(spec), reward_range)
+    reward, one_by_one = _batch_reward(spec)  # a bad spec fails here, in one line
+    if time_limit and spec not in VERIFIER:
+        from reward_worker import RewardWorker  # it imports this module
+        reward = RewardWorker(str(spec), time_limit, one_by_one, counts)
+    return checked(reward, str(spec), reward_range)
 
 
-def _batch_reward(spec: str) -> Reward:
-    """The unchecked batch reward of a spec (`load_reward`)."""
-    if spec in ("verifier", "", None):
-        return per_completion(verify)
+VERIFIER = ("verifier", "", None)  # the specs of this module's `verify`
+
+
+def _batch_reward(spec: str) -> tuple[Reward, bool]:
+    """The unchecked batch reward of a spec (`load_reward`), and whether it calls a function once per
+    completion (else once per batch, TRL's way)."""
+    if spec in VERIFIER:
+        return per_completion(verify), True
     if spec in ("math-verify", "math_verify"):
-        return per_completion(_math_verify_reward())
+        return per_completion(_math_verify_reward()), True
     module_name, sep, attr = str(spec).partition(":")
     if not sep or not module_name or not attr:
         raise ValueError(f"reward spec {spec!r}: expected 'verifier', 'math-verify' or "
@@ -1144,15 +1161,15 @@ def _batch_reward(spec: str) -> Reward:
     try:
         signature = inspect.signature(fn)
     except (TypeError, ValueError):  # a builtin without one: trust it to be f(completion, gold)
-        return per_completion(fn, spec)
+        return per_completion(fn, spec), True
     if "completions" in signature.parameters:
-        return _trl_style(fn, signature, spec)
+        return _trl_style(fn, signature, spec), False
     try:
         signature.bind("completion", "gold")
     except TypeError:
         raise ValueError(f"reward spec {spec!r}: {attr}{signature} is neither f(completion, gold) -> float "
                          "nor TRL's f(prompts, completions, **kwargs) -> list[float]") from None
-    return per_completion(fn, spec)
+    return per_completion(fn, spec), True
 
 
 def per_completion(fn: Callable[[str, str], float], spec: str = "verifier") -> Reward:
@@ -1160,12 +1177,12 @@ def per_completion(fn: Callable[[str, str], float], spec: str = "verifier") -> R
     a user's reward), one line names the spec, the problem and the completion before its traceback."""
     def reward(questions: list[str], completions: list[str], golds: list[str]) -> list:
         rewards = []
-        for i, (question, completion, gold) in enumerate(zip(questions, completions, golds)):
+        for question, completion, gold in zip(questions, completions, golds):
             try:
                 rewards.append(fn(completion, gold))
             except Exception:
-                print(f"error: reward {spec!r} raised on completion {i} of the batch, {completion[:60]!r}, "
-                      f"of problem {question[:60]!r} (gold {gold!r}):", file=sys.stderr)
+                print(f"error: reward {spec!r} raised on the completion {completion[:60]!r} of problem "
+                      f"{question[:60]!r} (gold {gold!r}):", file=sys.stderr)
                 raise
         return rewards
     return reward

@@ -27,7 +27,9 @@ from verifier import RewardError, checked, load_reward
 TINY = ["--model", "tiny-qwen2", "--max-new-tokens", "8", "--group-size", "4", "--eval-size", "4"]
 ROOT = Path(__file__).resolve().parent.parent
 REWARDS = '''
-calls, limit = 0, 10**9  # the test sets limit: the calls after it return NaN
+import os
+
+calls, limit = 0, int(os.environ.get("BREAK_AFTER", 10**9))  # the calls after it return NaN
 
 def nan(completion, gold): return float("nan")
 def string(completion, gold): return "1"
@@ -80,12 +82,18 @@ def test_the_declared_range_admits_what_it_declares(rewards):
     assert load_reward()(["q", "q"], ["\\boxed{5}", "4"], ["5", "5"]) == [1.0, 0.0]  # the verifier's own
 
 
-def test_a_reward_that_raises_is_named_before_its_traceback(rewards, capsys):
-    with pytest.raises(KeyError):  # the user's own bug: its exception and traceback go on
+def test_a_reward_that_raises_is_named_before_its_traceback(rewards, capfd):
+    with pytest.raises(KeyError):  # in this process (no time limit): the user's exception goes on
+        load_reward("user_rewards:raises", time_limit=0)(["q1", "q2"], ["x", "y"], ["g", "g"])
+    assert capfd.readouterr().err.strip() == (
+        "error: reward 'user_rewards:raises' raised on the completion 'y' of problem 'q2' (gold 'g'):")
+    with pytest.raises(RewardError) as error:  # in its own process: the traceback there, one line here
         load_reward("user_rewards:raises")(["q1", "q2"], ["x", "y"], ["g", "g"])
-    assert capsys.readouterr().err.strip() == (
-        "error: reward 'user_rewards:raises' raised on completion 1 of the batch, 'y', of problem 'q2' "
-        "(gold 'g'):")
+    assert str(error.value) == ("reward 'user_rewards:raises' raised KeyError: 'y' on 'y' of problem 'q2' "
+                                "(its traceback above)")
+    err = capfd.readouterr().err
+    assert err.startswith("error: reward 'user_rewards:raises' raised on the completion 'y' of problem 'q2'")
+    assert err.strip().endswith("KeyError: 'y'")
 
 
 @pytest.mark.parametrize("name", ["nan", "string", "five", "negative"])
@@ -97,17 +105,19 @@ def test_train_py_stops_on_a_bad_reward_in_one_line(rewards, name, tmp_path, cap
     assert "Traceback" not in capsys.readouterr().err
 
 
-def test_a_bad_reward_mid_run_loses_no_finished_step(rewards, tmp_path):
+def test_a_bad_reward_mid_run_loses_no_finished_step(rewards, tmp_path, monkeypatch):
     """--save-every 10, the reward breaks in step 3: steps 1 and 2 are saved, and --resume with the reward
     fixed goes on from step 3, each step logged once."""
     flags = TINY + ["--steps", "4", "--eval-every", "0", "--reward", "user_rewards:breaks_later", "--out",
                     str(tmp_path)]
-    rewards.limit = 4 + 2 * 8  # the evaluation before training (4 problems), then 2 steps of 2 prompts x 4
+    # the reward's process reads its limit: the evaluation before training (4 problems), then 2 steps of 2
+    # prompts x 4
+    monkeypatch.setenv("BREAK_AFTER", str(4 + 2 * 8))
     with pytest.raises(SystemExit) as exit_info:
         train.main(flags)
     assert "returned nan" in str(exit_info.value.code)
     assert torch.load(tmp_path / "grpo" / "checkpoint" / "state.pt", weights_only=False)["step"] == 2
-    rewards.limit = 10**9
+    monkeypatch.delenv("BREAK_AFTER")
     train.main(flags + ["--resume"])
     assert [r["step"] for r in read_jsonl(tmp_path / "grpo" / "metrics.jsonl")] == [1, 2, 3, 4]
 
@@ -327,11 +337,11 @@ def test_a_tensor_of_several_numbers_is_no_reward():
         checked(lambda q, c, g: [torch.tensor([1.0])], "user:fn", (0.0, 1.0))(["q"], ["c"], ["g"])
 
 
-def test_a_trl_none_scores_0_with_one_warning_a_run(rewards, capsys):
+def test_a_trl_none_scores_0_with_one_warning_a_run(rewards, capfd):
     reward = load_reward("user_rewards:trl_none")
     assert reward(["q", "q"], ["a", "b"], ["g", "g"]) == [0.0, 0.0]
     assert reward(["q"], ["a"], ["g"]) == [0.0]
-    assert capsys.readouterr().err.splitlines() == [
+    assert capfd.readouterr().err.splitlines() == [
         "warning: reward 'user_rewards:trl_none' returned None for 2 of 2 completions: they score 0 (warned "
         "once per run)"]
 

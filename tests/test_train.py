@@ -719,10 +719,11 @@ def test_group_map_marks_what_each_group_was_and_what_the_method_gave_it():
 
 
 TRL_STYLE = """
-calls = []
+import os
 
 def half_right(prompts, completions, solution, **kwargs):  # TRL's reward-function shape
-    calls.append(len(completions))
+    with open(os.environ["CALLS"], "a") as calls:  # it runs in a process of its own (reward_worker.py)
+        calls.write(f"{len(completions)}\\n")
     assert all(p[0]["role"] == "user" and c[0]["role"] == "assistant" for p, c in zip(prompts, completions))
     return [float(i % 2) for i in range(len(completions))]
 
@@ -736,13 +737,13 @@ def test_a_trl_style_reward_trains_and_a_wrong_shape_is_one_line(tmp_path, monke
     completions (2 steps, each its own call, then the evaluations), and every group comes out mixed."""
     (tmp_path / "trl_style_rewards.py").write_text(TRL_STYLE)
     monkeypatch.syspath_prepend(str(tmp_path))
-    import trl_style_rewards
-
+    monkeypatch.setenv("CALLS", str(tmp_path / "calls"))
     train.main(TINY + ["--steps", "2", "--eval-every", "0", "--prompts-per-step", "2", "--save-every", "0",
                        "--reward", "trl_style_rewards:half_right", "--out", str(tmp_path / "run")])
     rows = read_jsonl(tmp_path / "run" / "grpo" / "metrics.jsonl")
     assert [r["reward_mean"] for r in rows] == [0.5, 0.5] and all(r["acr"] == 0.0 for r in rows)
-    assert trl_style_rewards.calls[:1] == [4] and trl_style_rewards.calls[1:3] == [8, 8]  # eval (4), steps
+    calls = [int(n) for n in (tmp_path / "calls").read_text().split()]
+    assert calls[:1] == [4] and calls[1:3] == [8, 8]  # eval (4), steps
     with pytest.raises(SystemExit):
         train.main(TINY + ["--reward", "trl_style_rewards:wrong_shape", "--out", str(tmp_path / "bad")])
     error = capsys.readouterr().err.strip().splitlines()[-1]

@@ -292,7 +292,7 @@ def test_load_reward_calls_a_trl_style_function_once_per_batch(tmp_path: Path,
     monkeypatch.syspath_prepend(str(tmp_path))
     import trl_rewards
 
-    reward = load_reward("trl_rewards:accuracy")
+    reward = load_reward("trl_rewards:accuracy", time_limit=0)  # in this process: its calls are seen here
     assert reward(["What is 2 + 3?", "What is 2 + 3?"], ["5", "6"], ["5", "5"]) == [1.0, 0.0]
     assert len(trl_rewards.calls) == 1  # once for the batch, not once per completion
     prompts, completions, solution, extra = trl_rewards.calls[0]
