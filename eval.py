@@ -10,6 +10,7 @@ and the unbiased pass@k estimator 1 - C(n - c, k) / C(n, k) (Chen et al. 2021, E
 
 import argparse
 import json
+import math
 import re
 import sys
 from math import comb
@@ -20,11 +21,12 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from flags import at_least, folder, in_range
 from data.tasks import Problem, load_eval_problems
 from decoding import FAST_ON, decode
-from model import (DEVICES, PROMPT_FORMATS, format_prompts, load_model, load_tokenizer, pick_device, sample,
-                   sample_with_generate, working_copy)
-from verifier import Reward, extract_answer, load_reward, per_completion, reward_range, verify
+from model import (DEVICES, PROMPT_FORMATS, context_warning, format_prompts, load_model, load_tokenizer,
+                   longest_prompt, pick_device, sample, sample_with_generate, working_copy)
+from verifier import REWARD_TIMEOUT, Reward, extract_answer, load_reward, per_completion, reward_range, verify
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -108,17 +110,29 @@ def print_table(results: dict, dataset: str, problems: int, temperature: float, 
 
 
 def write_results(out: Path, summary: dict, results: dict, dataset: str, temperature: float) -> None:
-    """summary.json, and each model's completions, one JSON line each."""
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "summary.json").write_text(json.dumps({"dataset": dataset, "temperature": temperature,
-                                                  "models": summary}, indent=2))
-    for name, r in results.items():
-        with (out / f"samples-{slug(name)}.jsonl").open("w") as f:
-            f.writelines(json.dumps(rec) + "\n" for rec in r["records"])
-    print(f"wrote {out / 'summary.json'} and per-sample JSONL")
+    """summary.json, and each model's completions, one JSON line each: each file written whole or not at all
+    (a temporary file renamed into place), summary.json last."""
+    files = {out / f"samples-{slug(name)}.jsonl": "".join(json.dumps(rec) + "\n" for rec in r["records"])
+             for name, r in results.items()}
+    files[out / "summary.json"] = json.dumps({"dataset": dataset, "temperature": temperature,
+                                              "models": summary}, indent=2)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        for path, text in files.items():
+            tmp = path.with_name(path.name + ".tmp")
+            try:
+                tmp.write_text(text)
+                tmp.replace(path)
+            finally:
+                tmp.unlink(missing_ok=True)
+    except OSError as e:  # a full disk, a read-only folder: the table above is the result
+        sys.exit(f"error: the results could not be written to {out} ({e.strerror or e}); the table above "
+                 "holds them")
+    print(f"wrote {out / 'summary.json'} and {len(results)} samples-*.jsonl beside it")
 
 
-def main(argv: list[str] | None = None) -> dict:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The flags; bad values, and a bad combination, stop here in one line, before any model loads."""
     p = argparse.ArgumentParser(description="Evaluate one or more models with the training verifier.")
     p.add_argument("--model", nargs="+", default=["smollm2-135m"],
                    help="aliases, hub ids, folders or checkpoints")
@@ -128,14 +142,17 @@ def main(argv: list[str] | None = None) -> dict:
                    help="verifier, math-verify, or module:function (as train.py)")
     p.add_argument("--reward-range", type=reward_range, default=(0.0, 1.0),
                    help="lo,hi: the rewards' range (else it stops); correct means a reward of 1")
-    p.add_argument("--limit", type=int, default=0, help="evaluate only the first N problems (0: all)")
-    p.add_argument("--samples", type=int, default=1,
+    p.add_argument("--reward-timeout", type=in_range(0, math.inf), default=REWARD_TIMEOUT,
+                   help="seconds a reward call may take (not the verifier's), else it scores 0 (0: no limit)")
+    p.add_argument("--limit", type=at_least(0), default=0, help="evaluate only the first N problems (0: all)")
+    p.add_argument("--samples", type=at_least(1), default=1,
                    help="completions per problem (n); >1 samples at --temperature")
-    p.add_argument("--temperature", type=float, default=None,
+    p.add_argument("--temperature", type=in_range(0, math.inf), default=None,
                    help="default: 0 (greedy) for 1 sample, else 1.0")
-    p.add_argument("--max-new-tokens", type=int, default=256, help="completion length limit")
-    p.add_argument("--batch-size", type=int, default=32, help="prompts per generate call")
-    p.add_argument("--out", default="", help="folder for summary.json and per-model samples JSONL")
+    p.add_argument("--max-new-tokens", type=at_least(1), default=256, help="completion length limit")
+    p.add_argument("--batch-size", type=at_least(1), default=32, help="prompts per generate call")
+    p.add_argument("--out", type=folder, default="",
+                   help="folder for summary.json and per-model samples JSONL")
     p.add_argument("--seed", type=int, default=0, help="sampling seed")
     p.add_argument("--precision", default="auto", choices=["auto", "fp32", "bf16"],
                    help="auto: bf16 where the GPU or CPU has it natively (as train.py), else fp32")
@@ -149,10 +166,18 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--device", default="auto", choices=DEVICES,
                    help="auto (CUDA if usable, else CPU), cpu, cuda")
     args = p.parse_args(argv)
-    temperature = args.temperature if args.temperature is not None else (0.0 if args.samples == 1 else 1.0)
+    if args.temperature is None:
+        args.temperature = 0.0 if args.samples == 1 else 1.0
+    if args.samples > 1 and args.temperature == 0:
+        p.error(f"--samples {args.samples} needs --temperature > 0 (greedy gives one completion)")
+    return args
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
     try:
         device = pick_device(args.device)  # --device cuda where CUDA is unusable: one line, before any model
-        reward_fn = load_reward(args.reward, args.reward_range)
+        reward_fn = load_reward(args.reward, args.reward_range, args.reward_timeout)
         problems = load_eval_problems(args.dataset)
         problems = problems[: args.limit] if args.limit else problems
         for name in args.model:  # each tokenizer alone: a missing chat template fails before any model loads
@@ -160,22 +185,29 @@ def main(argv: list[str] | None = None) -> dict:
         results = {}
         for name in args.model:
             model, tokenizer = load_model(name, device)
+            prompt_len = longest_prompt(tokenizer, [p.question for p in problems], args.prompt_format,
+                                        args.system)
+            if warning := context_warning(model.config, prompt_len, args.max_new_tokens):
+                print(f"{name}: {warning}", file=sys.stderr)
             net = working_copy(model, args.precision)  # the network train.py samples from
             torch.manual_seed(args.seed)
             results[name] = evaluate(net, tokenizer, problems, max_new_tokens=args.max_new_tokens,
-                                     samples=args.samples, temperature=temperature,
+                                     samples=args.samples, temperature=args.temperature,
                                      batch_size=args.batch_size, progress=True, reward_fn=reward_fn,
                                      sample_completions=decode if args.fast and device.type in FAST_ON
                                      else sample_with_generate,  # as common.fast_or_plain chooses
                                      prompt_format=args.prompt_format, system=args.system)
     except (FileNotFoundError, ValueError, ImportError) as e:
         sys.exit(f"error: {e}")
+    except KeyboardInterrupt:  # nothing is written until every model is evaluated
+        print("\neval.py: interrupted, nothing written", file=sys.stderr)
+        sys.exit(130)
 
-    print_table(results, args.dataset, len(problems), temperature, args.samples)
+    print_table(results, args.dataset, len(problems), args.temperature, args.samples)
     keys = ("accuracy", "accuracy_by_level", "pass_at_k", "problems", "samples")
     summary = {name: {key: r[key] for key in keys} for name, r in results.items()}
     if args.out:
-        write_results(Path(args.out), summary, results, args.dataset, temperature)
+        write_results(Path(args.out), summary, results, args.dataset, args.temperature)
     return summary
 
 

@@ -56,6 +56,7 @@ from tqdm import tqdm
 import train
 from advantage import advantage_collapse_rate
 from common import append_jsonl, read_jsonl
+from flags import at_least, folder, in_range
 from data.tasks import LEVELS, load_problems
 from decoding import decode
 from eval import evaluate, score_groups
@@ -483,10 +484,10 @@ def make_parser() -> argparse.ArgumentParser:
     """The flags: where the runs go, which parts run, and each part's scale."""
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--out", default="runs/experiments",
+    p.add_argument("--out", type=folder, default="runs/experiments",
                    help="the runs; git keeps their logs, not their checkpoints (.gitignore)")
     p.add_argument("--only", default="difficulty,compare,readings,scatter", help="parts to run, comma list")
-    p.add_argument("--figures", default="",
+    p.add_argument("--figures", type=folder, default="",
                    help="where the PNGs go (default: docs/, or <out>/figures with --quick)")
     p.add_argument("--quick", action="store_true", help="tiny model, tiny sizes: checks the whole pipeline")
     p.add_argument("--model", default="smollm2-135m")
@@ -494,42 +495,62 @@ def make_parser() -> argparse.ArgumentParser:
                    help=f"compare: comma list of {', '.join(METHODS)}")
     p.add_argument("--readings", default=",".join(READINGS), help="readings: comma list, as --methods")
     p.add_argument("--seeds", default="0,1,2,3,4")
-    p.add_argument("--steps", type=int, default=40, help="compare: steps per run (train.py's default run)")
-    p.add_argument("--prompts-per-step", type=int, default=8, help="compare: B")
-    p.add_argument("--group-size", type=int, default=8, help="compare: G")
-    p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--eval-size", type=int, default=112,
+    p.add_argument("--steps", type=COUNT, default=40, help="compare: steps per run (train.py's default run)")
+    p.add_argument("--prompts-per-step", type=COUNT, default=8, help="compare: B")
+    p.add_argument("--group-size", type=at_least(2), default=8, help="compare: G")
+    p.add_argument("--max-new-tokens", type=COUNT, default=64)
+    p.add_argument("--eval-size", type=COUNT, default=112,
                    help="compare: train.py's own evals, a stratified prefix "
                    "of the held-out split (336: all, which also checks the per-problem re-evaluation)")
-    p.add_argument("--eval-every", type=int, default=10, help="compare: train.py's evals every N steps")
-    p.add_argument("--per-level", type=int, default=0, help="compare: final per-problem eval on the first N "
-                                                             "problems of each level (0: the whole split)")
-    p.add_argument("--resamples", type=int, default=2000, help="bootstrap resamples")
+    p.add_argument("--eval-every", type=COUNT, default=10, help="compare: train.py's evals every N steps")
+    p.add_argument("--per-level", type=at_least(0), default=0,
+                   help="compare: final per-problem eval on the first N problems of each level (0: all)")
+    p.add_argument("--resamples", type=COUNT, default=2000, help="bootstrap resamples")
     p.add_argument("--scatter-levels", default="add1,mul1,add2,mul2,mul3")
     p.add_argument("--scatter-g", default="2,4,8", help="group sizes of the scatter grid")
     p.add_argument("--scatter-seeds", default="0,1,2")
-    p.add_argument("--scatter-steps", type=int, default=15,
+    p.add_argument("--scatter-steps", type=COUNT, default=15,
                    help="scatter: steps per run (early ACR: the first 3)")
-    p.add_argument("--scatter-prompts", type=int, default=4,
+    p.add_argument("--scatter-prompts", type=COUNT, default=4,
                    help="scatter: B (3 steps of 4 groups: 13 ACR values)")
-    p.add_argument("--scatter-eval-size", type=int, default=32, help="scatter: held-out problems per run")
-    p.add_argument("--difficulty-prompts", type=int, default=32)
+    p.add_argument("--scatter-eval-size", type=COUNT, default=32, help="scatter: held-out problems per run")
+    p.add_argument("--difficulty-prompts", type=COUNT, default=32)
     p.add_argument("--precision-seeds", default="0,1,2,3", help="precision: seeds, each run in bf16 and fp32")
-    p.add_argument("--precision-steps", type=int, default=train.Args.steps, help="precision: steps per run")
-    p.add_argument("--step-seconds", type=float, default=13.0,
+    p.add_argument("--precision-steps", type=COUNT, default=train.Args.steps, help="precision: steps per run")
+    p.add_argument("--step-seconds", type=SECONDS, default=13.0,
                    help="estimate: wall seconds per B=8 x G=8 step, "
                    "with --jobs 2 on 2 cores (compare's wall time, docs/results.md)")
-    p.add_argument("--eval-seconds", type=float, default=40.0,
+    p.add_argument("--eval-seconds", type=SECONDS, default=40.0,
                    help="estimate: wall seconds per 336-problem eval")
-    p.add_argument("--jobs", type=int, default=2, help="training runs at once, each on cores/jobs threads")
+    p.add_argument("--jobs", type=COUNT, default=2, help="training runs at once, each on cores/jobs threads")
     p.add_argument("--dry-run", action="store_true",
                    help="print the run count and time estimate, run nothing")
-    p.add_argument("--budget-minutes", type=float, default=360.0, help="warn when the estimate exceeds it")
+    p.add_argument("--budget-minutes", type=SECONDS, default=360.0, help="warn when the estimate exceeds it")
     return p
 
 
+COUNT, SECONDS = at_least(1), in_range(0, math.inf, low_open=True)
+PARTS = ("difficulty", "compare", "readings", "scatter", "precision")
+CHOICES = {"only": PARTS, "methods": METHODS, "readings": METHODS, "scatter_levels": LEVELS}  # comma lists
+INTEGERS = {"seeds": 0, "scatter_seeds": 0, "precision_seeds": 0, "scatter_g": 2}  # comma lists: the least
+
+
+def list_problem(args: argparse.Namespace) -> str | None:
+    """What is wrong with a comma-list flag, in one line naming it; None when they are all right."""
+    flag = lambda name: "--" + name.replace("_", "-")  # noqa: E731
+    for name, choices in CHOICES.items():
+        if unknown := [x for x in getattr(args, name).split(",") if x not in choices]:
+            return f"{flag(name)}: unknown {', '.join(unknown)}; choose from {', '.join(choices)}"
+    for name, least in INTEGERS.items():
+        items = getattr(args, name).split(",")
+        if not all(x.strip().lstrip("-").isdigit() and int(x) >= least for x in items):
+            return f"{flag(name)} {getattr(args, name)}: need a comma list of integers >= {least}"
+    return None
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    """The flags given; with --quick, every part at a tiny scale unless a flag given says otherwise."""
+    """The flags given; with --quick, every part at a tiny scale unless a flag given says otherwise. Bad
+    values stop here in one line, before any model loads."""
     p = make_parser()
     argv = sys.argv[1:] if argv is None else argv
     args = p.parse_args(argv)
@@ -544,6 +565,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "--scatter-steps", "2", "--scatter-eval-size", "4",
                              "--difficulty-prompts", "4", "--precision-seeds", "0,1",
                              "--precision-steps", "2", "--jobs", "1", *argv])  # flags given still win
+    if problem := list_problem(args):
+        p.error(problem)
     return args
 
 

@@ -221,6 +221,24 @@ def format_prompts(tokenizer: PreTrainedTokenizerBase, questions: list[str], pro
                                           add_generation_prompt=True) for q in questions]
 
 
+def longest_prompt(tokenizer: PreTrainedTokenizerBase, questions: list[str], prompt_format: str = "chat",
+                   system: str = "") -> int:
+    """Tokens in the prompt of the longest question (by characters), templated as `format_prompts` does."""
+    longest = max(questions, key=len)
+    prompt = format_prompts(tokenizer, [longest], prompt_format, system)
+    return len(tokenizer(prompt, add_special_tokens=False).input_ids[0])
+
+
+def context_warning(config, prompt_len: int, max_new_tokens: int) -> str | None:
+    """One line when a prompt of `prompt_len` tokens plus `max_new_tokens` exceeds the model's context
+    (config.max_position_embeddings): past it the model reads positions it never learnt, slowly."""
+    context = getattr(config, "max_position_embeddings", None)
+    if context is None or prompt_len + max_new_tokens <= context:
+        return None
+    return (f"warning: the longest prompt ({prompt_len} tokens) plus --max-new-tokens {max_new_tokens} "
+            f"exceeds the model's context of {context} tokens: completions past it are unreliable, and slow")
+
+
 def end_of_turn_token(tokenizer: PreTrainedTokenizerBase) -> str | None:
     """The special token with which the chat template closes an assistant turn (ChatML's <|im_end|>, Llama 3's
     <|eot_id|>), None without a template. Found by rendering one turn and reading the special token right

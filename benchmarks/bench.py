@@ -45,6 +45,7 @@ import train  # noqa: E402
 from benchmarks.floors import FLOOR_COLUMNS, batch_shape, floor_rows, phase_floors  # noqa: E402
 from benchmarks.timing import fmt, markdown_table, median_of, peak_memory_bytes, run_isolated  # noqa: E402
 from data.prepare import DOWNLOADS  # noqa: E402
+from flags import at_least  # noqa: E402
 from model import cpu_features  # noqa: E402
 from verifier import verify  # noqa: E402
 
@@ -229,13 +230,14 @@ def bench_training(model: str, steps: int, warmup: int, precisions: list[str], w
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2-135m", help="model alias, folder or hub id")
-    parser.add_argument("--steps", type=int, default=4, help="timed steps per config (median reported)")
-    parser.add_argument("--warmup", type=int, default=1, help="untimed steps before them")
+    parser.add_argument("--steps", type=at_least(1), default=4,
+                        help="timed steps per config (median reported)")
+    parser.add_argument("--warmup", type=at_least(0), default=1, help="untimed steps before them")
     parser.add_argument("--precision", choices=("fp32", "bf16", "both"), default="fp32",
                         help="bf16: train.py --precision bf16 (TRL: bf16=True); AVSPO/AAPO use the first")
-    parser.add_argument("--micro-batch", type=int, default=train.Args.micro_batch,
+    parser.add_argument("--micro-batch", type=at_least(1), default=train.Args.micro_batch,
                         help="completions per forward/backward, ours and TRL's")
-    parser.add_argument("--rounds", type=int, default=1, help="run every config this many times, "
+    parser.add_argument("--rounds", type=at_least(1), default=1, help="run every config this many times, "
                         "interleaved; ratios are medians of the per-round ratios (machine speed drifts)")
     parser.add_argument("--fast", action=argparse.BooleanOptionalAction, default=True,
                         help="ours on the fast paths (train.py --fast); --no-fast: the plain definitions")

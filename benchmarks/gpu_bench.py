@@ -62,6 +62,7 @@ from model import (DEVICES, completion_logprobs, load_model, pick_device, sample
                    sample_with_generate, working_copy)
 from model_files import byte_tokenizer  # noqa: E402
 from eval import score_groups  # noqa: E402
+from flags import at_least, in_range  # noqa: E402
 from verifier import load_reward  # noqa: E402
 
 VOCAB = 151_936  # Qwen2.5's vocabulary
@@ -381,24 +382,31 @@ def write(report: dict, out: Path) -> None:
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
 
 
+SECONDS = in_range(0, math.inf, low_open=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     default_out = Path(os.environ.get("OUT") or ".") / "gpu_bench.json"  # $OUT: the device machine's
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=default_out, help="JSON results file (and .md beside it)")
     parser.add_argument("--device", default="auto", choices=DEVICES, help="as train.py's --device")
     parser.add_argument("--smoke", action="store_true", help="the device checks first, then the table")
-    parser.add_argument("--smoke-s", type=float, default=100, help="time box of the smoke checks")
+    parser.add_argument("--smoke-s", type=SECONDS, default=100, help="time box of the smoke checks")
     parser.add_argument("--memory-table", action="store_true",
                         help="print memory.py's estimate at the Qwen2.5 sizes and stop (no device needed)")
     parser.add_argument("--sizes", default="0.5B,1.5B", help="comma list of " + ", ".join(SIZES))
-    parser.add_argument("--prompts", type=int, default=8, help="prompts per step (B)")
-    parser.add_argument("--group-size", type=int, default=8, help="completions per prompt (G)")
-    parser.add_argument("--max-new-tokens", type=int, default=512, help="completion length (always reached)")
-    parser.add_argument("--micro-batch", type=int, default=16, help="completions per forward/backward pass")
-    parser.add_argument("--steps", type=int, default=1, help="timed steps per config (median reported)")
-    parser.add_argument("--warmup", type=int, default=1, help="untimed steps before them")
-    parser.add_argument("--matmul-size", type=int, default=8192, help="n of the n^3 bf16 matmul rate test")
-    parser.add_argument("--budget-s", type=float, default=400,
+    parser.add_argument("--prompts", type=at_least(1), default=8, help="prompts per step (B)")
+    parser.add_argument("--group-size", type=at_least(2), default=8, help="completions per prompt (G)")
+    parser.add_argument("--max-new-tokens", type=at_least(1), default=512,
+                        help="completion length (always reached)")
+    parser.add_argument("--micro-batch", type=at_least(1), default=16,
+                        help="completions per forward/backward pass")
+    parser.add_argument("--steps", type=at_least(1), default=1,
+                        help="timed steps per config (median reported)")
+    parser.add_argument("--warmup", type=at_least(0), default=1, help="untimed steps before them")
+    parser.add_argument("--matmul-size", type=at_least(1), default=8192,
+                        help="n of the n^3 bf16 matmul rate test")
+    parser.add_argument("--budget-s", type=SECONDS, default=400,
                         help="skip configs that would start after this (smoke included)")
     parser.add_argument("--fast", action=argparse.BooleanOptionalAction, default=True,
                         help="train.py's --fast (plain on CUDA until verified: then one more row, the fast "

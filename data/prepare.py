@@ -22,6 +22,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # `python data/prepare.py` puts data/, not the repository, on the path
 
 from data.tasks import read_jsonl  # noqa: E402
+from flags import folder  # noqa: E402
 
 DOWNLOADS = ROOT / "data" / "downloads"
 GSM8K = "https://raw.githubusercontent.com/openai/grade-school-math/master/grade_school_math/data/"
@@ -67,14 +68,18 @@ def fetch(url: str, path: Path, check: Callable[[Path], list]) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("names", nargs="*", help=f"what to fetch: {', '.join(SOURCES)} (default: all)")
-    parser.add_argument("--out", type=Path, default=DOWNLOADS, help="folder to write to")
+    parser.add_argument("--out", type=folder, default=str(DOWNLOADS), help="folder to write to")
     args = parser.parse_args(argv)
     if unknown := [name for name in args.names if name not in SOURCES]:  # argparse's choices refuse nargs="*"
         parser.error(f"unknown {', '.join(unknown)}; choose from {', '.join(SOURCES)}")
-    args.out.mkdir(parents=True, exist_ok=True)
+    out = Path(args.out)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:  # a read-only place
+        parser.error(f"--out {out}: cannot make the folder ({e.strerror})")
     for name in args.names or SOURCES:
         for file, (url, check) in SOURCES[name].items():
-            path = args.out / file
+            path = out / file
             if path.exists():
                 print(f"{path}: already there, kept")
                 continue
