@@ -21,7 +21,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from flags import at_least, folder, in_range
+from flags import FlagParser, at_least, folder, in_range
 from data.tasks import Problem, load_eval_problems
 from decoding import FAST_ON, decode
 from model import (DEVICES, PROMPT_FORMATS, context_warning, format_prompts, load_model, load_tokenizer,
@@ -133,7 +133,7 @@ def write_results(out: Path, summary: dict, results: dict, dataset: str, tempera
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The flags; bad values, and a bad combination, stop here in one line, before any model loads."""
-    p = argparse.ArgumentParser(description="Evaluate one or more models with the training verifier.")
+    p = FlagParser(description="Evaluate one or more models with the training verifier.")
     p.add_argument("--model", nargs="+", default=["smollm2-135m"],
                    help="aliases, hub ids, folders or checkpoints")
     p.add_argument("--dataset", default="arith-mul1",

@@ -56,7 +56,7 @@ from tqdm import tqdm
 import train
 from advantage import advantage_collapse_rate
 from common import append_jsonl, read_jsonl
-from flags import at_least, folder, in_range
+from flags import FlagParser, at_least, folder, in_range
 from data.tasks import LEVELS, load_problems
 from decoding import decode
 from eval import evaluate, score_groups
@@ -482,7 +482,7 @@ def estimate(args, parts: list[str]) -> tuple[int, int, float, float]:
 
 def make_parser() -> argparse.ArgumentParser:
     """The flags: where the runs go, which parts run, and each part's scale."""
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+    p = FlagParser(description=__doc__.split("\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--out", type=folder, default="runs/experiments",
                    help="the runs; git keeps their logs, not their checkpoints (.gitignore)")

@@ -45,7 +45,7 @@ import train  # noqa: E402
 from benchmarks.floors import FLOOR_COLUMNS, batch_shape, floor_rows, phase_floors  # noqa: E402
 from benchmarks.timing import fmt, markdown_table, median_of, peak_memory_bytes, run_isolated  # noqa: E402
 from data.prepare import DOWNLOADS  # noqa: E402
-from flags import at_least  # noqa: E402
+from flags import FlagParser, at_least  # noqa: E402
 from model import cpu_features  # noqa: E402
 from verifier import verify  # noqa: E402
 
@@ -228,7 +228,7 @@ def bench_training(model: str, steps: int, warmup: int, precisions: list[str], w
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = FlagParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2-135m", help="model alias, folder or hub id")
     parser.add_argument("--steps", type=at_least(1), default=4,
                         help="timed steps per config (median reported)")

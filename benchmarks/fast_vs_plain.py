@@ -9,7 +9,6 @@ up. Decoding is compared per decoding step (completion lengths vary with the ran
 trained token. --profile prints the top ops of one fast rollout (torch.profiler).
 """
 
-import argparse
 import statistics
 import sys
 import time
@@ -19,7 +18,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from common import fast_or_plain  # noqa: E402
-from flags import at_least  # noqa: E402
+from flags import FlagParser, at_least  # noqa: E402
 from model import cpu_features, load_model, sample, trim_padding, working_copy  # noqa: E402
 
 QUESTIONS = ["What is 37 * 8?", "Compute 12 * 9."]
@@ -42,7 +41,7 @@ def timed_round(net, tokenizer, fast: bool, seed: int) -> tuple[float, float]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = FlagParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--reps", type=at_least(1), default=3, help="timed rounds (after one warm-up round)")
     parser.add_argument("--profile", action="store_true", help="also print the top ops of one fast rollout")

@@ -62,7 +62,7 @@ from model import (DEVICES, completion_logprobs, load_model, pick_device, sample
                    sample_with_generate, working_copy)
 from model_files import byte_tokenizer  # noqa: E402
 from eval import score_groups  # noqa: E402
-from flags import at_least, in_range  # noqa: E402
+from flags import FlagParser, at_least, in_range  # noqa: E402
 from verifier import load_reward  # noqa: E402
 
 VOCAB = 151_936  # Qwen2.5's vocabulary
@@ -387,7 +387,7 @@ SECONDS = in_range(0, math.inf, low_open=True)
 
 def main(argv: list[str] | None = None) -> int:
     default_out = Path(os.environ.get("OUT") or ".") / "gpu_bench.json"  # $OUT: the device machine's
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = FlagParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=default_out, help="JSON results file (and .md beside it)")
     parser.add_argument("--device", default="auto", choices=DEVICES, help="as train.py's --device")
     parser.add_argument("--smoke", action="store_true", help="the device checks first, then the table")

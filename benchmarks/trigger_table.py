@@ -10,7 +10,6 @@ its ACR exceeds the threshold; the threshold then updates, as in train.py. A cel
 steps out of 40, and the range of thresholds seen. Seeds are fixed: the table is the same on every run.
 """
 
-import argparse
 import random
 import sys
 from dataclasses import dataclass
@@ -19,7 +18,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from advantage import AdaptiveThreshold  # noqa: E402
-from flags import at_least  # noqa: E402
+from flags import FlagParser, at_least  # noqa: E402
 
 TRENDS = ("rising", "flat", "falling")
 MEAN_ACRS = (0.25, 0.35, 0.45, 0.55)
@@ -67,7 +66,7 @@ def fired_steps(rule, mean_acr: float, trend: str, runs: int) -> float:
 
 
 def main(argv: list[str] | None = None) -> str:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = FlagParser(description=__doc__.split("\n")[0])
     parser.add_argument("--runs", type=at_least(1), default=200, help="simulated runs per cell")
     args = parser.parse_args(argv)
     lines = ["| mean ACR | rule | rising reward | flat | falling | thresholds seen |",

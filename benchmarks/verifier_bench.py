@@ -14,7 +14,6 @@ and with math-verify when installed. Times are per call, with the garbage collec
 """
 from __future__ import annotations
 
-import argparse
 import gc
 import re
 import statistics
@@ -29,6 +28,7 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.timing import best_seconds  # noqa: E402
 from common import read_jsonl  # noqa: E402
+from flags import FlagParser  # noqa: E402
 from data.prepare import DOWNLOADS  # noqa: E402
 from tests.verifier_cases import CASES  # noqa: E402
 from verifier import load_reward, normalise, verify  # noqa: E402
@@ -159,7 +159,7 @@ def report(name: str, check: Verifier, cases: dict) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = FlagParser(description=__doc__.splitlines()[0])
     parser.add_argument("--data-dir", type=Path, default=DOWNLOADS)
     parser.add_argument("--skip-math-verify", action="store_true", help="leave math-verify out")
     args = parser.parse_args(argv)

@@ -11,7 +11,6 @@ test split is MATH-500 and whose training split holds the other 12,000 problems,
 A file already there is kept (delete it to fetch it again).
 """
 
-import argparse
 import json
 import sys
 import urllib.request
@@ -22,7 +21,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # `python data/prepare.py` puts data/, not the repository, on the path
 
 from data.tasks import read_jsonl  # noqa: E402
-from flags import folder  # noqa: E402
+from flags import FlagParser, folder  # noqa: E402
 
 DOWNLOADS = ROOT / "data" / "downloads"
 GSM8K = "https://raw.githubusercontent.com/openai/grade-school-math/master/grade_school_math/data/"
@@ -66,7 +65,7 @@ def fetch(url: str, path: Path, check: Callable[[Path], list]) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = FlagParser(description=__doc__.splitlines()[0])
     parser.add_argument("names", nargs="*", help=f"what to fetch: {', '.join(SOURCES)} (default: all)")
     parser.add_argument("--out", type=folder, default=str(DOWNLOADS), help="folder to write to")
     args = parser.parse_args(argv)
