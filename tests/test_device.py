@@ -163,10 +163,10 @@ def test_a_gpu_is_named_with_its_memory(monkeypatch):
 
 
 @pytest.mark.parametrize("script", ["train.py", "eval.py"])
-def test_device_cuda_where_unusable_stops_with_one_line_before_any_model(script):
+def test_device_cuda_where_unusable_stops_with_one_line_before_any_model(script, tmp_path):
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}  # unusable here, and on a GPU machine too
-    proc = subprocess.run([sys.executable, script, "--device", "cuda", "--model", "tiny-qwen2"], cwd=ROOT,
-                          env=env, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run([sys.executable, ROOT / script, "--device", "cuda", "--model", "tiny-qwen2"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)  # its --out
     assert proc.returncode != 0 and "Traceback" not in proc.stderr
     last = proc.stderr.strip().splitlines()[-1]
     assert "error: --device cuda: " in last and ("CPU-only build" in last or "sees no CUDA device" in last)

@@ -722,7 +722,7 @@ TRL_STYLE = """
 import os
 
 def half_right(prompts, completions, solution, **kwargs):  # TRL's reward-function shape
-    with open(os.environ["CALLS"], "a") as calls:  # it runs in a process of its own (reward_worker.py)
+    with open(os.environ["CALLS"], "a") as calls:  # it runs in a process of its own (verifier.RewardWorker)
         calls.write(f"{len(completions)}\\n")
     assert all(p[0]["role"] == "user" and c[0]["role"] == "assistant" for p, c in zip(prompts, completions))
     return [float(i % 2) for i in range(len(completions))]
