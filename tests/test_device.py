@@ -13,10 +13,11 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-import common
+import hardware
 import model
 import model_files
 import packing
+import run as run_module
 import train
 from data.tasks import Problem
 from decoding import decode
@@ -126,12 +127,12 @@ def test_a_train_step_keeps_cudas_device_rules(tmp_path, algo, beta, fast):
     args = train.parse_args(TINY + ["--algo", algo, "--beta", str(beta), "--out", str(tmp_path),
                                     "--lr", "1e-2", "--fast" if fast else "--no-fast"])
     device = torch.device("cpu")
-    run = common.start_run(args, tmp_path, device, True, train.algo_state(args),
+    run = run_module.start_run(args, tmp_path, device, True, train.algo_state(args),
                            with_reference=algo == "aapo" or beta > 0)
     models = [m for m in (run.master, run.policy, run.reference) if m is not None]
     with CudaDeviceRules(*models):
         record, _ = train.train_step(args, run, 1, 0, slice(0, args.prompts_per_step), device)
-        assert 0 <= common.run_eval(args, run, tmp_path, 1) <= 1
+        assert 0 <= run_module.run_eval(args, run, tmp_path, 1) <= 1
     assert record["skipped"] == 0
     if algo == "avspo" or beta > 0:  # virtual rewards, or the KL: every row trains, under the rules
         assert record["rows_trained"] == 8
@@ -144,22 +145,22 @@ def test_a_train_step_keeps_cudas_device_rules(tmp_path, algo, beta, fast):
 
 def test_cuda_where_unusable_is_a_value_error_saying_why(monkeypatch):
     monkeypatch.setattr(torch.version, "cuda", None)
-    assert model.pick_device("auto") == model.pick_device("cpu") == torch.device("cpu")
+    assert hardware.pick_device("auto") == hardware.pick_device("cpu") == torch.device("cpu")
     with pytest.raises(ValueError, match="--device cuda: this torch .* is a CPU-only build"):
-        model.pick_device("cuda")
-    assert "no CUDA: this torch" in model.describe_device(torch.device("cpu"))  # auto's fallback, said
+        hardware.pick_device("cuda")
+    assert "no CUDA: this torch" in hardware.describe_device(torch.device("cpu"))  # auto's fallback, said
     monkeypatch.setattr(torch.version, "cuda", "12.4")  # a CUDA wheel without a usable driver or device
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(ValueError, match="sees no CUDA device .* older than CUDA 12.4"):
-        model.pick_device("cuda")
+        hardware.pick_device("cuda")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    assert model.pick_device("auto") == model.pick_device("cuda") == torch.device("cuda")
+    assert hardware.pick_device("auto") == hardware.pick_device("cuda") == torch.device("cuda")
 
 
 def test_a_gpu_is_named_with_its_memory(monkeypatch):
     card = types.SimpleNamespace(name="NVIDIA H200", total_memory=140 * 2**30)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: card)
-    assert model.describe_device(torch.device("cuda", 0)) == "cuda:0 (NVIDIA H200, 140 GiB)"
+    assert hardware.describe_device(torch.device("cuda", 0)) == "cuda:0 (NVIDIA H200, 140 GiB)"
 
 
 @pytest.mark.parametrize("script", ["train.py", "eval.py"])
@@ -176,23 +177,23 @@ def test_device_cuda_where_unusable_stops_with_one_line_before_any_model(script,
 def test_auto_precision_on_cuda_is_bf16_only_where_the_gpu_has_it(monkeypatch, native, expected):
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: native
                         or including_emulation)  # a T4 or V100 emulates bf16
-    assert model.resolve_precision("auto", torch.device("cuda")) == expected
-    assert model.resolve_precision("bf16", torch.device("cuda")) == "bf16"
+    assert hardware.resolve_precision("auto", torch.device("cuda")) == expected
+    assert hardware.resolve_precision("bf16", torch.device("cuda")) == "bf16"
 
 
 def test_fast_means_the_fast_paths_on_the_cpu_and_the_plain_ones_on_cuda():
     """No CUDA call is made: the choice reads the device's type."""
-    assert common.fast_or_plain(True, torch.device("cpu")) == (decode, packing.completion_logprobs)
+    assert run_module.fast_or_plain(True, torch.device("cpu")) == (decode, packing.completion_logprobs)
     plain = (model.sample_with_generate, model.completion_logprobs)
-    assert common.fast_or_plain(True, torch.device("cuda")) == plain
-    assert common.fast_or_plain(False, torch.device("cpu")) == plain
-    assert common.fast_or_plain(True, torch.device("cuda", 1)) == plain
+    assert run_module.fast_or_plain(True, torch.device("cuda")) == plain
+    assert run_module.fast_or_plain(False, torch.device("cpu")) == plain
+    assert run_module.fast_or_plain(True, torch.device("cuda", 1)) == plain
 
 
 def test_the_first_line_names_device_precision_dtypes_and_memory(tmp_path):
     args = train.parse_args(TINY[:-2] + ["--precision", "bf16", "--beta", "0.1", "--out", str(tmp_path)])
     master, tokenizer = model.load_model("tiny-qwen2", torch.device("cpu"))
-    line = common.where_it_runs(args, master, model.working_copy(master, "bf16"), master, tokenizer,
+    line = run_module.where_it_runs(args, master, hardware.working_copy(master, "bf16"), master, tokenizer,
                                 [Problem("What is 2 + 3?", "5")])
     assert line.startswith("cpu (") and "; bf16 (float32 master weights, a bfloat16 working copy); " in line
     assert "memory ~" in line and "working copy" in line and "reference" in line
