@@ -191,7 +191,7 @@ def main(argv: list[str] | None = None) -> dict:
         for name in args.model:
             model, tokenizer = load_model(name, device)
             prompt_len = longest_prompt(tokenizer, [p.question for p in problems], args.prompt_format,
-                                        args.system)
+                                        args.system, [p.instruction for p in problems])
             if warning := context_warning(model.config, prompt_len, args.max_new_tokens):
                 print(f"{name}: {warning}", file=sys.stderr)
             net = working_copy(model, args.precision)  # the network train.py samples from

@@ -55,10 +55,10 @@ from tqdm import tqdm
 
 import train
 from advantage import advantage_collapse_rate
-from flags import FlagParser, at_least, folder, in_range
 from data.tasks import LEVELS, load_problems
 from decoding import decode
 from eval import evaluate, score_groups
+from flags import FlagParser, at_least, folder, in_range
 from hardware import cpu_features, pick_device, resolve_precision, working_copy
 from model import load_model, sample
 from plots import (plot_accuracy_vs_compute, plot_accuracy_vs_tokens, plot_collapse_map, plot_compare_curves,

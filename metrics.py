@@ -67,8 +67,9 @@ def group_map(first_rewards: torch.Tensor, advantages: torch.Tensor, replaced: t
 
 def step_metrics(rewards, advantages, rollout: Rollout, costs: dict, device) -> dict:
     """What a step logs about its whole batch (the names are documented in docs/metrics.md)."""
-    completion_tokens, truncated, gen_tokens = all_sum(
-        [rollout.completion_mask.sum().item(), rollout.truncated.sum().item(), costs["gen_tokens"]], device)
+    completion_tokens, truncated, gen_tokens, timeouts = all_sum(
+        [rollout.completion_mask.sum().item(), rollout.truncated.sum().item(), costs["gen_tokens"],
+         costs["reward_timeouts"]], device)
     return {"reward_mean": rewards.mean().item(), "accuracy": (rewards == 1).float().mean().item(),
             "acr": advantage_collapse_rate(rewards), "acr_effective": effective_collapse_rate(advantages),
             "all_correct_frac": (rewards.amin(1) == 1).float().mean().item(),
@@ -77,7 +78,8 @@ def step_metrics(rewards, advantages, rollout: Rollout, costs: dict, device) -> 
             "completion_len": completion_tokens / rewards.numel(),
             "truncated_frac": truncated / rewards.numel(),
             "gen_tokens": int(gen_tokens), "gen_tokens_per_s": gen_tokens / costs["generate"],
-            "time_generate": costs["generate"], "time_score": costs["score"]}
+            "time_generate": costs["generate"], "time_score": costs["score"],
+            "reward_timeouts": int(timeouts)}
 
 
 

@@ -118,10 +118,12 @@ def format_prompts(tokenizer: PreTrainedTokenizerBase, questions: list[str], pro
 
 
 def longest_prompt(tokenizer: PreTrainedTokenizerBase, questions: list[str], prompt_format: str = "chat",
-                   system: str = "") -> int:
-    """Tokens in the prompt of the longest question (by characters), templated as `format_prompts` does."""
-    longest = max(questions, key=len)
-    prompt = format_prompts(tokenizer, [longest], prompt_format, system)
+                   system: str = "", instructions: list[str] | None = None) -> int:
+    """Tokens in the prompt of the longest question with its instruction (by characters), templated as
+    `format_prompts` does."""
+    instructions = instructions or [""] * len(questions)
+    i = max(range(len(questions)), key=lambda i: len(questions[i]) + len(instructions[i]))
+    prompt = format_prompts(tokenizer, [questions[i]], prompt_format, system, [instructions[i]])
     return len(tokenizer(prompt, add_special_tokens=False).input_ids[0])
 
 

@@ -101,19 +101,49 @@ def ctrl_c_stops_after_the_step():
             signal.signal(signum, handler)
 
 
+class StoppedWhileScoring(KeyboardInterrupt):
+    """Ctrl-C or SIGTERM while a step's rewards were computed (`stops_at_once`): the step is dropped, as its
+    update has not happened, and the one before it is saved."""
+
+    def __init__(self, signum: int):
+        super().__init__(STOP_SIGNALS[signum])
+        self.signum = signum
+
+
+@contextmanager
+def stops_at_once():
+    """Inside the block, Ctrl-C or SIGTERM raises StoppedWhileScoring at once instead of asking the step to
+    end: around the wait for a reward, which may never return (a reward stuck in C code holds even the time
+    limit's wait only until the signal arrives)."""
+    if threading.current_thread() is not threading.main_thread():  # only the main thread receives signals
+        yield
+        return
+
+    def on_signal(signum, frame):
+        raise StoppedWhileScoring(signum)
+
+    previous = {signum: signal.signal(signum, on_signal) for signum in STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+
 @contextmanager
 def exits_cleanly():
     """train.py's way out: Ctrl-C or SIGTERM ends the step under way, then exits with code 128 + the signal
     (130, 143) once it is saved (`ctrl_c_stops_after_the_step` yields the stop requests); an unknown model, a
     missing file, a damaged run folder or a bad reward exits with one line, not a traceback; the processes of
-    torchrun are closed whichever way it ends."""
+    torchrun are closed whichever way it ends. A filesystem failure (a full disk, a read-only folder) is one
+    line too: what was saved before it stays whole."""
     requested: list[int] = []
     try:
         with ctrl_c_stops_after_the_step() as requested:
             yield requested
-    except (FileNotFoundError, RunFolderError, RewardError) as e:
+    except (OSError, RunFolderError, RewardError) as e:
         sys.exit(f"error: {e}")
-    except KeyboardInterrupt:  # the checkpoint is saved and said so (or a second signal); no traceback
-        sys.exit(128 + (requested[0] if requested else signal.SIGINT))
+    except KeyboardInterrupt as e:  # the checkpoint is saved and said so (or a second signal); no traceback
+        sys.exit(128 + (requested[0] if requested else getattr(e, "signum", signal.SIGINT)))
     finally:
         close_processes()

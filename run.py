@@ -24,11 +24,11 @@ from eval import evaluate, score_groups
 from hardware import cast_weights, pick_device, where, working_copy
 from memory import describe_estimate, estimate_memory
 from metrics import collapse_warning, early_steps, show_group
-from model import (Rollout, completion_logprobs, format_prompts, load_model, load_tokenizer, sample,
-                   sample_with_generate, stop_token_ids)
-from processes import gather_groups
-from run_folder import (append_jsonl, find_checkpoint, log_eval, log_step, read_jsonl, restore_checkpoint,
-                        save_checkpoint)
+from model import (Rollout, completion_logprobs, context_warning, format_prompts, load_model, load_tokenizer,
+                   longest_prompt, sample, sample_with_generate, stop_token_ids)
+from processes import gather_groups, stops_at_once
+from run_folder import (append_jsonl, checkpoint_damage, find_checkpoint, log_eval, log_step, read_jsonl,
+                        restore_checkpoint, save_checkpoint)
 from verifier import RewardError, load_reward
 
 
@@ -84,9 +84,13 @@ def start_run(args, run_dir: Path, device: torch.device, is_main: bool, state: d
     """The models, optimizer, method state and problems of a run (train.Args `args`): new, or as saved with
     --resume."""
     transformers.logging.disable_progress_bar()  # the run's own bar alone: none for loading or saving weights
-    checkpoint = find_checkpoint(run_dir) if args.resume else None
+    checkpoint = find_checkpoint(run_dir) if args.resume else None  # `folder_problem`: a run has one
     if args.resume and not checkpoint and is_main:
-        print(f"[{args.algo}] --resume: no checkpoint in {run_dir}, starting from scratch")
+        print(f"[{args.algo}] --resume: no run in {run_dir} yet, starting one")
+    if checkpoint and checkpoint.name == "checkpoint.old" and (run_dir / "checkpoint").exists() and is_main:
+        print(f"[{args.algo}] warning: {run_dir / 'checkpoint'} is damaged "
+              f"({checkpoint_damage(run_dir / 'checkpoint')}): resuming from the whole one before it, "
+              f"{checkpoint}")
     master, tokenizer = load_model(str(checkpoint / "model") if checkpoint else args.model, device)
     policy = working_copy(master, args.precision)  # bf16: on CUDA and on CPUs with native bf16 (auto)
     reference = (cast_weights(load_model(args.model, device)[0].requires_grad_(False), policy.dtype)
@@ -97,12 +101,13 @@ def start_run(args, run_dir: Path, device: torch.device, is_main: bool, state: d
     done = restore_checkpoint(checkpoint, optimizer, state) if checkpoint else 0
     eval_problems = (load_eval_problems(args.eval_dataset, args.seed) if args.eval_dataset
                      else load_problems(args.dataset, "test", args.seed))[: args.eval_size]
-    reward_fn = load_reward(args.reward, args.reward_range)
+    costs = Counter()  # this step's seconds, tokens and reward calls past --reward-timeout
+    reward_fn = load_reward(args.reward, args.reward_range, args.reward_timeout, costs)
     train_problems = load_problems(args.dataset, "train", args.seed)
     if is_main:
         print(f"[{args.algo}] {where_it_runs(args, master, policy, reference, tokenizer, train_problems)}")
     return Run(master, policy, reference, tokenizer, optimizer, state, reward_fn, train_problems,
-               eval_problems, done, Counter(), stop_token_ids(master, tokenizer))
+               eval_problems, done, costs, stop_token_ids(master, tokenizer))
 
 
 def sample_and_score(args, run: Run, network, problems: list[Problem]) -> tuple[Rollout, torch.Tensor]:
@@ -118,7 +123,8 @@ def sample_and_score(args, run: Run, network, problems: list[Problem]) -> tuple[
     run.costs["gen_tokens"] += rollout.completion_mask.sum().item()
     start = time.perf_counter()
     try:
-        rewards = torch.tensor(score_groups(questions, rollout.texts, answers, run.reward_fn))  # [b, G]
+        with stops_at_once():  # Ctrl-C here ends at once: a reward may never return, and nothing is lost yet
+            rewards = torch.tensor(score_groups(questions, rollout.texts, answers, run.reward_fn))  # [b, G]
     except RewardError as error:  # under torchrun the others wait in gather_groups, which tells them
         rows = args.prompts_per_step // int(os.environ.get("WORLD_SIZE", 1))  # [b, G], as every process sends
         gather_groups(torch.full((rows, args.group_size), math.nan), error)
@@ -130,10 +136,10 @@ def sample_and_score(args, run: Run, network, problems: list[Problem]) -> tuple[
 def where_it_runs(args, master, policy, reference, tokenizer, problems: list[Problem]) -> str:
     """The run's first line: the device, the precision and dtypes, and the memory it should need
     (memory.py), for the run's shapes; the prompt length is that of the longest question, templated."""
-    longest = max(problems, key=lambda p: len(p.question) + len(p.instruction))
-    prompt = format_prompts(tokenizer, [longest.question], args.prompt_format, args.system,
-                            [longest.instruction])
-    prompt_len = len(tokenizer(prompt, add_special_tokens=False).input_ids[0])
+    prompt_len = longest_prompt(tokenizer, [p.question for p in problems], args.prompt_format, args.system,
+                                [p.instruction for p in problems])
+    if warning := context_warning(master.config, prompt_len, args.max_new_tokens):
+        print(f"[{args.algo}] {warning}")
     rows = args.prompts_per_step * args.group_size // int(os.environ.get("WORLD_SIZE", 1))
     terms = estimate_memory(master.config, sum(p.numel() for p in master.parameters()), rows=rows,
                             prompt_len=prompt_len, completion_len=args.max_new_tokens,
@@ -175,8 +181,8 @@ def after_step(args, run: Run, run_dir: Path, record: dict, totals: dict, stop: 
     (`log_step`)."""
     totals = log_step(run_dir, record, totals)
     step = record["step"]
-    evaluating = eval_due(args, step) and (not stop or step == args.steps)
-    if args.log_samples == "every" or args.log_samples == "evals" and evaluating:
+    evaluating = eval_due(args, step) and (not stop or step == args.steps)  # Ctrl-C skips it (`first_eval`)
+    if args.log_samples == "every" or args.log_samples == "evals" and eval_due(args, step):
         for sample in samples:
             append_jsonl(run_dir / "samples.jsonl", sample)
     if step == early_steps(args.steps) and (warning := collapse_warning(run_dir, args.group_size)):

@@ -1,5 +1,8 @@
 """A run folder, <out>/<algo>: its one owner (a lock), whether a new run may start there or an old one resume,
 checkpoints, and the logs (JSON lines).
+
+A run folder holds only what a run wrote (RUN_FILES): a fresh run removes those names and nothing else, so a
+file of the user's in it is never deleted (and the folder is used at all only with --overwrite).
 """
 
 import dataclasses
@@ -9,7 +12,9 @@ import json
 import os
 import pickle
 import shutil
+import struct
 import sys
+import zipfile
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -47,28 +52,101 @@ RESUMABLE = ("resume", "overwrite", "out", "save_every", "eval_every", "micro_ba
              "log_samples", "show_group")
 
 
+# What a run writes in its folder <out>/<algo> (experiments.py: final_eval.jsonl), with the temporary files
+# of its atomic writes; in <out>: the lock and the plot of its runs.
+LOGS = ("metrics.jsonl", "evals.jsonl", "samples.jsonl", "eval_records.jsonl", "final_eval.jsonl")
+RUN_FILES = ("config.json", *LOGS, "summary.json", "checkpoint", "checkpoint.old", "checkpoint.tmp",
+             *(f"{name}.tmp" for name in LOGS))
+PLOT = "curves.png"
+
+
+def holds_a_run(run_dir: Path) -> bool:
+    return any((run_dir / name).exists() for name in ("config.json", "metrics.jsonl", "checkpoint",
+                                                     "checkpoint.old"))
+
+
+def free_out(out: str) -> str:
+    """An --out beside `out` that does not exist yet: out-2, out-3, ..."""
+    return next(f"{Path(out)}-{n}" for n in itertools.count(2) if not Path(f"{Path(out)}-{n}").exists())
+
+
+def logged_steps(run_dir: Path) -> int:
+    """Lines of its metrics.jsonl (whether or not each is a whole record: this only counts them)."""
+    metrics = run_dir / "metrics.jsonl"
+    return len(metrics.read_text(errors="replace").splitlines()) if metrics.exists() else 0
+
+
 def earlier_run(run_dir: Path, out: str) -> str | None:
     """Why a fresh run may not start in run_dir (<out>/<algo>): one line saying what to type when it holds an
     earlier run, which the fresh run's logs would replace; None when it holds none."""
-    if not any((run_dir / name).exists() for name in ("config.json", "checkpoint", "checkpoint.old")):
+    if not holds_a_run(run_dir):
         return None
-    logged = len(read_jsonl(run_dir / "metrics.jsonl"))
-    free = next(f"{Path(out)}-{n}" for n in itertools.count(2) if not Path(f"{Path(out)}-{n}").exists())
-    return (f"{run_dir} holds an earlier run (steps logged: {logged}): add --resume to continue it, "
-            f"--out {free} to keep it and start another, or --overwrite to replace it")
+    return (f"{run_dir} holds an earlier run (steps logged: {logged_steps(run_dir)}): add --resume to "
+            f"continue it, --out {free_out(out)} to keep it and start another, or --overwrite to replace it")
 
 
-def out_problem(args) -> str | None:
-    """Why the run folders of train.Args `args` may not be used, in one line: --out names a file, --resume
-    meets --overwrite, or a run to resume has other flags (`resume_conflicts`); None when they may."""
-    if not (existing := next(p for p in [Path(args.out), *Path(args.out).parents] if p.exists())).is_dir():
-        return f"--out {args.out}: {existing} is a file, not a folder"
-    if args.resume and args.overwrite:
-        return "--resume continues the runs in --out, --overwrite replaces them: choose one"
-    for algo in args.algo.split(",") if args.resume else []:  # one run folder, one configuration
-        if conflicts := resume_conflicts(Path(args.out) / algo, dataclasses.replace(args, algo=algo)):
-            return conflicts
+def others_files(run_dir: Path) -> list[str]:
+    """The names in run_dir that no run wrote (a user's own files), sorted."""
+    return sorted(p.name for p in run_dir.iterdir() if p.name not in RUN_FILES) if run_dir.is_dir() else []
+
+
+def no_whole_checkpoint(run_dir: Path) -> str | None:
+    """Why --resume may not continue the run in run_dir, in one line saying what is there and what to type:
+    it holds logs or a config but no whole checkpoint; None when it may (or when it holds no run)."""
+    if not holds_a_run(run_dir) or find_checkpoint(run_dir):
+        return None
+    checkpoints = [run_dir / name for name in ("checkpoint", "checkpoint.old") if (run_dir / name).exists()]
+    why = (f"{checkpoints[0]} is damaged ({checkpoint_damage(checkpoints[0])})" if checkpoints
+           else "it was run with --save-every 0" if saved_config(run_dir).get("save_every") == 0
+           else "no checkpoint/ was saved")
+    return (f"--resume: {run_dir} holds a run (steps logged: {logged_steps(run_dir)}) but no whole "
+            f"checkpoint to continue from ({why}); --overwrite starts it again, removing its logs and "
+            f"weights, or --out {free_out(str(run_dir.parent))} starts another beside it")
+
+
+def folder_problem(args) -> str | None:
+    """Why the run folders of train.Args `args` may not be used, in one line saying what to type; None when
+    they may. Asked by the owner of --out (`one_owner`), so that no other run changes them in between: a
+    fresh run takes no folder that holds an earlier run (without --overwrite) or another's files (even with
+    it, they stay), --resume takes no run it cannot continue (`no_whole_checkpoint`) or that ran with other
+    flags (`resume_conflicts`), and no run replaces a plot at <out> that no run wrote."""
+    out = Path(args.out)
+    for algo in args.algo.split(","):
+        run_dir = out / algo
+        if run_dir.exists() and not run_dir.is_dir():
+            return f"{run_dir} is a file, not a run folder: move it, or choose another --out"
+        if args.resume and holds_a_run(run_dir):
+            problem = (no_whole_checkpoint(run_dir)
+                       or resume_conflicts(run_dir, dataclasses.replace(args, algo=algo)))
+        elif others := others_files(run_dir):
+            named = ", ".join(others[:3]) + (", ..." if others[3:] else "")
+            problem = None if args.overwrite else (
+                f"{run_dir} holds files no run wrote ({named}): move them, choose another --out, or "
+                "--overwrite to replace only what a run wrote there")
+        else:
+            problem = None if args.overwrite else earlier_run(run_dir, args.out)
+        if problem:
+            return problem
+    if (out / PLOT).exists() and not any(holds_a_run(p) for p in out.iterdir() if p.is_dir()):
+        return (f"{out / PLOT} was not written by train.py (no run beside it): move it, or choose another "
+                "--out")
     return None
+
+
+def saved_config(run_dir: Path) -> dict:
+    """The run's config.json ({} where there is none); a damaged one is a RunFolderError naming it."""
+    path = run_dir / "config.json"
+    if not path.exists():
+        return {}
+    try:
+        config = json.loads(path.read_text(errors="replace"))
+    except json.JSONDecodeError as e:
+        raise RunFolderError(f"{path} is damaged ({e.msg}, line {e.lineno}): restore it, or --overwrite to "
+                             "start the run again") from None
+    if not isinstance(config, dict):
+        raise RunFolderError(f"{path} holds a {type(config).__name__}, not a run's config: restore it, or "
+                             "--overwrite to start the run again")
+    return config
 
 
 def resume_conflicts(run_dir: Path, args) -> str | None:
@@ -78,9 +156,8 @@ def resume_conflicts(run_dir: Path, args) -> str | None:
     --grad-checkpointing change memory and speed, and the order of a sum). --steps sets the lr schedule of
     every step (`train.scheduled_lr`), so it may change only where the lr does not depend on it
     (--lr-decay 0): a longer run would otherwise follow another schedule than its first steps did."""
-    if not (run_dir / "config.json").exists():
+    if not (saved := saved_config(run_dir)):
         return None
-    saved = json.loads((run_dir / "config.json").read_text())
     now = json.loads(json.dumps(dataclasses.asdict(args)))  # as saved: tuples become lists
     defaults = json.loads(json.dumps({f.name: f.default for f in dataclasses.fields(args)}))
     fixed = [key for key in now if key not in RESUMABLE and not (key == "steps" and now["lr_decay"] == 0)]
@@ -95,25 +172,68 @@ def resume_conflicts(run_dir: Path, args) -> str | None:
 
 def save_checkpoint(run_dir: Path, model, tokenizer, optimizer, step: int, algo_state: dict) -> None:
     """HF folder + optimizer + step + method state (a dict of dataclasses), written to a temp folder then
-    renamed into place."""
+    renamed into place. A failed write (a full disk, a read-only folder) is a RunFolderError in one line,
+    and the last whole checkpoint stays as it was."""
     tmp, final, old = run_dir / "checkpoint.tmp", run_dir / "checkpoint", run_dir / "checkpoint.old"
-    shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp / "model")
-    tokenizer.save_pretrained(tmp / "model")
-    torch.save({"step": step, "optimizer": optimizer.state_dict(),
-                "algo_state": {key: dataclasses.asdict(value) for key, value in algo_state.items()}},
-               tmp / "state.pt")
-    if final.exists():
-        final.rename(old)
-    tmp.rename(final)
+    try:
+        shutil.rmtree(tmp, ignore_errors=True)
+        model.save_pretrained(tmp / "model")
+        tokenizer.save_pretrained(tmp / "model")
+        torch.save({"step": step, "optimizer": optimizer.state_dict(),
+                    "algo_state": {key: dataclasses.asdict(value) for key, value in algo_state.items()}},
+                   tmp / "state.pt")
+        if final.exists():
+            final.rename(old)
+        tmp.rename(final)
+    except (OSError, RuntimeError) as e:  # torch.save reports a full disk as a RuntimeError
+        shutil.rmtree(tmp, ignore_errors=True)
+        kept = find_checkpoint(run_dir)
+        raise RunFolderError(f"the checkpoint of step {step} could not be saved in {run_dir} "
+                             f"({getattr(e, 'strerror', None) or str(e).splitlines()[0]}); "
+                             + (f"{kept} stays whole: --resume goes on from it" if kept else
+                                "there is no earlier one") + " once there is room") from None
     shutil.rmtree(old, ignore_errors=True)
 
 
-def find_checkpoint(run_dir: Path) -> Path | None:
-    for folder in (run_dir / "checkpoint", run_dir / "checkpoint.old"):  # .old: crashed between renames
-        if (folder / "state.pt").exists():
-            return folder
+def whole_safetensors(path: Path) -> bool:
+    """A .safetensors file as long as its header says: 8 bytes of header length, the JSON header, the data."""
+    with path.open("rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            return False
+        try:
+            header = json.loads(f.read(struct.unpack("<Q", head)[0]))
+        except (json.JSONDecodeError, UnicodeDecodeError, OverflowError):
+            return False
+    end = max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"), default=0)
+    return path.stat().st_size == 8 + struct.unpack("<Q", head)[0] + end
+
+
+def checkpoint_damage(folder: Path) -> str | None:
+    """Why `folder` is not a whole checkpoint, in words; None when it is: state.pt a complete zip
+    (torch.save's format), model/ with weights in safetensors as long as their headers say. Pickled weights
+    (pytorch_model.bin) are refused unread: loading one could run code, and train.py never saves one."""
+    state, model = folder / "state.pt", folder / "model"
+    weights = sorted(model.glob("*.safetensors"))
+    if not state.exists():
+        return "no state.pt"
+    if not zipfile.is_zipfile(state):
+        return "state.pt is truncated or not torch.save's"
+    if (model / "pytorch_model.bin").exists():
+        return "model/ holds pytorch_model.bin, a pickle that could run code (train.py saves safetensors)"
+    if not weights:
+        return "no model/*.safetensors"
+    if broken := [w.name for w in weights if not whole_safetensors(w)]:
+        return f"model/{broken[0]} is truncated"
     return None
+
+
+def find_checkpoint(run_dir: Path) -> Path | None:
+    """The newest whole checkpoint: checkpoint/, else checkpoint.old/ (a save stopped between its renames,
+    or checkpoint/ damaged: the whole one before it is taken, and train.py says so); None where there is
+    none."""
+    return next((folder for folder in (run_dir / "checkpoint", run_dir / "checkpoint.old")
+                 if folder.exists() and not checkpoint_damage(folder)), None)
 
 
 def restore_checkpoint(folder: Path, optimizer, state: dict) -> int:
@@ -125,7 +245,7 @@ def restore_checkpoint(folder: Path, optimizer, state: dict) -> int:
     except pickle.UnpicklingError:  # torch's message is a page long
         raise RunFolderError(f"{path}: refused, it holds objects other than tensors and plain data, which "
                              "could run code (train.py never saves such a file)") from None
-    except (RuntimeError, EOFError) as e:  # a truncated or overwritten file
+    except (RuntimeError, EOFError, OSError) as e:  # a truncated or overwritten file
         raise RunFolderError(f"{path} is damaged ({str(e).splitlines()[0]}): restore it, or start again "
                              "with --overwrite") from None
     optimizer.load_state_dict(saved["optimizer"])
@@ -166,12 +286,24 @@ def write_jsonl(path: Path, records: list[dict]) -> None:
 TOTALS = ("gen_tokens", "train_tokens")  # summed over a run's steps in metrics.jsonl, as <name>_total
 
 
+def clear_run(run_dir: Path) -> None:
+    """Remove what a run wrote in run_dir (RUN_FILES), and nothing else."""
+    for name in RUN_FILES:
+        path = run_dir / name
+        if path.is_dir():
+            shutil.rmtree(path)
+        else:
+            path.unlink(missing_ok=True)
+
+
 def start_logs(run_dir: Path, config: dict, last_step: int) -> dict:
-    """A fresh run (last_step 0): config.json and empty logs, nothing an earlier run left in run_dir
-    (parse_args lets one be replaced only with --overwrite). A resumed one: drop what was logged after its
-    checkpoint. Returns the TOTALS of the last record kept."""
+    """A fresh run (last_step 0): config.json first, then empty logs, nothing an earlier run left in run_dir
+    (`folder_problem` lets one be replaced only with --overwrite; another's files stay). A resumed one: drop
+    what was logged after its checkpoint, and what a save stopped part-way left. Returns the TOTALS of the
+    last record kept."""
     if last_step == 0:
-        shutil.rmtree(run_dir, ignore_errors=True)  # an old checkpoint must not outlive its logs
+        clear_run(run_dir)  # an old checkpoint must not outlive its logs
+    shutil.rmtree(run_dir / "checkpoint.tmp", ignore_errors=True)
     run_dir.mkdir(parents=True, exist_ok=True)
     if last_step == 0:
         (run_dir / "config.json").write_text(json.dumps(config, indent=2))

@@ -33,14 +33,15 @@ from advantage import (AVSPO_ENDS, AdaptiveThreshold, aapo_advantages, aapo_marg
                        collapsed_groups, grpo_advantages)
 from data.tasks import Problem, step_problems
 from eval import score_groups
-from flags import arg, at_least, dataclass_parser, in_range
+from flags import arg, at_least, dataclass_parser, folder, in_range
 from hardware import DEVICES, accumulate_gradients, copy_weights
 from metrics import group_map, group_samples, step_metrics, summarise_run
 from model import PROMPT_FORMATS, Rollout, real_tokens, replace_groups, sample, trim_padding
-from processes import all_sum, exits_cleanly, gather_groups, init_processes, sum_gradients
+from processes import (StoppedWhileScoring, all_sum, exits_cleanly, gather_groups, init_processes,
+                       sum_gradients)
 from run import Run, after_step, check_inputs, fast_or_plain, first_eval, sample_and_score, start_run
-from run_folder import earlier_run, one_owner, out_problem, save_checkpoint, start_logs
-from verifier import RewardError, reward_range
+from run_folder import folder_problem, one_owner, save_checkpoint, start_logs
+from verifier import REWARD_TIMEOUT, RewardError, reward_range
 
 ALGOS, PRECISIONS = ("grpo", "avspo", "aapo", "dapo"), ("auto", "fp32", "bf16")
 POSITIVE, NON_NEGATIVE = in_range(0, math.inf, low_open=True), in_range(0, math.inf)
@@ -56,7 +57,10 @@ class Args:
     eval_dataset: str = arg("", "held-out problems (default: the test split of --dataset)")
     reward: str = arg("verifier", "verifier (verifier.py), math-verify (optional package), module:function")
     reward_range: tuple = arg((0.0, 1.0), "lo,hi: the rewards' range (else the run stops)", type=reward_range)
-    out: str = arg("runs/default", "run folder: one subfolder per algorithm, plus curves.png")
+    reward_timeout: float = arg(REWARD_TIMEOUT, "seconds a reward call may take, else it scores 0 (counted: "
+                                "reward_timeouts); the verifier runs unlimited, being bounded (0: no limit)",
+                                type=NON_NEGATIVE)
+    out: str = arg("runs/default", "run folder: one subfolder per algorithm, plus curves.png", type=folder)
     seed: int = arg(0, "seeds the prompts of each step and the sampling")
     resume: bool = arg(False, "continue each algorithm from the checkpoint in its run folder")
     overwrite: bool = arg(False, "replace the runs in --out (else a folder holding one is refused)")
@@ -114,11 +118,8 @@ def parse_args(argv: list[str] | None = None) -> Args:
         parser.error(f"--prompts-per-step {args.prompts_per_step} must be a multiple of the process count")
     if args.virtual_delta > args.reward_range[1] - args.reward_range[0]:
         parser.error(f"--virtual-delta {args.virtual_delta} is wider than --reward-range {args.reward_range}")
-    if problem := out_problem(args):  # --out a file, --resume with other flags or with --overwrite
-        parser.error(problem)
-    for algo in args.algo.split(",") if not (args.resume or args.overwrite) else []:
-        if earlier := earlier_run(Path(args.out) / algo, args.out):  # a fresh run destroys no other
-            sys.exit(f"error: {earlier}")
+    if args.resume and args.overwrite:
+        parser.error("--resume continues the runs in --out, --overwrite replaces them: choose one")
     try:  # the data, the reward, the tokenizer before any model: a bad line fails in a second
         check_inputs(args)
     except (FileNotFoundError, ValueError, ImportError) as e:
@@ -312,9 +313,12 @@ def train(args: Args, run_dir: Path, stop_requested: Sequence = ()) -> dict | No
     for step in bar:
         try:
             record, samples = train_step(args, run, step, rank, mine, device)
-        except RewardError:  # before the update: save the steps before it, so --resume redoes none of them
+        except (RewardError, StoppedWhileScoring) as e:  # before the update: save the steps before it
             if is_main and args.save_every and step - 1 > run.done:
                 save_checkpoint(run_dir, run.master, run.tokenizer, run.optimizer, step - 1, run.state)
+            if is_main and isinstance(e, StoppedWhileScoring):
+                saved = f"step {step - 1} saved in {run_dir}" if args.save_every else "nothing saved"
+                print(f"\n[{args.algo}] {e}: stopped while scoring step {step}; {saved}; --resume redoes it")
             raise
         stop = all_sum([len(stop_requested)], device)[0] > 0  # every process stops after the same step
         if is_main:
@@ -332,8 +336,11 @@ def train(args: Args, run_dir: Path, stop_requested: Sequence = ()) -> dict | No
 
 def main(argv: list[str] | None = None) -> list[dict]:
     args = parse_args(argv)
-    owner = one_owner(Path(args.out)) if int(os.environ.get("RANK", 0)) == 0 else contextlib.nullcontext()
+    is_main = int(os.environ.get("RANK", 0)) == 0
+    owner = one_owner(Path(args.out)) if is_main else contextlib.nullcontext()
     with exits_cleanly() as stop_requested, owner:  # Ctrl-C: the loop stops after its step, saved
+        if is_main and (problem := folder_problem(args)):  # asked by the owner: nothing changes in between
+            sys.exit(f"error: {problem}")
         summaries = [train(dataclasses.replace(args, algo=algo), Path(args.out) / algo, stop_requested)
                      for algo in args.algo.split(",")]
     if summaries[0] is not None:  # process 0 reports; the others wrote nothing
