@@ -63,7 +63,7 @@ from hardware import cpu_features, pick_device, resolve_precision, working_copy
 from model import load_model, sample
 from plots import (plot_accuracy_vs_compute, plot_accuracy_vs_tokens, plot_collapse_map, plot_compare_curves,
                    plot_difficulty, plot_early_acr_scatter, plot_precision_curves)
-from run_folder import append_jsonl, read_jsonl
+from run_folder import append_jsonl, find_checkpoint, holds_a_run, read_jsonl
 from verifier import load_reward
 
 DOCS = Path(__file__).resolve().parent / "docs"
@@ -114,7 +114,12 @@ def run_training(out: Path, seed: int, algos: list[str], flags: list[str]) -> No
     if missing:
         out.mkdir(parents=True, exist_ok=True)
         append_jsonl(out / "machines.jsonl", {"algos": missing, **machine()})  # one line per (re)start
-        train.main(flags + ["--algo", ",".join(missing), "--seed", str(seed), "--out", str(out), "--resume"])
+        # one stopped before its first checkpoint (or with --save-every 0) starts again: --resume refuses it
+        again = [a for a in missing if holds_a_run(out / a) and not find_checkpoint(out / a)]
+        for algos_now, how in ((again, "--overwrite"), ([a for a in missing if a not in again], "--resume")):
+            if algos_now:
+                train.main(flags + ["--algo", ",".join(algos_now), "--seed", str(seed), "--out", str(out),
+                                    how])
 
 
 def machine() -> dict:

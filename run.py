@@ -88,9 +88,8 @@ def start_run(args, run_dir: Path, device: torch.device, is_main: bool, state: d
     if args.resume and not checkpoint and is_main:
         print(f"[{args.algo}] --resume: no run in {run_dir} yet, starting one")
     if checkpoint and checkpoint.name == "checkpoint.old" and (run_dir / "checkpoint").exists() and is_main:
-        print(f"[{args.algo}] warning: {run_dir / 'checkpoint'} is damaged "
-              f"({checkpoint_damage(run_dir / 'checkpoint')}): resuming from the whole one before it, "
-              f"{checkpoint}")
+        print(f"[{args.algo}] warning: {checkpoint_damage(run_dir / 'checkpoint')}: resuming from the whole "
+              f"checkpoint before it, {checkpoint}")
     master, tokenizer = load_model(str(checkpoint / "model") if checkpoint else args.model, device)
     policy = working_copy(master, args.precision)  # bf16: on CUDA and on CPUs with native bf16 (auto)
     reference = (cast_weights(load_model(args.model, device)[0].requires_grad_(False), policy.dtype)

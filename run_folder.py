@@ -96,11 +96,11 @@ def no_whole_checkpoint(run_dir: Path) -> str | None:
     if not holds_a_run(run_dir) or find_checkpoint(run_dir):
         return None
     checkpoints = [run_dir / name for name in ("checkpoint", "checkpoint.old") if (run_dir / name).exists()]
-    why = (f"{checkpoints[0]} is damaged ({checkpoint_damage(checkpoints[0])})" if checkpoints
+    why = (checkpoint_damage(checkpoints[0]) if checkpoints
            else "it was run with --save-every 0" if saved_config(run_dir).get("save_every") == 0
            else "no checkpoint/ was saved")
     return (f"--resume: {run_dir} holds a run (steps logged: {logged_steps(run_dir)}) but no whole "
-            f"checkpoint to continue from ({why}); --overwrite starts it again, removing its logs and "
+            f"checkpoint to continue from: {why}; --overwrite starts it again, removing its logs and "
             f"weights, or --out {free_out(str(run_dir.parent))} starts another beside it")
 
 
@@ -176,17 +176,19 @@ def save_checkpoint(run_dir: Path, model, tokenizer, optimizer, step: int, algo_
     and the last whole checkpoint stays as it was."""
     tmp, final, old = run_dir / "checkpoint.tmp", run_dir / "checkpoint", run_dir / "checkpoint.old"
     try:
-        shutil.rmtree(tmp, ignore_errors=True)
+        remove(tmp)
         model.save_pretrained(tmp / "model")
         tokenizer.save_pretrained(tmp / "model")
         torch.save({"step": step, "optimizer": optimizer.state_dict(),
                     "algo_state": {key: dataclasses.asdict(value) for key, value in algo_state.items()}},
                    tmp / "state.pt")
+        if final.exists() and old.exists():  # a save stopped between its renames, or a damaged checkpoint:
+            remove(old if find_checkpoint(run_dir) == final else final)  # keep the whole one of the two
         if final.exists():
             final.rename(old)
         tmp.rename(final)
     except (OSError, RuntimeError) as e:  # torch.save reports a full disk as a RuntimeError
-        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(tmp, ignore_errors=True)  # what fits; the next start clears the rest
         kept = find_checkpoint(run_dir)
         raise RunFolderError(f"the checkpoint of step {step} could not be saved in {run_dir} "
                              f"({getattr(e, 'strerror', None) or str(e).splitlines()[0]}); "
@@ -216,15 +218,16 @@ def checkpoint_damage(folder: Path) -> str | None:
     state, model = folder / "state.pt", folder / "model"
     weights = sorted(model.glob("*.safetensors"))
     if not state.exists():
-        return "no state.pt"
+        return f"{state} is missing"
     if not zipfile.is_zipfile(state):
-        return "state.pt is truncated or not torch.save's"
+        return f"{state} is damaged (truncated, or not torch.save's)"
     if (model / "pytorch_model.bin").exists():
-        return "model/ holds pytorch_model.bin, a pickle that could run code (train.py saves safetensors)"
+        return (f"{model / 'pytorch_model.bin'} is refused unread: a pickle, which could run code (train.py "
+                "saves safetensors)")
     if not weights:
-        return "no model/*.safetensors"
-    if broken := [w.name for w in weights if not whole_safetensors(w)]:
-        return f"model/{broken[0]} is truncated"
+        return f"{model} holds no *.safetensors weights"
+    if broken := [w for w in weights if not whole_safetensors(w)]:
+        return f"{broken[0]} is damaged (shorter than its header says)"
     return None
 
 
@@ -286,14 +289,18 @@ def write_jsonl(path: Path, records: list[dict]) -> None:
 TOTALS = ("gen_tokens", "train_tokens")  # summed over a run's steps in metrics.jsonl, as <name>_total
 
 
+def remove(path: Path) -> None:
+    """A file or a folder, whichever `path` is, if it is there."""
+    if path.is_dir():
+        shutil.rmtree(path)
+    else:
+        path.unlink(missing_ok=True)
+
+
 def clear_run(run_dir: Path) -> None:
     """Remove what a run wrote in run_dir (RUN_FILES), and nothing else."""
     for name in RUN_FILES:
-        path = run_dir / name
-        if path.is_dir():
-            shutil.rmtree(path)
-        else:
-            path.unlink(missing_ok=True)
+        remove(run_dir / name)
 
 
 def start_logs(run_dir: Path, config: dict, last_step: int) -> dict:
@@ -303,7 +310,7 @@ def start_logs(run_dir: Path, config: dict, last_step: int) -> dict:
     last record kept."""
     if last_step == 0:
         clear_run(run_dir)  # an old checkpoint must not outlive its logs
-    shutil.rmtree(run_dir / "checkpoint.tmp", ignore_errors=True)
+    remove(run_dir / "checkpoint.tmp")
     run_dir.mkdir(parents=True, exist_ok=True)
     if last_step == 0:
         (run_dir / "config.json").write_text(json.dumps(config, indent=2))

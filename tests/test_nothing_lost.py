@@ -18,7 +18,9 @@ import pytest
 
 import eval as evaluation
 import experiments
+import train
 from data import prepare
+from run_folder import find_checkpoint, read_jsonl
 from verifier import load_reward
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -184,3 +186,233 @@ def test_the_verifier_runs_in_the_run_s_own_process(monkeypatch):
     """verifier.verify is pure Python with bounded work: no process of its own, no slower default run."""
     monkeypatch.setattr(subprocess, "Popen", no_model)
     assert load_reward("verifier", time_limit=5.0)(["q", "q"], ["\\boxed{5}", "4"], ["5", "5"]) == [1.0, 0.0]
+
+
+# ---------------------------------------------------------------- train.py: flags, the run folder, --resume
+
+TINY = ["--model", "tiny-qwen2", "--max-new-tokens", "8", "--group-size", "4", "--eval-size", "4",
+        "--eval-every", "0"]
+
+
+def no_model_in_a_run(monkeypatch):
+    import run as run_module
+    monkeypatch.setattr(run_module, "load_model", no_model)
+
+
+def files_under(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.parametrize("flags", [["--steps", "0"], ["--temperature", "nan"], ["--reward-timeout", "-1"],
+                                   ["--group-size", "1"], ["--resume", "--overwrite"]], ids=" ".join)
+def test_train_refuses_a_bad_flag_in_one_line_before_any_model(flags, monkeypatch, capsys):
+    no_model_in_a_run(monkeypatch)
+    with pytest.raises(SystemExit) as exit_info:
+        train.main(TINY + flags)
+    line = one_line_error(capsys)
+    assert exit_info.value.code == 2 and flags[0] in line and "--help" in line
+
+
+def test_a_fresh_run_deletes_nothing_it_did_not_write(tmp_path, monkeypatch):
+    """<out>/grpo holding a thesis: refused in one line; with --overwrite the run goes on beside it."""
+    run_dir = tmp_path / "grpo"
+    (run_dir / "chapters").mkdir(parents=True)
+    (run_dir / "thesis.tex").write_text("months of work")
+    (run_dir / "chapters" / "one.tex").write_text("more")
+    mine = files_under(run_dir)
+    with pytest.raises(SystemExit) as exit_info:
+        train.main(TINY + ["--steps", "1", "--out", str(tmp_path)])
+    assert str(exit_info.value.code) == (f"error: {run_dir} holds files no run wrote (chapters, thesis.tex): move "
+                                         "them, choose another --out, or --overwrite to replace only what a run "
+                                         "wrote there")
+    assert files_under(run_dir) == mine
+    for _ in range(2):  # the second --overwrite replaces the first run, and only it
+        train.main(TINY + ["--steps", "1", "--out", str(tmp_path), "--overwrite"])
+        assert {k: v for k, v in files_under(run_dir).items() if k in mine} == mine
+        assert len(read_jsonl(run_dir / "metrics.jsonl")) == 1
+
+
+def test_a_plot_at_out_that_no_run_wrote_is_never_replaced(tmp_path, monkeypatch):
+    (tmp_path / "curves.png").write_bytes(b"my own figure")
+    no_model_in_a_run(monkeypatch)
+    for extra in ([], ["--overwrite"]):
+        with pytest.raises(SystemExit) as exit_info:
+            train.main(TINY + ["--steps", "1", "--out", str(tmp_path), *extra])
+        assert "curves.png was not written by train.py" in str(exit_info.value.code)
+    assert (tmp_path / "curves.png").read_bytes() == b"my own figure" and not (tmp_path / "grpo").exists()
+
+
+FINISHED = TINY + ["--steps", "2", "--save-every", "1", "--lr-decay", "0"]  # --steps may grow on --resume
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory) -> Path:
+    """A finished 2-step run, checkpoint and all, to copy into each test."""
+    out = tmp_path_factory.mktemp("finished")
+    train.main(FINISHED + ["--out", str(out)])
+    return out
+
+
+def copy_of(run: Path, tmp_path: Path) -> Path:
+    import shutil
+    shutil.copytree(run, tmp_path / "run")
+    return tmp_path / "run"
+
+
+@pytest.mark.parametrize("damage, says", [
+    ("save-every 0", "it was run with --save-every 0"),
+    ("no state.pt", "checkpoint/state.pt is missing"),
+    ("truncated state.pt", "checkpoint/state.pt is damaged (truncated, or not torch.save's)"),
+    ("pickled weights", "checkpoint/model/pytorch_model.bin is refused unread: a pickle, which could run code"),
+    ("truncated weights", "checkpoint/model/model.safetensors is damaged (shorter than its header says)")])
+def test_resume_never_starts_over_a_run_it_cannot_continue(finished_run, tmp_path, monkeypatch, damage, says):
+    out = copy_of(finished_run, tmp_path)
+    checkpoint = out / "grpo" / "checkpoint"
+    if damage == "save-every 0":
+        import shutil
+        shutil.rmtree(checkpoint)
+        config = json.loads((out / "grpo" / "config.json").read_text())
+        (out / "grpo" / "config.json").write_text(json.dumps({**config, "save_every": 0}))
+    elif damage == "no state.pt":
+        (checkpoint / "state.pt").unlink()
+    elif damage == "truncated state.pt":
+        (checkpoint / "state.pt").write_bytes((checkpoint / "state.pt").read_bytes()[:5000])
+    elif damage == "pickled weights":
+        import torch
+        (checkpoint / "model" / "model.safetensors").unlink()
+        torch.save({"w": torch.zeros(1)}, checkpoint / "model" / "pytorch_model.bin")
+    else:
+        weights = checkpoint / "model" / "model.safetensors"
+        weights.write_bytes(weights.read_bytes()[:-100])
+    before = files_under(out)
+    no_model_in_a_run(monkeypatch)
+    with pytest.raises(SystemExit) as exit_info:
+        train.main(FINISHED + ["--out", str(out), "--resume"]
+                   + (["--save-every", "0"] if damage == "save-every 0" else []))
+    line = str(exit_info.value.code)
+    assert line.startswith(f"error: --resume: {out / 'grpo'} holds a run (steps logged: 2) but no whole "
+                           "checkpoint to continue from: ") and says in line and "\n" not in line
+    assert "--overwrite starts it again" in line and files_under(out) == before
+
+
+def test_a_damaged_checkpoint_beside_a_whole_older_one_resumes_from_the_older(finished_run, tmp_path,
+                                                                               capsys):
+    out = copy_of(finished_run, tmp_path)
+    run_dir = out / "grpo"
+    import shutil
+    shutil.copytree(run_dir / "checkpoint", run_dir / "checkpoint.old")  # as a save that stopped at its end
+    state = run_dir / "checkpoint" / "state.pt"
+    state.write_bytes(state.read_bytes()[:5000])
+    train.main(FINISHED + ["--steps", "3", "--out", str(out), "--resume"])
+    said = capsys.readouterr().out
+    assert (f"warning: {run_dir / 'checkpoint' / 'state.pt'} is damaged (truncated, or not torch.save's): "
+            f"resuming from the whole checkpoint before it, {run_dir / 'checkpoint.old'}") in said
+    assert [r["step"] for r in read_jsonl(run_dir / "metrics.jsonl")] == [1, 2, 3]
+    assert not (run_dir / "checkpoint.old").exists() and find_checkpoint(run_dir) == run_dir / "checkpoint"
+
+
+@pytest.mark.parametrize("config", ["{not json", "[1, 2]"])
+def test_a_damaged_config_on_resume_is_one_line(finished_run, tmp_path, monkeypatch, config):
+    out = copy_of(finished_run, tmp_path)
+    (out / "grpo" / "config.json").write_text(config)
+    no_model_in_a_run(monkeypatch)
+    with pytest.raises(SystemExit) as exit_info:
+        train.main(FINISHED + ["--out", str(out), "--resume"])
+    line = str(exit_info.value.code)
+    assert line.startswith(f"error: {out / 'grpo' / 'config.json'} ") and "\n" not in line
+
+
+def test_a_bad_metrics_line_met_by_a_fresh_run_is_the_earlier_run_line(finished_run, tmp_path, monkeypatch):
+    out = copy_of(finished_run, tmp_path)
+    metrics = out / "grpo" / "metrics.jsonl"
+    metrics.write_text("{torn\n" + metrics.read_text())
+    no_model_in_a_run(monkeypatch)
+    with pytest.raises(SystemExit) as exit_info:
+        train.main(TINY + ["--steps", "1", "--out", str(out)])
+    assert str(exit_info.value.code).startswith(f"error: {out / 'grpo'} holds an earlier run (steps logged: 3)")
+
+
+def test_a_run_folder_that_is_a_file_is_one_line_before_any_model(tmp_path, monkeypatch):
+    (tmp_path / "grpo").write_text("mine")
+    no_model_in_a_run(monkeypatch)
+    with pytest.raises(SystemExit) as exit_info:
+        train.main(TINY + ["--steps", "1", "--out", str(tmp_path), "--overwrite"])
+    assert str(exit_info.value.code) == (f"error: {tmp_path / 'grpo'} is a file, not a run folder: move it, or "
+                                         "choose another --out")
+    assert (tmp_path / "grpo").read_text() == "mine"
+
+
+@pytest.mark.parametrize("code", [errno.ENOSPC, errno.EROFS], ids=["disk full", "read-only"])
+def test_a_save_that_fails_is_one_line_and_loses_nothing(tmp_path, monkeypatch, code):
+    """The save of step 2 fails: one line, the checkpoint of step 1 stays whole, nothing half-written is
+    left, and --resume (once there is room) goes on from step 1 to the same end."""
+    import run_folder
+    import torch
+    real_save, saves = torch.save, iter([True, False])
+
+    def failing_save(obj, path, *args, **kwargs):
+        if not next(saves, True):
+            raise OSError(code, os.strerror(code), str(path))
+        return real_save(obj, path, *args, **kwargs)
+
+    monkeypatch.setattr(run_folder.torch, "save", failing_save)
+    flags = TINY + ["--steps", "3", "--save-every", "1", "--out", str(tmp_path)]
+    with pytest.raises(SystemExit) as exit_info:
+        train.main(flags)
+    line = str(exit_info.value.code)
+    assert line == (f"error: the checkpoint of step 2 could not be saved in {tmp_path / 'grpo'} "
+                    f"({os.strerror(code)}); {tmp_path / 'grpo' / 'checkpoint'} stays whole: --resume goes on "
+                    "from it once there is room")
+    assert not (tmp_path / "grpo" / "checkpoint.tmp").exists()
+    monkeypatch.undo()
+    assert torch.load(tmp_path / "grpo" / "checkpoint" / "state.pt", weights_only=True)["step"] == 1
+    train.main(flags + ["--resume"])
+    assert [r["step"] for r in read_jsonl(tmp_path / "grpo" / "metrics.jsonl")] == [1, 2, 3]
+
+
+def test_a_file_where_a_save_writes_is_cleared(tmp_path, monkeypatch):
+    """checkpoint.tmp as a file (a path that is a file where the save makes a folder)."""
+    real_start = train.start_logs
+
+    def plant(run_dir, config, last_step):
+        totals = real_start(run_dir, config, last_step)
+        (run_dir / "checkpoint.tmp").write_text("in the way")
+        return totals
+
+    monkeypatch.setattr(train, "start_logs", plant)
+    train.main(TINY + ["--steps", "1", "--save-every", "1", "--out", str(tmp_path)])
+    assert find_checkpoint(tmp_path / "grpo") and not (tmp_path / "grpo" / "checkpoint.tmp").exists()
+
+
+def test_a_leftover_checkpoint_tmp_is_cleared_on_the_next_start(finished_run, tmp_path):
+    out = copy_of(finished_run, tmp_path)
+    (out / "grpo" / "checkpoint.tmp" / "model").mkdir(parents=True)
+    train.main(FINISHED + ["--out", str(out), "--resume"])
+    assert not (out / "grpo" / "checkpoint.tmp").exists()
+
+
+def test_an_interrupt_on_an_evaluation_step_still_logs_its_groups(tmp_path, monkeypatch):
+    """Ctrl-C during step 2, an evaluation step: the step ends and is saved, its evaluation is skipped (the
+    resumed run does it), and its groups reach samples.jsonl all the same."""
+    real_step, stop = train.train_step, []
+
+    def step_then_ctrl_c(args, run, step, *rest):
+        if step == 2:
+            stop.append(signal.SIGINT)
+        return real_step(args, run, step, *rest)
+
+    monkeypatch.setattr(train, "train_step", step_then_ctrl_c)
+    args = train.parse_args(TINY + ["--steps", "4", "--eval-every", "2", "--out", str(tmp_path)])
+    with pytest.raises(KeyboardInterrupt):
+        train.train(args, tmp_path / "grpo", stop)
+    assert sorted({r["step"] for r in read_jsonl(tmp_path / "grpo" / "samples.jsonl")}) == [2]
+
+
+def test_a_run_warns_once_when_a_prompt_exceeds_the_context(tmp_path, capsys):
+    data = tmp_path / "long.jsonl"
+    data.write_text("".join(json.dumps({"problem": q, "answer": "1"}) + "\n" for q in ("7 " * 1500, "1 + 0?")))
+    train.main(["--model", "tiny-qwen2", "--max-new-tokens", "2", "--group-size", "2", "--eval-size", "1",
+                "--steps", "1", "--prompts-per-step", "1", "--save-every", "0", "--dataset", str(data),
+                "--out", str(tmp_path / "run")])
+    warnings = [line for line in capsys.readouterr().out.splitlines() if "context" in line]
+    assert len(warnings) == 1 and "exceeds the model's context of 1024 tokens" in warnings[0]
