@@ -1,15 +1,13 @@
-"""Nothing a user keeps is lost: every script's flags checked in one line before any model loads, a reward that
-cannot hang a run, saves that fail in one line and lose nothing, a run folder written and removed only by its
-owner, and a --resume that never starts over (issue 50)."""
+"""Nothing a user keeps is lost: every script's flags checked in one line before any model loads, a reward
+that cannot hang a run, saves that fail in one line and lose nothing, a run folder written and removed only
+by its owner, and a --resume that never starts over (issue 50)."""
 
 import errno
 import json
-import math
 import os
 import signal
 import subprocess
 import sys
-import textwrap
 import time
 from collections import Counter
 from pathlib import Path
@@ -42,7 +40,8 @@ def one_line_error(capsys) -> str:
 
 EVAL_FLAGS = [["--batch-size", "-1"], ["--batch-size", "0"], ["--limit", "-3"], ["--temperature", "-1"],
               ["--temperature", "nan"], ["--samples", "-1"], ["--samples", "0"], ["--max-new-tokens", "0"],
-              ["--max-new-tokens", "-5"], ["--reward-timeout", "-1"], ["--samples", "4", "--temperature", "0"]]
+              ["--max-new-tokens", "-5"], ["--reward-timeout", "-1"],
+              ["--samples", "4", "--temperature", "0"]]
 
 
 @pytest.mark.parametrize("flags", EVAL_FLAGS, ids=" ".join)
@@ -94,7 +93,8 @@ def test_prepare_refuses_an_unknown_name_in_one_line(tmp_path, capsys):
 @pytest.mark.parametrize("script, flags", [("bench", ["--steps", "0"]), ("bench", ["--rounds", "0"]),
                                            ("gpu_bench", ["--group-size", "1"]),
                                            ("gpu_bench", ["--budget-s", "nan"]),
-                                           ("fast_vs_plain", ["--reps", "0"]), ("trigger_table", ["--runs", "0"])])
+                                           ("fast_vs_plain", ["--reps", "0"]),
+                                           ("trigger_table", ["--runs", "0"])])
 def test_the_benchmarks_refuse_a_bad_flag_in_one_line(script, flags, capsys):
     module = __import__(f"benchmarks.{script}", fromlist=["main"])
     with pytest.raises(SystemExit) as exit_info:
@@ -132,7 +132,8 @@ def test_eval_results_are_written_whole_or_not_at_all(tmp_path, monkeypatch, cap
     monkeypatch.setattr(Path, "replace", disk_full)
     with pytest.raises(SystemExit) as exit_info:
         evaluation.main(flags + ["--seed", "1"])
-    assert "could not be written" in str(exit_info.value.code) and "No space left" in str(exit_info.value.code)
+    line = str(exit_info.value.code)
+    assert "could not be written" in line and "No space left" in line
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(before)  # no .tmp left behind
     assert json.loads((tmp_path / "summary.json").read_text()) == json.loads(before["summary.json"])
 
@@ -140,7 +141,7 @@ def test_eval_results_are_written_whole_or_not_at_all(tmp_path, monkeypatch, cap
 def test_eval_warns_once_when_a_prompt_exceeds_the_context(tmp_path, capsys):
     """tiny-qwen2 has a context of 1024 tokens; a question of 3000 characters passes it."""
     data = tmp_path / "long.jsonl"
-    data.write_text("".join(json.dumps({"problem": q, "answer": "1"}) + "\n" for q in ("7 " * 1500, "1 + 0?")))
+    data.write_text("".join(json.dumps({"problem": q, "answer": "1"}) + "\n" for q in ("7 " * 1500, "1?")))
     evaluation.main(["--model", "tiny-qwen2", "--dataset", str(data), "--max-new-tokens", "2"])
     warnings = [line for line in capsys.readouterr().err.splitlines() if "context" in line]
     assert len(warnings) == 1 and "exceeds the model's context of 1024 tokens" in warnings[0]
@@ -222,9 +223,9 @@ def test_a_fresh_run_deletes_nothing_it_did_not_write(tmp_path, monkeypatch):
     mine = files_under(run_dir)
     with pytest.raises(SystemExit) as exit_info:
         train.main(TINY + ["--steps", "1", "--out", str(tmp_path)])
-    assert str(exit_info.value.code) == (f"error: {run_dir} holds files no run wrote (chapters, thesis.tex): move "
-                                         "them, choose another --out, or --overwrite to replace only what a run "
-                                         "wrote there")
+    assert str(exit_info.value.code) == (f"error: {run_dir} holds files no run wrote (chapters, thesis.tex): "
+                                         "move them, choose another --out, or --overwrite to replace only "
+                                         "what a run wrote there")
     assert files_under(run_dir) == mine
     for _ in range(2):  # the second --overwrite replaces the first run, and only it
         train.main(TINY + ["--steps", "1", "--out", str(tmp_path), "--overwrite"])
@@ -263,7 +264,7 @@ def copy_of(run: Path, tmp_path: Path) -> Path:
     ("save-every 0", "it was run with --save-every 0"),
     ("no state.pt", "checkpoint/state.pt is missing"),
     ("truncated state.pt", "checkpoint/state.pt is damaged (truncated, or not torch.save's)"),
-    ("pickled weights", "checkpoint/model/pytorch_model.bin is refused unread: a pickle, which could run code"),
+    ("pickled weights", "model/pytorch_model.bin is refused unread: a pickle, which could run code"),
     ("truncated weights", "checkpoint/model/model.safetensors is damaged (shorter than its header says)")])
 def test_resume_never_starts_over_a_run_it_cannot_continue(finished_run, tmp_path, monkeypatch, damage, says):
     out = copy_of(finished_run, tmp_path)
@@ -329,7 +330,8 @@ def test_a_bad_metrics_line_met_by_a_fresh_run_is_the_earlier_run_line(finished_
     no_model_in_a_run(monkeypatch)
     with pytest.raises(SystemExit) as exit_info:
         train.main(TINY + ["--steps", "1", "--out", str(out)])
-    assert str(exit_info.value.code).startswith(f"error: {out / 'grpo'} holds an earlier run (steps logged: 3)")
+    line = str(exit_info.value.code)
+    assert line.startswith(f"error: {out / 'grpo'} holds an earlier run (steps logged: 3)")
 
 
 def test_a_run_folder_that_is_a_file_is_one_line_before_any_model(tmp_path, monkeypatch):
@@ -337,8 +339,8 @@ def test_a_run_folder_that_is_a_file_is_one_line_before_any_model(tmp_path, monk
     no_model_in_a_run(monkeypatch)
     with pytest.raises(SystemExit) as exit_info:
         train.main(TINY + ["--steps", "1", "--out", str(tmp_path), "--overwrite"])
-    assert str(exit_info.value.code) == (f"error: {tmp_path / 'grpo'} is a file, not a run folder: move it, or "
-                                         "choose another --out")
+    assert str(exit_info.value.code) == (f"error: {tmp_path / 'grpo'} is a file, not a run folder: move it, "
+                                         "or choose another --out")
     assert (tmp_path / "grpo").read_text() == "mine"
 
 
@@ -361,8 +363,8 @@ def test_a_save_that_fails_is_one_line_and_loses_nothing(tmp_path, monkeypatch, 
         train.main(flags)
     line = str(exit_info.value.code)
     assert line == (f"error: the checkpoint of step 2 could not be saved in {tmp_path / 'grpo'} "
-                    f"({os.strerror(code)}); {tmp_path / 'grpo' / 'checkpoint'} stays whole: --resume goes on "
-                    "from it once there is room")
+                    f"({os.strerror(code)}); {tmp_path / 'grpo' / 'checkpoint'} stays whole: --resume goes "
+                    "on from it once there is room")
     assert not (tmp_path / "grpo" / "checkpoint.tmp").exists()
     monkeypatch.undo()
     assert torch.load(tmp_path / "grpo" / "checkpoint" / "state.pt", weights_only=True)["step"] == 1
@@ -410,9 +412,107 @@ def test_an_interrupt_on_an_evaluation_step_still_logs_its_groups(tmp_path, monk
 
 def test_a_run_warns_once_when_a_prompt_exceeds_the_context(tmp_path, capsys):
     data = tmp_path / "long.jsonl"
-    data.write_text("".join(json.dumps({"problem": q, "answer": "1"}) + "\n" for q in ("7 " * 1500, "1 + 0?")))
+    data.write_text("".join(json.dumps({"problem": q, "answer": "1"}) + "\n" for q in ("7 " * 1500, "1?")))
     train.main(["--model", "tiny-qwen2", "--max-new-tokens", "2", "--group-size", "2", "--eval-size", "1",
                 "--steps", "1", "--prompts-per-step", "1", "--save-every", "0", "--dataset", str(data),
                 "--out", str(tmp_path / "run")])
     warnings = [line for line in capsys.readouterr().out.splitlines() if "context" in line]
     assert len(warnings) == 1 and "exceeds the model's context of 1024 tokens" in warnings[0]
+
+
+# ---------------------------------------------------------------- one owner; a reward that hangs in a run
+
+
+def python_run(args: list[str], tmp_path: Path, **env: str) -> subprocess.Popen:
+    """train.py in a process of its own, the test's reward modules importable, with these variables set."""
+    env = {**os.environ, "PYTHONPATH": str(tmp_path), "OMP_NUM_THREADS": "1", **env}
+    return subprocess.Popen([sys.executable, str(ROOT / "train.py"), *args], cwd=tmp_path, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+SLOW_TO_START = '''
+import os, time
+from pathlib import Path
+
+deadline = time.monotonic() + 240
+while not Path(os.environ["FIRST_DONE"]).exists() and time.monotonic() < deadline:
+    time.sleep(0.1)  # importing this module takes until the first run has finished
+
+def parity(completion, gold):
+    return float(len(completion) % 2)
+'''
+
+
+def test_a_run_slow_to_start_never_replaces_the_run_that_started_after_it(tmp_path):
+    """B starts first but takes until A has finished to import its reward; A runs meanwhile. B must judge
+    the folder once it owns it, and so finds A's finished run there: refused in one line, A's run whole."""
+    (tmp_path / "slow_reward.py").write_text(SLOW_TO_START)
+    out, done = tmp_path / "run", tmp_path / "first-done"
+    late = python_run(TINY + ["--steps", "1", "--out", str(out), "--reward", "slow_reward:parity"], tmp_path,
+                      FIRST_DONE=str(done))
+    first = python_run(TINY + ["--steps", "2", "--out", str(out)], tmp_path)
+    assert first.wait(timeout=240) == 0, first.stderr.read()[-2000:]
+    kept = files_under(out / "grpo")
+    done.touch()
+    _, err = late.communicate(timeout=240)
+    assert late.returncode == 1
+    last = err.strip().splitlines()[-1]
+    assert last.startswith(f"error: {out / 'grpo'} holds an earlier run (steps logged: 2)")
+    assert files_under(out / "grpo") == kept
+
+
+HANGS_IN_A_RUN = '''
+import os, time
+from pathlib import Path
+
+def sometimes_stuck(completion, gold):
+    if len(completion) % 3 == 0:
+        while True:  # never returns
+            pass
+    return float(len(completion) % 2)
+
+calls = 0
+
+def stuck_at_step_2(completion, gold):
+    global calls
+    calls += 1
+    if calls > int(os.environ.get("HANG_AFTER", 10**9)):  # 4 evaluated, 2 prompts x 4 in step 1: then hangs
+        Path(os.environ["STUCK"]).touch()
+        time.sleep(3600)
+    return float(len(completion) % 2)
+'''
+
+
+def test_a_reward_that_hangs_scores_0_past_the_time_limit_and_the_run_goes_on(tmp_path, monkeypatch):
+    (tmp_path / "hanging_run_rewards.py").write_text(HANGS_IN_A_RUN)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    train.main(TINY + ["--steps", "2", "--reward", "hanging_run_rewards:sometimes_stuck", "--reward-timeout",
+                       "0.5", "--out", str(tmp_path / "run"), "--save-every", "0"])
+    rows = read_jsonl(tmp_path / "run" / "grpo" / "metrics.jsonl")
+    assert len(rows) == 2 and sum(r["reward_timeouts"] for r in rows) > 0
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_while_a_reward_hangs_stops_at_once_and_resume_redoes_it(tmp_path, monkeypatch, signum):
+    """Step 2's reward never returns: Ctrl-C or SIGTERM ends the run at once (not after the reward's time
+    limit), with step 1 saved; --resume redoes step 2."""
+    (tmp_path / "hanging_run_rewards.py").write_text(HANGS_IN_A_RUN)
+    stuck, out = tmp_path / "stuck", tmp_path / "run"
+    flags = TINY + ["--eval-every", "3", "--steps", "3", "--save-every", "1", "--out", str(out), "--reward",
+                    "hanging_run_rewards:stuck_at_step_2", "--reward-timeout", "600"]
+    run = python_run(flags, tmp_path, HANG_AFTER=str(4 + 8), STUCK=str(stuck))
+    deadline = time.monotonic() + 240
+    while not stuck.exists() and run.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    time.sleep(0.2)
+    run.send_signal(signum)
+    try:
+        said, err = run.communicate(timeout=30)  # at once: not once the reward returns, an hour from now
+    finally:
+        run.kill()
+    assert run.returncode == 128 + signum and "Traceback" not in err, err[-2000:]
+    assert f"stopped while scoring step 2; step 1 saved in {out / 'grpo'}; --resume redoes it" in said
+    assert [r["step"] for r in read_jsonl(out / "grpo" / "metrics.jsonl")] == [1]
+    monkeypatch.syspath_prepend(str(tmp_path))
+    train.main(flags + ["--resume"])
+    assert [r["step"] for r in read_jsonl(out / "grpo" / "metrics.jsonl")] == [1, 2, 3]
