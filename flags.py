@@ -24,25 +24,25 @@ def arg(default, help: str, **argparse_options):
 
 def at_least(minimum: int):
     """An argparse type: an integer >= minimum, or a one-line error naming the bound."""
-    def parse(text: str) -> int:
+    def integer(text: str) -> int:  # argparse names it in its message: "invalid integer value: 'x'"
         if int(text) < minimum:
             raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {text}")
         return int(text)
-    return parse
+    return integer
 
 
 def in_range(low: float, high: float, *, low_open: bool = False, high_open: bool = False):
     """An argparse type: a finite float in the interval, or a one-line error naming it."""
     name = f"{'(' if low_open else '['}{low:g}, {high:g}{')' if high_open or high == math.inf else ']'}"
 
-    def parse(text: str) -> float:
+    def number(text: str) -> float:  # argparse names it in its message: "invalid number value: 'x'"
         value = float(text)
         above = value > low if low_open else value >= low
         below = value < high if high_open else value <= high
         if not (math.isfinite(value) and above and below):
             raise argparse.ArgumentTypeError(f"must be a finite number in {name}, got {text}")
         return value
-    return parse
+    return number
 
 
 def folder(text: str) -> str:

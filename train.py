@@ -63,7 +63,8 @@ class Args:
     out: str = arg("runs/default", "run folder: one subfolder per algorithm, plus curves.png", type=folder)
     seed: int = arg(0, "seeds the prompts of each step and the sampling")
     resume: bool = arg(False, "continue each algorithm from the checkpoint in its run folder")
-    overwrite: bool = arg(False, "replace the runs in --out (else a folder holding one is refused)")
+    overwrite: bool = arg(False, "replace the runs in --out, removing only what a run wrote (else a folder "
+                                 "holding one is refused)")
     device: str = arg("auto", "auto (CUDA if this process can use it, else CPU), cpu, cuda", choices=DEVICES)
     fast: bool = arg(True, "fast paths (decoding.py, packing.py) where verified (CPU; on CUDA not yet); "
                            "--no-fast: HF generate, plain forward")
