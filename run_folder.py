@@ -61,6 +61,7 @@ PLOT = "curves.png"
 
 
 def holds_a_run(run_dir: Path) -> bool:
+    """Whether run_dir holds (part of) a run: its config, its metrics or a checkpoint."""
     return any((run_dir / name).exists() for name in ("config.json", "metrics.jsonl", "checkpoint",
                                                      "checkpoint.old"))
 
