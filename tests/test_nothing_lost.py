@@ -434,6 +434,7 @@ SLOW_TO_START = '''
 import os, time
 from pathlib import Path
 
+Path(os.environ["IMPORTING"]).touch()
 deadline = time.monotonic() + 240
 while not Path(os.environ["FIRST_DONE"]).exists() and time.monotonic() < deadline:
     time.sleep(0.1)  # importing this module takes until the first run has finished
@@ -444,12 +445,16 @@ def parity(completion, gold):
 
 
 def test_a_run_slow_to_start_never_replaces_the_run_that_started_after_it(tmp_path):
-    """B starts first but takes until A has finished to import its reward; A runs meanwhile. B must judge
-    the folder once it owns it, and so finds A's finished run there: refused in one line, A's run whole."""
+    """B starts first but takes until A has finished to import its reward; A starts once B is importing it,
+    and runs meanwhile. B must judge the folder once it owns it, and so finds A's finished run there:
+    refused in one line, A's run whole. (Before issue 50, B judged the folder before importing: empty.)"""
     (tmp_path / "slow_reward.py").write_text(SLOW_TO_START)
-    out, done = tmp_path / "run", tmp_path / "first-done"
+    out, done, importing = tmp_path / "run", tmp_path / "first-done", tmp_path / "importing"
     late = python_run(TINY + ["--steps", "1", "--out", str(out), "--reward", "slow_reward:parity"], tmp_path,
-                      FIRST_DONE=str(done))
+                      FIRST_DONE=str(done), IMPORTING=str(importing))
+    deadline = time.monotonic() + 240
+    while not importing.exists() and late.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.1)
     first = python_run(TINY + ["--steps", "2", "--out", str(out)], tmp_path)
     assert first.wait(timeout=240) == 0, first.stderr.read()[-2000:]
     kept = files_under(out / "grpo")
