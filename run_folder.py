@@ -183,7 +183,7 @@ def save_checkpoint(run_dir: Path, model, tokenizer, optimizer, step: int, algo_
         torch.save({"step": step, "optimizer": optimizer.state_dict(),
                     "algo_state": {key: dataclasses.asdict(value) for key, value in algo_state.items()}},
                    tmp / "state.pt")
-        if final.exists() and old.exists():  # a save stopped between its renames, or a damaged checkpoint:
+        if final.exists() and old.exists():  # a kill between the renames or while removing old, or damage:
             remove(old if find_checkpoint(run_dir) == final else final)  # keep the whole one of the two
         if final.exists():
             final.rename(old)

@@ -41,6 +41,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+import run  # noqa: E402
 import train  # noqa: E402
 from benchmarks.floors import FLOOR_COLUMNS, batch_shape, floor_rows, phase_floors  # noqa: E402
 from benchmarks.timing import fmt, markdown_table, median_of, peak_memory_bytes, run_isolated  # noqa: E402
@@ -68,15 +69,15 @@ def reference_args(model: str, steps: int, precision: str, algo: str = "grpo",
 def bench_ours(args: train.Args, warmup: int) -> dict:
     """train.train for warmup + steps steps; medians of the per-step times it logs, after the warm-up. For
     GRPO, each step's batch shape (`floors.batch_shape`) is recorded from the rollout train.py samples and the
-    rewards it scores (train.sample and train.score_groups wrapped, in this spawned process only)."""
+    rewards it scores (run.sample and run.score_groups wrapped, in this spawned process only)."""
     args = dataclasses.replace(args, steps=warmup + args.steps)
-    shapes, rollouts, sample, score_groups = [], [], train.sample, train.score_groups
+    shapes, rollouts, sample, score_groups = [], [], run.sample, run.score_groups
 
     def recording_sample(*a, **kw):
         rollouts.append(sample(*a, **kw))
         return rollouts[-1]
 
-    def recording_score_groups(questions, texts, answers, reward_fn):  # right after each train.sample call
+    def recording_score_groups(questions, texts, answers, reward_fn):  # right after each run.sample call
         rewards, rollout = score_groups(questions, texts, answers, reward_fn), rollouts.pop()
         prompt_len = rollout.input_ids.shape[1] - rollout.completion_len
         shapes.append(batch_shape(rollout.completion_mask.sum(1).tolist(),
@@ -85,7 +86,7 @@ def bench_ours(args: train.Args, warmup: int) -> dict:
         return rewards
 
     if args.algo == "grpo":  # the only config with floors
-        train.sample, train.score_groups = recording_sample, recording_score_groups
+        run.sample, run.score_groups = recording_sample, recording_score_groups
     with tempfile.TemporaryDirectory() as tmp:
         run_dir = Path(tmp) / args.algo
         train.train(args, run_dir)
@@ -141,7 +142,7 @@ def advantage_seconds(args: train.Args, reps: int) -> float:
 def verifier_rows(data_dir: Path, limit: int | None) -> list[list[str]] | None:
     """Median and worst µs per call of each verifier on GSM8K and MATH-500 (self + cross) cases;
     None, with a message, when the data folder lacks them."""
-    from benchmarks.verifier_bench import load_cases, math_verify_check, run
+    from benchmarks.verifier_bench import load_cases, math_verify_check, run as run_checks
 
     if not (data_dir / "math500_test.jsonl").exists():
         print(f"no math500_test.jsonl in {data_dir} (python data/prepare.py math gsm8k-solutions): "
@@ -159,7 +160,7 @@ def verifier_rows(data_dir: Path, limit: int | None) -> list[list[str]] | None:
             continue
         for label, subset in sets.items():
             print(f"verifier: {name} on {len(subset)} {label} cases")
-            agree, seconds = run(check, subset)
+            agree, seconds = run_checks(check, subset)
             us = [s * 1e6 for s in seconds]
             rows.append([name, label, str(len(us)), f"{100 * agree / len(us):.1f}%",
                          f"{statistics.median(us):.1f}", f"{max(us):.1f}"])
