@@ -69,7 +69,7 @@ def step_metrics(rewards, advantages, rollout: Rollout, costs: dict, device) -> 
     """What a step logs about its whole batch (the names are documented in docs/metrics.md)."""
     completion_tokens, truncated, gen_tokens, timeouts = all_sum(
         [rollout.completion_mask.sum().item(), rollout.truncated.sum().item(), costs["gen_tokens"],
-         costs["reward_timeouts"]], device)
+         costs.get("reward_timeouts", 0)], device)
     return {"reward_mean": rewards.mean().item(), "accuracy": (rewards == 1).float().mean().item(),
             "acr": advantage_collapse_rate(rewards), "acr_effective": effective_collapse_rate(advantages),
             "all_correct_frac": (rewards.amin(1) == 1).float().mean().item(),

@@ -32,7 +32,6 @@ from tqdm import tqdm
 from advantage import (AVSPO_ENDS, AdaptiveThreshold, aapo_advantages, aapo_margin, avspo_advantages,
                        collapsed_groups, grpo_advantages)
 from data.tasks import Problem, step_problems
-from eval import score_groups
 from flags import arg, at_least, dataclass_parser, folder, in_range
 from hardware import DEVICES, accumulate_gradients, copy_weights
 from metrics import group_map, group_samples, step_metrics, summarise_run
@@ -57,14 +56,12 @@ class Args:
     eval_dataset: str = arg("", "held-out problems (default: the test split of --dataset)")
     reward: str = arg("verifier", "verifier (verifier.py), math-verify (optional package), module:function")
     reward_range: tuple = arg((0.0, 1.0), "lo,hi: the rewards' range (else the run stops)", type=reward_range)
-    reward_timeout: float = arg(REWARD_TIMEOUT, "seconds a reward call may take, else it scores 0 (counted: "
-                                "reward_timeouts); the verifier runs unlimited, being bounded (0: no limit)",
-                                type=NON_NEGATIVE)
+    reward_timeout: float = arg(REWARD_TIMEOUT, "seconds a reward call may take, else it scores 0 (not the "
+                                "verifier's, which is bounded; 0: no limit)", type=NON_NEGATIVE)
     out: str = arg("runs/default", "run folder: one subfolder per algorithm, plus curves.png", type=folder)
     seed: int = arg(0, "seeds the prompts of each step and the sampling")
     resume: bool = arg(False, "continue each algorithm from the checkpoint in its run folder")
-    overwrite: bool = arg(False, "replace the runs in --out, removing only what a run wrote (else a folder "
-                                 "holding one is refused)")
+    overwrite: bool = arg(False, "replace the runs in --out, only what they wrote (else a folder is refused)")
     device: str = arg("auto", "auto (CUDA if this process can use it, else CPU), cpu, cuda", choices=DEVICES)
     fast: bool = arg(True, "fast paths (decoding.py, packing.py) where verified (CPU; on CUDA not yet); "
                            "--no-fast: HF generate, plain forward")
@@ -317,9 +314,8 @@ def train(args: Args, run_dir: Path, stop_requested: Sequence = ()) -> dict | No
         except (RewardError, StoppedWhileScoring) as e:  # before the update: save the steps before it
             if is_main and args.save_every and step - 1 > run.done:
                 save_checkpoint(run_dir, run.master, run.tokenizer, run.optimizer, step - 1, run.state)
-            if is_main and isinstance(e, StoppedWhileScoring):
-                saved = f"step {step - 1} saved in {run_dir}" if args.save_every else "nothing saved"
-                print(f"\n[{args.algo}] {e}: stopped while scoring step {step}; {saved}; --resume redoes it")
+            if is_main and isinstance(e, StoppedWhileScoring):  # `processes.stops_at_once`
+                print(f"\n[{args.algo}] {e}: stopped while scoring step {step}, the steps before it saved")
             raise
         stop = all_sum([len(stop_requested)], device)[0] > 0  # every process stops after the same step
         if is_main:
@@ -340,7 +336,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     is_main = int(os.environ.get("RANK", 0)) == 0
     owner = one_owner(Path(args.out)) if is_main else contextlib.nullcontext()
     with exits_cleanly() as stop_requested, owner:  # Ctrl-C: the loop stops after its step, saved
-        if is_main and (problem := folder_problem(args)):  # asked by the owner: nothing changes in between
+        if is_main and (problem := folder_problem(args)):  # the owner judges: nothing changes in between
             sys.exit(f"error: {problem}")
         summaries = [train(dataclasses.replace(args, algo=algo), Path(args.out) / algo, stop_requested)
                      for algo in args.algo.split(",")]

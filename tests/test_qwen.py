@@ -323,8 +323,8 @@ def test_a_tokenizer_without_chat_template_is_one_line_before_any_model_loads(tm
     monkeypatch.setattr(evaluation, "load_model", lambda *a, **k: pytest.fail("a model loaded"))
     with pytest.raises(SystemExit):
         train.main(["--model", base, "--steps", "1", "--out", str(tmp_path / "run")])
-    assert capsys.readouterr().err.strip().splitlines()[-1].endswith(
-        "the model's tokenizer has no chat template (a base model?): use --prompt-format raw")
+    assert ("the model's tokenizer has no chat template (a base model?): use --prompt-format raw"
+            in capsys.readouterr().err.strip().splitlines()[-1])
     assert not (tmp_path / "run").exists()
     with pytest.raises(SystemExit, match="^error: the model's tokenizer has no chat template .* raw$"):
         evaluation.main(["--model", base, "--dataset", "arith-add1", "--limit", "1"])

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import save_file
 
 import model as model_module
 import run as run_module
@@ -215,8 +216,9 @@ def test_avspo_triggers_on_the_acr_of_groups_and_adapts_its_threshold_from_the_r
 def test_find_checkpoint_takes_the_old_one_when_a_save_stopped_between_renames(tmp_path):
     assert find_checkpoint(tmp_path) is None
     for name in ("checkpoint.tmp", "checkpoint.old"):  # a save that stopped after moving the last one aside
-        (tmp_path / name).mkdir()
-        (tmp_path / name / "state.pt").write_bytes(b"")
+        (tmp_path / name / "model").mkdir(parents=True)  # whole: torch.save's zip, complete safetensors
+        torch.save({"step": 1}, tmp_path / name / "state.pt")
+        save_file({"w": torch.zeros(2)}, tmp_path / name / "model" / "model.safetensors")
     assert find_checkpoint(tmp_path) == tmp_path / "checkpoint.old"
     (tmp_path / "checkpoint.tmp").rename(tmp_path / "checkpoint")
     assert find_checkpoint(tmp_path) == tmp_path / "checkpoint"
