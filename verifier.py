@@ -1260,6 +1260,9 @@ def _trl_style(fn: Callable, signature: inspect.Signature, spec: str) -> Reward:
 # ("ok", rewards) or ("raised", the exception in one line, its traceback printed by the child).
 
 
+WORKER_FLAG = "--reward-worker"  # `python verifier.py --reward-worker`: serve(); the run starts it, not a user
+
+
 class RewardWorker:
     """The batch reward of `spec` (`load_reward`), each call run in a child process with a time limit.
     `one_by_one`: an f(completion, gold) is called, and timed, once per completion; a TRL-style function once
@@ -1303,7 +1306,7 @@ class RewardWorker:
     def start(self) -> None:
         """The child, ready to take calls once it has imported the reward (not timed: a slow import is no
         hang; a bad spec was refused before any model loaded)."""
-        self.process = subprocess.Popen([sys.executable, __file__], stdin=subprocess.PIPE,
+        self.process = subprocess.Popen([sys.executable, __file__, WORKER_FLAG], stdin=subprocess.PIPE,
                                         stdout=subprocess.PIPE)  # serve()
         weakref.finalize(self, self.process.kill)  # never outlives the run, however the run ends
         self.send((sys.path, self.spec))
@@ -1352,4 +1355,7 @@ def serve() -> None:
 
 
 if __name__ == "__main__":
+    if sys.argv[1:] != [WORKER_FLAG]:
+        sys.exit(f"verifier.py is a module (the reward); `python verifier.py {WORKER_FLAG}` is the process "
+                 "a run starts for a reward with a time limit")
     serve()
