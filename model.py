@@ -179,6 +179,14 @@ def load_model(name: str,
     return model.to(device).eval(), tokenizer  # eval mode (no dropout); training switches train mode on
 
 
+def checkpoint_activations(model: PreTrainedModel) -> None:
+    """--grad-checkpointing: each decoder layer keeps only its input for backward and recomputes the rest
+    there. transformers 5.25 names the call activation_checkpointing_enable and warns at the old name,
+    gradient_checkpointing_enable, the only one 5.17 has; both set `gradient_checkpointing` on the layers."""
+    enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
+    enable()
+
+
 # ----------------------------------------------------------------------------- sampling
 
 

@@ -58,8 +58,8 @@ from common import fast_or_plain  # noqa: E402
 from data.tasks import load_problems, step_problems  # noqa: E402
 from decoding import decode  # noqa: E402
 from memory import GIB, estimate_memory  # noqa: E402
-from model import (DEVICES, completion_logprobs, load_model, pick_device, sample,  # noqa: E402
-                   sample_with_generate, working_copy)
+from model import (DEVICES, checkpoint_activations, completion_logprobs, load_model,  # noqa: E402
+                   pick_device, sample, sample_with_generate, working_copy)
 from model_files import byte_tokenizer  # noqa: E402
 from eval import score_groups  # noqa: E402
 from verifier import load_reward  # noqa: E402
@@ -176,7 +176,7 @@ def bench_config(size: str, checkpointing: bool, device: torch.device, opts, pro
     model = build_model(size, device, tokenizer)
     net = working_copy(model, "bf16")
     if checkpointing:
-        net.activation_checkpointing_enable()
+        checkpoint_activations(net)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, weight_decay=0.0, fused=True)
     args = train.Args(algo="grpo", prompts_per_step=opts.prompts, group_size=opts.group_size,
                       max_new_tokens=opts.max_new_tokens, micro_batch=opts.micro_batch, lr=1e-5, beta=0.0,
@@ -299,7 +299,7 @@ def one_step_each(size: str, precision: str, checkpointing: bool, device: torch.
     policy = working_copy(master, precision)
     reference = copy.deepcopy(policy).requires_grad_(False)
     if checkpointing:
-        policy.activation_checkpointing_enable()
+        checkpoint_activations(policy)
     optimizer = torch.optim.AdamW(master.parameters(), lr=1e-5, weight_decay=0.0, fused=True)
 
     def step(algo: str, beta: float):

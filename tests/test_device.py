@@ -238,7 +238,7 @@ def test_memory_activations_are_what_the_forward_keeps_for_backward(checkpointin
     torch.manual_seed(0)
     net = Qwen2ForCausalLM(config).train()
     if checkpointing:
-        net.activation_checkpointing_enable()
+        model.checkpoint_activations(net)
     ids = torch.randint(0, 1000, (4, 100))
     params = {p.untyped_storage().data_ptr() for p in net.parameters()}
     kept = {}
