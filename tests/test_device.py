@@ -14,6 +14,7 @@ from torch.utils._pytree import tree_flatten
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 import common
+import memory
 import model
 import model_files
 import packing
@@ -228,18 +229,9 @@ def test_memory_grows_with_the_runs_shapes_and_checkpointing_shrinks_it(key):
     assert checkpointed["activations"] < small["activations"]
 
 
-@pytest.mark.parametrize("checkpointing", [False, True])
-def test_memory_activations_are_what_the_forward_keeps_for_backward(checkpointing):
-    """The tensors autograd saves in one forward of the plain log-probs (fp32, 3 layers): the estimate's
-    activations and the logits' two forward tensors (their gradient comes in backward). Under checkpointing
-    the forward keeps each layer's input only; the estimate adds one layer, recomputed in backward."""
-    config = Qwen2Config(vocab_size=1000, hidden_size=128, intermediate_size=512, num_hidden_layers=3,
-                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
-    torch.manual_seed(0)
-    net = Qwen2ForCausalLM(config).train()
-    if checkpointing:
-        model.checkpoint_activations(net)
-    ids = torch.randint(0, 1000, (4, 100))
+def saved_bytes(net, ids: torch.Tensor, mask: torch.Tensor, completion_len: int) -> int:
+    """Bytes of the tensors autograd saves for backward in one forward of the plain log-probs (each storage
+    once, the parameters left out)."""
     params = {p.untyped_storage().data_ptr() for p in net.parameters()}
     kept = {}
 
@@ -249,13 +241,72 @@ def test_memory_activations_are_what_the_forward_keeps_for_backward(checkpointin
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        model.completion_logprobs(net, ids, torch.ones_like(ids), 60)
-    terms = estimate_memory(config, 0, **shapes(micro_batch=4, bf16=False, checkpointing=checkpointing))
-    forward = terms["activations"] + terms["logits"] * 8 / 12
+        model.completion_logprobs(net, ids, mask, completion_len)
+    return sum(kept.values())
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+@pytest.mark.parametrize("size, precision", [("0.5B", "bf16"), ("1.5B", "bf16"), ("0.5B", "fp32")])
+def test_memory_activations_are_what_the_forward_keeps_for_backward(size, precision, checkpointing):
+    """Two layers at Qwen2.5's real widths, rows padded on the left and the right as in training: the bytes
+    autograd saves (the logits' own among them) against memory.py's activations and logits. Under
+    checkpointing the forward keeps each layer's input only, and the estimate adds one layer's
+    `layer_bytes`, recomputed in backward."""
+    from benchmarks.gpu_bench import SIZES
+    config = Qwen2Config(vocab_size=1000, tie_word_embeddings=True, **{**SIZES[size], "num_hidden_layers": 2})
+    torch.manual_seed(0)
+    net = model.working_copy(Qwen2ForCausalLM(config), precision).train()
     if checkpointing:
-        assert forward / 4 < sum(kept.values()) < forward
-    else:
-        assert sum(kept.values()) == pytest.approx(forward, rel=0.1)
+        model.checkpoint_activations(net)
+    ids = torch.randint(0, 1000, (4, 101))
+    mask = torch.ones_like(ids)
+    mask[:2, :20] = mask[1:3, -15:] = 0  # left-padded prompts, completions that ended early
+    kept = saved_bytes(net, ids, mask, 60)
+    terms = estimate_memory(config, 0, **shapes(micro_batch=4, bf16=precision == "bf16",
+                                                checkpointing=checkpointing))  # 4 rows of 100 positions
+    w = 2 if precision == "bf16" else 4
+    forward = terms["activations"] + 4 * 60 * 1000 * w  # and the logits
+    if checkpointing:  # less the layer that backward recomputes
+        forward -= 4 * 100 * memory.layer_bytes(config, w)
+    assert kept == pytest.approx(forward, rel=0.1)
+
+
+def peak_bytes(fn) -> int:
+    """The most bytes allocated on the CPU at once while fn runs, above what was there before (torch's memory
+    profiler, which records every allocation and free)."""
+    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler._memory_profiler import MemoryProfileTimeline
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True,
+                 with_stack=True) as prof:
+        fn()
+    _, sizes = MemoryProfileTimeline(prof._memory_profile())._coalesce_timeline(torch.device("cpu"))
+    return max(sum(s) for s in sizes)
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp32"])
+@pytest.mark.parametrize("chunk", [64, 256])
+def test_memory_logits_are_the_peak_of_the_log_probs_forward_and_backward(monkeypatch, precision, chunk):
+    """The logits term as measured: one narrow layer and a 16,000-token vocabulary, so the logits are nearly
+    all of the memory; the peak of the plain log-probs' forward and backward against activations + logits."""
+    monkeypatch.setattr(model, "LOGPROB_CHUNK", chunk)
+    monkeypatch.setattr(memory, "LOGPROB_CHUNK", chunk)
+    config = Qwen2Config(vocab_size=16_000, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    net = model.working_copy(Qwen2ForCausalLM(config), precision).train()
+    net.model.embed_tokens.weight.requires_grad_(False)  # its gradient is the static terms', not the update's
+    ids = torch.randint(0, 16_000, (8, 161))
+    mask = torch.ones_like(ids)
+    mask[:4, :30] = 0
+
+    def update():
+        model.completion_logprobs(net, ids, mask, 128, 0.7).sum().backward()
+
+    update()  # once before: the first call allocates what later ones reuse
+    net.zero_grad(set_to_none=True)
+    terms = estimate_memory(config, 0, **shapes(micro_batch=8, prompt_len=32, completion_len=128,
+                                                bf16=precision == "bf16"))
+    assert peak_bytes(update) == pytest.approx(terms["activations"] + terms["logits"], rel=0.1)
 
 
 def test_gpu_bench_can_force_the_fast_paths_on_cuda_to_time_them():
