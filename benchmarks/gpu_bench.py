@@ -100,6 +100,13 @@ def build_model(size: str, device: torch.device, tokenizer):
         return Qwen2ForCausalLM(config).eval()
 
 
+def parity_reward(completion: str, gold: str) -> float:
+    """The parity of the sum of the completion's character codes, a coin flip per completion on random
+    weights: a group of G is split but with probability 2^(1 - G), so the methods' updates have rows to
+    train (the verifier's rewards on random weights are all 0: every group collapses, no backward runs)."""
+    return float(sum(map(ord, completion)) % 2)
+
+
 def mixed_rewards(prompts: int, group_size: int) -> torch.Tensor:
     """[B, G] rewards with both values in every group (so no group collapses and every row trains)."""
     return (torch.arange(group_size) % 2).float().repeat(prompts, 1)

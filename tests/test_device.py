@@ -27,8 +27,9 @@ ROOT = Path(__file__).resolve().parent.parent
 
 # Calls that move a tensor or read it out, which CUDA allows across devices.
 CROSSING = {torch.Tensor.to, torch.Tensor.cpu, torch.Tensor.copy_, torch.Tensor.item, torch.Tensor.tolist,
-            torch.Tensor.numpy, torch.Tensor.__setitem__}
+            torch.Tensor.__setitem__}
 INDEXING = {torch.Tensor.__getitem__, torch.Tensor.index_put_, torch.Tensor.__setitem__}
+WRITES = {torch.Tensor.index_put_, torch.Tensor.__setitem__}  # self, indices, values
 
 
 class CudaDeviceRules(TorchFunctionMode):
@@ -40,7 +41,10 @@ class CudaDeviceRules(TorchFunctionMode):
       - an op may not mix a device tensor with a host tensor of one or more dimensions ("Expected all tensors
         to be on the same device"); a 0-dim host tensor is a scalar there;
       - a host tensor may not be indexed by device indices ("indices should be either on cpu or on the same
-        device as the indexed tensor"); a device tensor may be indexed by host ones.
+        device as the indexed tensor"); a device tensor may be indexed by host ones;
+      - a host tensor may not be written with device values through an index (index_put_ raises "Expected
+        all tensors to be on the same device"; a slice or a 0-dim value copies, a hidden sync per write);
+      - a device tensor has no numpy view ("can't convert cuda:0 device type tensor to numpy").
     Approximate by design: it reads device placement from the calls, so a `device=` naming the CPU on purpose
     would count as the device (train.py names none)."""
 
@@ -69,10 +73,16 @@ class CudaDeviceRules(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        if func is torch.Tensor.numpy and self.on_device(args[0]):
+            raise TypeError("can't convert cuda:0 device type tensor to numpy. Use Tensor.cpu() to copy the "
+                            "tensor to host memory first. (CudaDeviceRules)")
         if func in INDEXING and tensors and not self.on_device(tensors[0]):
             if any(self.on_device(t) for t in tree_flatten(args[1])[0] if isinstance(t, torch.Tensor)):
                 raise RuntimeError(f"{func.__name__}: indices should be either on cpu or on the same device "
                                    "as the indexed tensor (CudaDeviceRules)")
+            if func in WRITES and self.on_device(args[2]):
+                raise RuntimeError(f"{func.__name__}: a host tensor written with device values: Expected all "
+                                   "tensors to be on the same device (CudaDeviceRules)")
         elif func not in CROSSING and func not in INDEXING:
             sides = {self.on_device(t) for t in tensors if t.dim() > 0 or self.on_device(t)}
             if len(sides) > 1:
@@ -111,33 +121,57 @@ def test_the_rules_raise_where_cuda_raises():
             host + device
         with pytest.raises(RuntimeError, match="indices should be"):
             host[device] = 0
+        with pytest.raises(RuntimeError, match="written with device values"):
+            host[host < 2] = device[:2]
+        with pytest.raises(RuntimeError, match="written with device values"):
+            host[0] = device[0]
+        with pytest.raises(TypeError, match="to numpy"):
+            device.numpy()
+        assert device.cpu().numpy().tolist() == host.numpy().tolist() == [0, 1, 2, 3]
+        device[host[:2]] = host[:2]  # a device tensor written with host values: a copy to the device
 
 
 TINY = ["--model", "tiny-qwen2", "--max-new-tokens", "6", "--group-size", "4", "--micro-batch", "3",
         "--eval-size", "4", "--precision", "fp32"]
+PARITY = "benchmarks.gpu_bench:parity_reward"  # a coin flip per completion: groups split, rows train
 
 
-@pytest.mark.parametrize("algo, beta, fast", [("grpo", 0.0, True), ("avspo", 0.0, True), ("aapo", 0.0, True),
-                                              ("dapo", 0.0, True), ("grpo", 0.04, True),
-                                              ("dapo", 0.04, False)])
+def favour_stops(nets, stop_ids: list[int], bias: float = 4.0) -> None:
+    """An output-layer bias on the stop tokens, so that about a sixth of tiny-qwen2's sampled tokens stop
+    (its random weights never do) and the stop branches run; greedy stops at once. A bias, as
+    tests/test_fast_paths.py's favour_eos: decoding.decode_step runs the output layer's weights itself."""
+    for net in nets:
+        logit_bias = torch.zeros(net.lm_head.out_features, dtype=net.lm_head.weight.dtype)
+        logit_bias[stop_ids] = bias
+        net.lm_head.bias = torch.nn.Parameter(logit_bias, requires_grad=False)
+
+
+@pytest.mark.parametrize("algo, beta, fast", [("grpo", 0.0, False), ("avspo", 0.0, False), ("aapo", 0.0, False),
+                                              ("dapo", 0.0, False), ("grpo", 0.04, False),
+                                              ("grpo", 0.0, True), ("dapo", 0.04, True)])
 def test_a_train_step_keeps_cudas_device_rules(tmp_path, algo, beta, fast):
-    """One step of each method and an evaluation, as a CUDA run would place their tensors (the rollout and
-    advantages on the device, rewards and bookkeeping on the host); the first CUDA update crashed on
-    `rows[...]` (issue 43)."""
+    """One step of each method and an evaluation in bf16, as a CUDA run would place their tensors (the
+    rollout and advantages on the device, rewards and bookkeeping on the host): the plain paths, which CUDA
+    runs, and the fast ones (gpu_bench.py forces them there to time them). Completions reach stop tokens
+    (`favour_stops`); rewards split the groups, so every method's backward runs, but DAPO's, which keeps the
+    verifier's collapsed groups to resample them. The first CUDA update crashed on `rows[...]` (issue 43)."""
     args = train.parse_args(TINY + ["--algo", algo, "--beta", str(beta), "--out", str(tmp_path),
-                                    "--lr", "1e-2", "--fast" if fast else "--no-fast"])
+                                    "--lr", "1e-2", "--fast" if fast else "--no-fast", "--precision", "bf16",
+                                    "--reward", "verifier" if algo == "dapo" else PARITY])
     device = torch.device("cpu")
     run = common.start_run(args, tmp_path, device, True, train.algo_state(args),
                            with_reference=algo == "aapo" or beta > 0)
     models = [m for m in (run.master, run.policy, run.reference) if m is not None]
+    assert run.policy.dtype == torch.bfloat16 and run.policy is not run.master
+    favour_stops(models, model.stop_token_ids(run.policy, run.tokenizer))
     with CudaDeviceRules(*models):
         record, _ = train.train_step(args, run, 1, 0, slice(0, args.prompts_per_step), device)
         assert 0 <= common.run_eval(args, run, tmp_path, 1) <= 1
-    assert record["skipped"] == 0
-    if algo == "avspo" or beta > 0:  # virtual rewards, or the KL: every row trains, under the rules
-        assert record["rows_trained"] == 8
-    if algo == "dapo":  # tiny-qwen2's groups all collapse: replace_groups ran under the rules too
+    assert record["skipped"] == 0 and record["truncated_frac"] < 1  # some rows stopped
+    if algo == "dapo":  # tiny-qwen2's groups all collapse: replace_groups ran under the rules
         assert record["resampled_groups"] > 0
+    if algo != "dapo" or beta > 0:  # a backward pass, and bf16's gradient accumulation, under the rules
+        assert record["rows_trained"] > 0
 
 
 # ------------------------------------------------------------------------------ where the run is, its paths
