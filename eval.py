@@ -18,12 +18,14 @@ from typing import Callable
 
 import numpy as np
 import torch
+import transformers
 from tqdm import tqdm
 
 from data.tasks import Problem, load_eval_problems
 from decoding import FAST_ON, decode
-from model import (DEVICES, PROMPT_FORMATS, format_prompts, load_model, load_tokenizer, pick_device, sample,
-                   sample_with_generate, working_copy)
+from hardware import DEVICES, pick_device, where, working_copy
+from model import (PROMPT_FORMATS, format_prompts, load_model, load_tokenizer, sample, sample_with_generate,
+                   stop_token_ids)
 from verifier import Reward, extract_answer, load_reward, per_completion, reward_range, verify
 
 
@@ -51,10 +53,11 @@ def score_groups(questions: list[str], texts: list[str], answers: list[str],
 def evaluate(model, tokenizer, problems: list[Problem], *, max_new_tokens: int, samples: int = 1,
              temperature: float = 0.0, batch_size: int = 32, progress: bool = False,
              reward_fn: Reward = per_completion(verify), sample_completions: Callable = sample_with_generate,
-             prompt_format: str = "chat", system: str = "") -> dict:
+             prompt_format: str = "chat", system: str = "", stop_ids: list[int] | None = None) -> dict:
     """Accuracy of `model` on `problems` (reward 1 = correct): greedy when samples == 1 and temperature == 0.
     Prompts and completions as in training (`model.sample`): completion ids from `sample_completions` (HF
-    generate, or the decoding loop), prompts in `prompt_format` with the `system` message.
+    generate, or the decoding loop), prompts in `prompt_format` with the `system` message, completions ending
+    at `stop_ids` (`model.stop_token_ids`, worked out once by the caller; None: at each batch).
 
     Returns accuracy (mean over all completions: pass@1 greedy, mean@n sampled), the same per level for
     problems that have one (arith-mix), pass@k for k = 1, 2, 4, .. up to n, and one record per completion.
@@ -66,7 +69,8 @@ def evaluate(model, tokenizer, problems: list[Problem], *, max_new_tokens: int, 
     for start in tqdm(starts, desc="eval", disable=not progress, leave=False):
         batch = problems[start : start + batch_size]
         rollout = sample(model, tokenizer, [p.question for p in batch], samples, max_new_tokens, temperature,
-                         sample_completions=sample_completions, prompt_format=prompt_format, system=system)
+                         sample_completions=sample_completions, prompt_format=prompt_format, system=system,
+                         instructions=[p.instruction for p in batch], stop_ids=stop_ids)
         batch_scores = score_groups([p.question for p in batch], rollout.texts, [p.answer for p in batch],
                                     reward_fn)  # [b][n]
         for i, (problem, scores) in enumerate(zip(batch, batch_scores)):
@@ -157,17 +161,20 @@ def main(argv: list[str] | None = None) -> dict:
         problems = problems[: args.limit] if args.limit else problems
         for name in args.model:  # each tokenizer alone: a missing chat template fails before any model loads
             format_prompts(load_tokenizer(name), ["1 + 1?"], args.prompt_format, args.system)
+        transformers.logging.disable_progress_bar()  # tqdm's bar of the evaluation alone, as in train.py
         results = {}
         for name in args.model:
             model, tokenizer = load_model(name, device)
             net = working_copy(model, args.precision)  # the network train.py samples from
+            print(f"[eval {name}] {where(model, net, args.precision)}")
             torch.manual_seed(args.seed)
             results[name] = evaluate(net, tokenizer, problems, max_new_tokens=args.max_new_tokens,
                                      samples=args.samples, temperature=temperature,
                                      batch_size=args.batch_size, progress=True, reward_fn=reward_fn,
                                      sample_completions=decode if args.fast and device.type in FAST_ON
-                                     else sample_with_generate,  # as common.fast_or_plain chooses
-                                     prompt_format=args.prompt_format, system=args.system)
+                                     else sample_with_generate,  # as run.fast_or_plain chooses
+                                     prompt_format=args.prompt_format, system=args.system,
+                                     stop_ids=stop_token_ids(model, tokenizer))
     except (FileNotFoundError, ValueError, ImportError) as e:
         sys.exit(f"error: {e}")
 

@@ -55,13 +55,14 @@ from tqdm import tqdm
 
 import train
 from advantage import advantage_collapse_rate
-from common import append_jsonl, read_jsonl
 from data.tasks import LEVELS, load_problems
 from decoding import decode
 from eval import evaluate, score_groups
-from model import cpu_features, load_model, pick_device, resolve_precision, sample, working_copy
+from hardware import cpu_features, pick_device, resolve_precision, working_copy
+from model import load_model, sample
 from plots import (plot_accuracy_vs_compute, plot_accuracy_vs_tokens, plot_collapse_map, plot_compare_curves,
                    plot_difficulty, plot_early_acr_scatter, plot_precision_curves)
+from run_folder import append_jsonl, read_jsonl
 from verifier import load_reward
 
 DOCS = Path(__file__).resolve().parent / "docs"
@@ -412,7 +413,7 @@ def early_acr_scatter(runs: list[dict], resamples: int) -> dict:
 
 def scatter(out: Path, levels: list[str], group_sizes: list[int], seeds: list[int], flags: list[str],
             resamples: int, jobs: int) -> dict:
-    """Short GRPO runs over levels x G x seeds; each run's early raw ACR (over `common.early_steps`) and final
+    """Short GRPO runs over levels x G x seeds; each run's early raw ACR (`metrics.early_steps`) and final
     held-out accuracy, from its summary.json."""
     grid = [(level, g, seed) for g in sorted(group_sizes, reverse=True) for level in levels for seed in seeds]
     folder = lambda level, g, seed: out / "scatter" / f"{level}-g{g}-seed{seed}"  # noqa: E731

@@ -9,7 +9,6 @@ as log_softmax(logits / T) at the targets (`completion_logprobs`). train.py's --
 with the same arguments and the same numbers, each tested against the definition here.
 """
 
-import copy
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -20,116 +19,10 @@ from torch.utils.checkpoint import checkpoint
 from safetensors import SafetensorError
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
+from hardware import pick_device
 from model_files import byte_tokenizer, gguf_folder, smollm2_folder, tiny_qwen2
 
 # ----------------------------------------------------------------------------- loading
-
-
-DEVICES = ("auto", "cpu", "cuda")
-
-
-def cuda_problem() -> str | None:
-    """Why this process cannot use CUDA, in words (None when it can): a CPU build of torch, or no device the
-    driver lets it see (no GPU, CUDA_VISIBLE_DEVICES empty, or a driver older than the wheel's CUDA)."""
-    if torch.version.cuda is None:
-        return f"this torch ({torch.__version__}) is a CPU-only build"
-    if not torch.cuda.is_available():
-        return (f"torch {torch.__version__} sees no CUDA device (no GPU or driver, CUDA_VISIBLE_DEVICES "
-                f"empty, or a driver older than CUDA {torch.version.cuda})")
-    return None
-
-
-def pick_device(name: str = "auto") -> torch.device:
-    """--device auto|cpu|cuda: auto takes CUDA where this process can use it, else the CPU (the run's first
-    line says which, and why not CUDA); cuda where it cannot is a ValueError naming the reason."""
-    if name == "cpu" or name == "auto" and cuda_problem():
-        return torch.device("cpu")
-    if problem := cuda_problem():
-        raise ValueError(f"--device cuda: {problem}")
-    return torch.device("cuda")
-
-
-def describe_device(device: torch.device) -> str:
-    """The device in words, for a run's first line: a GPU's name and memory; the CPU's name, and why not CUDA
-    where it was not usable (a silent fallback hides a CPU wheel or an old driver)."""
-    if device.type == "cuda":
-        props = torch.cuda.get_device_properties(device)
-        return f"{device} ({props.name}, {props.total_memory / 2**30:.0f} GiB)"
-    try:
-        name = next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                    if line.startswith("model name"))
-    except (OSError, StopIteration):
-        name = "CPU"
-    return f"cpu ({name}" + (f"; no CUDA: {problem})" if (problem := cuda_problem()) else ")")
-
-
-def cpu_features() -> set[str]:
-    """The CPU's instruction-set flags that matter for matmul speed, from /proc/cpuinfo (empty elsewhere)."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                flags = set(line.split(":", 1)[1].split())
-                return flags & {"avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile"}
-    except OSError:
-        pass
-    return set()
-
-
-def resolve_precision(precision: str, device: torch.device) -> str:
-    """"fp32" or "bf16" for --precision auto|fp32|bf16. auto picks bf16 where the device computes it natively:
-    CUDA GPUs with bf16 tensor cores (Ampere and later; not a T4 or V100) and CPUs with avx512_bf16 or
-    amx_bf16, where it halves the weight bytes that decoding streams; elsewhere bf16 is emulated, each product
-    converted in software, so auto stays in fp32 there."""
-    if precision != "auto":
-        return precision
-    if device.type == "cuda":
-        return "bf16" if torch.cuda.is_bf16_supported(including_emulation=False) else "fp32"
-    return "bf16" if cpu_features() & {"avx512_bf16", "amx_bf16"} else "fp32"
-
-
-def working_copy(model: PreTrainedModel, precision: str = "auto") -> PreTrainedModel:
-    """The network that samples, computes log-probs and backpropagates: where `precision` resolves to bf16
-    (`resolve_precision`), a bf16 copy of the float32 `model`, else `model` itself.
-
-    bf16 mixed precision with float32 master weights, as Megatron-LM and DeepSpeed do it: forward and backward
-    run on the bf16 copy, `accumulate_gradients` adds each micro-batch's gradients to the float32 ones the
-    optimizer steps, and `copy_weights` rounds the new weights back into the copy. Autocast instead re-casts
-    every float32 weight at every forward (decoding streams all weights once per token, so it would cast them
-    all once per token) and casts every weight gradient back per micro-batch; the copy casts once per
-    optimizer step (benchmarks/bench.py --precision bf16 times both phases). Sampling and training use the
-    same bf16 network, so the log-probs a gradient follows are the sampled policy's own.
-    """
-    if resolve_precision(precision, model.device) == "fp32":
-        return model
-    return cast_weights(copy.deepcopy(model), torch.bfloat16)
-
-
-def cast_weights(model: PreTrainedModel, dtype: torch.dtype) -> PreTrainedModel:
-    """`model` with its parameters cast to `dtype` and its buffers as they are, as from_pretrained(dtype=...)
-    loads it: the rotary inv_freq stays float32. `model.to(dtype)` would cast it too: a rotary phase error
-    that grows with the position, and log-probs unlike those of the same weights loaded in bf16."""
-    for param in model.parameters():
-        param.data = param.data.to(dtype)
-    return model
-
-
-def copy_weights(model: PreTrainedModel, into: PreTrainedModel) -> None:
-    """After an optimizer step: the working copy (`working_copy`) takes the float32 weights, in its dtype."""
-    if into is not model:
-        with torch.no_grad():
-            for dst, src in zip(into.parameters(), model.parameters()):
-                dst.copy_(src)
-
-
-def accumulate_gradients(net: PreTrainedModel, into: PreTrainedModel) -> None:
-    """After a backward pass on the working copy `net`: add its gradients to the float32 ones of `into`
-    (summing micro-batches in float32, not in bf16) and free them."""
-    if net is into:
-        return
-    for master, param in zip(into.parameters(), net.parameters()):
-        if param.grad is not None:
-            master.grad = param.grad.float() if master.grad is None else master.grad.add_(param.grad)
-            param.grad = None
 
 
 def model_source(name: str) -> str:
@@ -215,19 +108,22 @@ RAW_INSTRUCTION = "Please reason step by step, and put your final answer within 
 
 
 def format_prompts(tokenizer: PreTrainedTokenizerBase, questions: list[str], prompt_format: str = "chat",
-                   system: str = "") -> list[str]:
-    """The prompt of each question. chat: the tokenizer's chat template, the `system` message (if any), the
-    question as one user turn, then the assistant's turn opens. raw: plain text (`RAW_INSTRUCTION`)."""
+                   system: str = "", instructions: list[str] | None = None) -> list[str]:
+    """The prompt of each question; the format owns the instruction, so a prompt gives one. chat: the
+    tokenizer's chat template, the `system` message (if any), one user turn (the question, then its dataset's
+    instruction if any: `data.tasks.Problem.instruction`), then the assistant's turn opens. raw: plain text,
+    the question then `RAW_INSTRUCTION` in place of the dataset's."""
     if prompt_format == "raw":
         if system:
             raise ValueError("--system needs --prompt-format chat: a raw prompt has no system turn")
         return [f"{q}\n{RAW_INSTRUCTION}\n" for q in questions]
+    users = [f"{q}\n{i}" if i else q for q, i in zip(questions, instructions or [""] * len(questions))]
     if tokenizer.chat_template is None:
         raise ValueError("the model's tokenizer has no chat template (a base model?): "
                          "use --prompt-format raw")
     system_turn = [{"role": "system", "content": system}] if system else []
-    return [tokenizer.apply_chat_template(system_turn + [{"role": "user", "content": q}], tokenize=False,
-                                          add_generation_prompt=True) for q in questions]
+    return [tokenizer.apply_chat_template(system_turn + [{"role": "user", "content": user}], tokenize=False,
+                                          add_generation_prompt=True) for user in users]
 
 
 def end_of_turn_token(tokenizer: PreTrainedTokenizerBase) -> str | None:
@@ -306,15 +202,16 @@ def sample_with_generate(model: PreTrainedModel, prompt_ids: torch.Tensor, promp
 def sample(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, questions: list[str], group_size: int,
            max_new_tokens: int, temperature: float = 1.0, top_p: float = 1.0,
            sample_completions: Callable = sample_with_generate, prompt_format: str = "chat",
-           system: str = "") -> Rollout:
+           system: str = "", instructions: list[str] | None = None,
+           stop_ids: list[int] | None = None) -> Rollout:
     """B*G completions, G per question, as a `Rollout`; temperature 0 means greedy decoding. Prompts as
     `format_prompts` writes them; the completion ids come from `sample_completions`, `sample_with_generate`
-    or any function with its arguments; each completion ends at the first of `stop_token_ids`, and so do its
-    mask and the text the reward reads."""
-    enc = tokenizer(format_prompts(tokenizer, questions, prompt_format, system), return_tensors="pt",
-                    padding=True, padding_side="left",  # completions go right
+    or any function with its arguments; each completion ends at the first of `stop_ids`, and so do its mask
+    and the text the reward reads (None: `stop_token_ids`, which a run works out once and passes)."""
+    enc = tokenizer(format_prompts(tokenizer, questions, prompt_format, system, instructions),
+                    return_tensors="pt", padding=True, padding_side="left",  # completions go right
                     add_special_tokens=prompt_format == "raw").to(model.device)  # a template writes its own
-    stop_ids = stop_token_ids(model, tokenizer)
+    stop_ids = stop_ids or stop_token_ids(model, tokenizer)
     completion_ids = sample_completions(model, enc["input_ids"], enc["attention_mask"], group_size,
                                         max_new_tokens, temperature, top_p, stop_ids,
                                         tokenizer.pad_token_id)  # [N, C]

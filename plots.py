@@ -9,7 +9,7 @@ matplotlib.use("Agg")  # files only, no screen needed
 import matplotlib.pyplot as plt
 import numpy as np
 
-from common import read_jsonl
+from run_folder import read_jsonl
 
 COLORS = {"grpo": "tab:blue", "avspo": "tab:orange", "aapo": "tab:green", "dapo": "tab:red"}
 

@@ -5,7 +5,7 @@
     torchrun --standalone --nproc_per_node 2 train.py  # the same run, its batch split over 2 processes
 
 Read top to bottom, in the order a step runs: config, ALGO LOGIC (sampling and advantages, the one place the
-methods differ), the loss and the update, then the loop. Plumbing lives in common.py.
+methods differ), the loss and the update, then the loop. Plumbing lives in run.py and the files it names.
 
 Choices, each made once here:
   1. Token-level loss ("dapo" in TRL): per-token losses summed over the batch / its completion token count.
@@ -31,15 +31,16 @@ from tqdm import tqdm
 
 from advantage import (AVSPO_ENDS, AdaptiveThreshold, aapo_advantages, aapo_margin, avspo_advantages,
                        collapsed_groups, grpo_advantages)
-from common import (Run, after_step, all_sum, arg, at_least, dataclass_parser, earlier_run, exits_cleanly,
-                    fast_or_plain, first_eval, gather_groups, group_map, group_samples, in_range,
-                    init_processes, one_owner, resume_conflicts, save_checkpoint, start_logs, start_run,
-                    step_metrics, sum_gradients, summarise_run)
-from data.tasks import Problem, load_eval_problems, load_problems, step_problems
+from data.tasks import Problem, step_problems
 from eval import score_groups
-from model import (DEVICES, PROMPT_FORMATS, Rollout, accumulate_gradients, copy_weights, format_prompts,
-                   load_tokenizer, pick_device, real_tokens, replace_groups, sample, trim_padding)
-from verifier import RewardError, load_reward, reward_range
+from flags import arg, at_least, dataclass_parser, in_range
+from hardware import DEVICES, accumulate_gradients, copy_weights
+from metrics import group_map, group_samples, step_metrics, summarise_run
+from model import PROMPT_FORMATS, Rollout, real_tokens, replace_groups, sample, trim_padding
+from processes import all_sum, exits_cleanly, gather_groups, init_processes, sum_gradients
+from run import Run, after_step, check_inputs, fast_or_plain, first_eval, sample_and_score, start_run
+from run_folder import earlier_run, one_owner, out_problem, save_checkpoint, start_logs
+from verifier import RewardError, reward_range
 
 ALGOS, PRECISIONS = ("grpo", "avspo", "aapo", "dapo"), ("auto", "fp32", "bf16")
 POSITIVE, NON_NEGATIVE = in_range(0, math.inf, low_open=True), in_range(0, math.inf)
@@ -113,23 +114,13 @@ def parse_args(argv: list[str] | None = None) -> Args:
         parser.error(f"--prompts-per-step {args.prompts_per_step} must be a multiple of the process count")
     if args.virtual_delta > args.reward_range[1] - args.reward_range[0]:
         parser.error(f"--virtual-delta {args.virtual_delta} is wider than --reward-range {args.reward_range}")
-    if not (existing := next(p for p in [Path(args.out), *Path(args.out).parents] if p.exists())).is_dir():
-        parser.error(f"--out {args.out}: {existing} is a file, not a folder")
-    if args.resume and args.overwrite:
-        parser.error("--resume continues the runs in --out, --overwrite replaces them: choose one")
-    for algo in args.algo.split(",") if args.resume else []:  # one run folder, one configuration
-        if conflicts := resume_conflicts(Path(args.out) / algo, dataclasses.replace(args, algo=algo)):
-            parser.error(conflicts)
+    if problem := out_problem(args):  # --out a file, --resume with other flags or with --overwrite
+        parser.error(problem)
     for algo in args.algo.split(",") if not (args.resume or args.overwrite) else []:
         if earlier := earlier_run(Path(args.out) / algo, args.out):  # a fresh run destroys no other
             sys.exit(f"error: {earlier}")
-    try:  # read the data and the reward before any model: a bad line fails in a second, naming file and line
-        pick_device(args.device)  # --device cuda where CUDA is unusable: one line, saying why
-        load_reward(args.reward)
-        load_problems(args.dataset, "train", args.seed)
-        load_eval_problems(args.eval_dataset or args.dataset, args.seed)
-        # the tokenizer alone: a missing chat template fails here, not after the model has loaded
-        format_prompts(load_tokenizer(args.model), ["1 + 1?"], args.prompt_format, args.system)
+    try:  # the data, the reward, the tokenizer before any model: a bad line fails in a second
+        check_inputs(args)
     except (FileNotFoundError, ValueError, ImportError) as e:
         parser.error(str(e))
     return args
@@ -277,26 +268,6 @@ def update_policy(master, policy, optimizer, rollout: Rollout, b_advantages, ref
 
 
 # ------------------------------------------------------------------------------ the loop
-
-
-def sample_and_score(args: Args, run: Run, network, problems: list[Problem]) -> tuple[Rollout, torch.Tensor]:
-    """G completions from `network` for each of these prompts, and their rewards [b, G]."""
-    questions, answers = [p.question for p in problems], [p.answer for p in problems]
-    start = time.perf_counter()
-    paths = fast_or_plain(args.fast, network.device)
-    rollout = sample(network, run.tokenizer, questions, args.group_size, args.max_new_tokens,
-                     args.temperature, args.top_p, paths.sample_completions, args.prompt_format, args.system)
-    run.costs["generate"] += time.perf_counter() - start
-    run.costs["gen_tokens"] += rollout.completion_mask.sum().item()
-    start = time.perf_counter()
-    try:
-        rewards = torch.tensor(score_groups(questions, rollout.texts, answers, run.reward_fn))  # [b, G]
-    except RewardError as error:  # under torchrun the others wait in gather_groups, which tells them
-        rows = args.prompts_per_step // int(os.environ.get("WORLD_SIZE", 1))  # [b, G], as every process sends
-        gather_groups(torch.full((rows, args.group_size), math.nan), error)
-        raise
-    run.costs["score"] += time.perf_counter() - start
-    return rollout, rewards
 
 
 def train_step(args: Args, run: Run, step: int, rank: int, mine: slice, device: torch.device) -> tuple:

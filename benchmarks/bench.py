@@ -45,7 +45,7 @@ import train  # noqa: E402
 from benchmarks.floors import FLOOR_COLUMNS, batch_shape, floor_rows, phase_floors  # noqa: E402
 from benchmarks.timing import fmt, markdown_table, median_of, peak_memory_bytes, run_isolated  # noqa: E402
 from data.prepare import DOWNLOADS  # noqa: E402
-from model import cpu_features  # noqa: E402
+from hardware import cpu_features  # noqa: E402
 from verifier import verify  # noqa: E402
 
 AVSPO_GOAL, AAPO_GOAL = 0.1, 1.6  # AVSPO advantage step < 0.1% of a GRPO step; AAPO step <= 1.6x GRPO's

@@ -1,6 +1,6 @@
 """What the fast paths buy over the plain definitions in model.py, in one process: a rollout (B=2 prompts x
 G=8, 64 new tokens) and the log-probs' forward and backward of its rows, with each pair of functions
-`common.fast_or_plain` names, in fp32 and (where the CPU has native bf16) on the bf16 working copy.
+`run.fast_or_plain` names, in fp32 and (where the CPU has native bf16) on the bf16 working copy.
 
     python benchmarks/fast_vs_plain.py [--model smollm2-135m] [--reps 3] [--profile]
 
@@ -18,8 +18,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from common import fast_or_plain  # noqa: E402
-from model import cpu_features, load_model, sample, trim_padding, working_copy  # noqa: E402
+from hardware import cpu_features, working_copy  # noqa: E402
+from model import load_model, sample, trim_padding  # noqa: E402
+from run import fast_or_plain  # noqa: E402
 
 QUESTIONS = ["What is 37 * 8?", "Compute 12 * 9."]
 

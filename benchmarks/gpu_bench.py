@@ -20,7 +20,7 @@ bf16 working weights with float32 master weights as train.py uses on CUDA. Cavea
   - Random weights never emit EOS, so every completion runs to --max-new-tokens.
   - Random weights never answer correctly, and update_policy skips zero-advantage rows, so the rewards
     fed to the advantage step are a fixed mixed pattern: every row is trained, as in a useful batch.
-Rows take the path train.py takes there (`common.fast_or_plain`: plain on CUDA), plus one row of the fast
+Rows take the path train.py takes there (`run.fast_or_plain`: plain on CUDA), plus one row of the fast
 paths forced on at the first size, to time them. "est GiB" is memory.py's estimate for the config, next to
 the measured peak; "SDPA" names the attention kernels the update's forward ran (from the profiler).
 MFU = model FLOPs / time / the bf16 matmul rate measured on this card first (not the datasheet peak).
@@ -50,18 +50,19 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-import common  # noqa: E402
 import packing  # noqa: E402
+import run  # noqa: E402
 import train  # noqa: E402
 from benchmarks.timing import markdown_table, peak_memory_bytes, sync  # noqa: E402
-from common import fast_or_plain  # noqa: E402
 from data.tasks import load_problems, step_problems  # noqa: E402
 from decoding import decode  # noqa: E402
-from memory import GIB, estimate_memory  # noqa: E402
-from model import (DEVICES, checkpoint_activations, completion_logprobs, load_model,  # noqa: E402
-                   pick_device, sample, sample_with_generate, working_copy)
-from model_files import byte_tokenizer  # noqa: E402
 from eval import score_groups  # noqa: E402
+from hardware import DEVICES, pick_device, working_copy  # noqa: E402
+from memory import GIB, estimate_memory  # noqa: E402
+from model import (checkpoint_activations, completion_logprobs, load_model, sample,  # noqa: E402
+                   sample_with_generate)
+from model_files import byte_tokenizer  # noqa: E402
+from run import fast_or_plain  # noqa: E402
 from verifier import load_reward  # noqa: E402
 
 VOCAB = 151_936  # Qwen2.5's vocabulary
@@ -171,13 +172,13 @@ def model_flops(model, s: dict) -> tuple[float, float]:
 
 def fast_paths_on(device: torch.device):
     """The fast paths on `device` too, as `decoding.FAST_ON` would have them once verified there."""
-    return mock.patch.object(common, "FAST_ON", (*common.FAST_ON, device.type))
+    return mock.patch.object(run, "FAST_ON", (*run.FAST_ON, device.type))
 
 
 def bench_config(size: str, checkpointing: bool, device: torch.device, opts, problems, peak_tflops: float,
                  deadline: float, forced_fast: bool = False) -> dict:
     """Warm-up + timed steps of one (size, checkpointing) config; medians of the timed ones. The paths are
-    train.py's (`common.fast_or_plain`), or the fast ones if `forced_fast`."""
+    train.py's (`run.fast_or_plain`), or the fast ones if `forced_fast`."""
     tokenizer = byte_tokenizer()
     tokenizer.padding_side = "left"  # as model.load_model sets it: generation appends on the right
     model = build_model(size, device, tokenizer)
@@ -211,7 +212,7 @@ def bench_config(size: str, checkpointing: bool, device: torch.device, opts, pro
                                bf16=True, reference=False, checkpointing=checkpointing)
     result = {
         "size": size, "grad_checkpointing": checkpointing,
-        "path": "fast" if forced_fast or opts.fast and device.type in common.FAST_ON else "plain",
+        "path": "fast" if forced_fast or opts.fast and device.type in run.FAST_ON else "plain",
         "params_m": params / 1e6, "estimate_gib": estimate["total"] / GIB,
         "timed_steps": len(steps), **s, "step_s": step_s,
         "gen_tokens_per_s": s["gen_tokens"] / s["generate_s"],
@@ -312,9 +313,9 @@ def one_step_each(size: str, precision: str, checkpointing: bool, device: torch.
     def step(algo: str, beta: float):
         args = train.Args(algo=algo, beta=beta, prompts_per_step=2, group_size=4, max_new_tokens=16,
                           micro_batch=4, lr=1e-5, precision=precision, grad_checkpointing=checkpointing)
-        run = common.Run(master, policy, reference, tokenizer, optimizer, train.algo_state(args),
-                         load_reward(args.reward, args.reward_range), problems, [], 0, Counter())
-        record, _ = train.train_step(args, run, 1, 0, slice(0, args.prompts_per_step), device)
+        state = run.Run(master, policy, reference, tokenizer, optimizer, train.algo_state(args),
+                        load_reward(args.reward, args.reward_range), problems, [], 0, Counter())
+        record, _ = train.train_step(args, state, 1, 0, slice(0, args.prompts_per_step), device)
         ok = record["skipped"] == 0 and math.isfinite(record["grad_norm"])
         return ok, f"rows trained {record['rows_trained']}, grad norm {record['grad_norm']:.3g}"
 
@@ -443,7 +444,7 @@ def main(argv: list[str] | None = None) -> int:
         report["smoke"] = smoke(device, opts, problems, min(deadline, time.perf_counter() + opts.smoke_s))
         write(report, opts.out)
     configs = [(size, checkpointing, False) for size in sizes for checkpointing in (False, True)]
-    if opts.fast and device.type not in common.FAST_ON:  # time the fast paths where train.py runs the plain
+    if opts.fast and device.type not in run.FAST_ON:  # time the fast paths where train.py runs the plain
         configs.append((sizes[0], False, True))
     last_duration = 0.0
     for size, checkpointing, forced_fast in configs:

@@ -8,7 +8,8 @@ import time
 from benchmarks.floors import batch_shape
 from benchmarks.timing import median_of, peak_memory_bytes, sync
 from data.tasks import load_problems
-from model import load_model, pick_device
+from hardware import pick_device
+from model import load_model
 from verifier import verify
 
 

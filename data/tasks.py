@@ -1,7 +1,8 @@
 """Problems for training and evaluation: the project's own arithmetic task, and GSM8K/MATH JSONL files.
 
-A problem is a question (the user turn, before the chat template), a gold answer string that
-`verifier.verify` compares completions against, and (for the mixed task) the level it comes from.
+A problem is a question, a gold answer string that `verifier.verify` compares completions against, the
+level it comes from (the mixed task), and its dataset's instruction (a JSONL file's asks for \boxed{}), which
+the prompt format adds or replaces (model.format_prompts).
 Specs accepted by `load_problems`:
   arith-<level>   generated arithmetic, deterministic; levels from easy to hard are listed in LEVELS
   arith-mix       every level at once, in equal shares: easy prompts turn all-correct while hard ones stay
@@ -21,6 +22,7 @@ class Problem:
     question: str
     answer: str
     level: str = ""  # the arithmetic level of an arith-mix problem, for accuracy per level
+    instruction: str = ""  # the dataset's instruction, which a chat prompt adds (model.format_prompts)
 
 
 # level: (operator, range of the first operand, range of the second). Ordered from easy to hard for
@@ -37,7 +39,7 @@ TEST_FRACTION = 0.2
 MAX_PROBLEMS_PER_LEVEL = 20_000
 MIX_TEST_PER_LEVEL = 100  # arith-mix held-out: up to 100 a level (add1, mul1 have 20 and 16): 336 problems
 MIX_TRAIN_ROUNDS = 2_000  # arith-mix train list: 2,000 rounds of one problem per level
-BOXED_INSTRUCTION = "\nPut the final answer in \\boxed{}."
+BOXED_INSTRUCTION = "Put the final answer in \\boxed{}."  # a JSONL problem's (GSM8K, MATH)
 
 
 def arithmetic_problems(level: str, split: str, seed: int = 0) -> list[Problem]:
@@ -109,7 +111,7 @@ def read_jsonl(path: Path) -> list[Problem]:
                 )
             if not str(question).strip() or not answer.strip():
                 raise ValueError(f"{where}: empty question or answer")
-            problems.append(Problem(str(question) + BOXED_INSTRUCTION, answer))
+            problems.append(Problem(str(question), answer, instruction=BOXED_INSTRUCTION))
     if not problems:
         raise ValueError(f"{path}: dataset is empty")
     return problems

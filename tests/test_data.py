@@ -51,7 +51,8 @@ def test_gsm8k_and_math_forms(tmp_path):
                             json.dumps({"question": "Twice?", "answer": "#### 3 is wrong\n#### 4"})])
     problems = load_problems(str(path), "all")
     assert [p.answer for p in problems] == ["1002", "\\frac{1}{2}", "4"]
-    assert problems[0].question.startswith("2 apples") and "\\boxed{}" in problems[0].question
+    assert problems[0].question == "2 apples and 1,000 more?"  # the prompt format adds the instruction
+    assert {p.instruction for p in problems} == {"Put the final answer in \\boxed{}."}
     assert load_eval_problems(str(path)) == problems  # a JSONL evaluation set is the whole file
 
 

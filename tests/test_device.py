@@ -13,11 +13,12 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-import common
+import hardware
 import memory
 import model
 import model_files
 import packing
+import run as run_module
 import train
 from data.tasks import Problem
 from decoding import decode
@@ -146,8 +147,8 @@ def favour_stops(nets, stop_ids: list[int], bias: float = 4.0) -> None:
         net.lm_head.bias = torch.nn.Parameter(logit_bias, requires_grad=False)
 
 
-@pytest.mark.parametrize("algo, beta, fast", [("grpo", 0.0, False), ("avspo", 0.0, False), ("aapo", 0.0, False),
-                                              ("dapo", 0.0, False), ("grpo", 0.04, False),
+@pytest.mark.parametrize("algo, beta, fast", [("grpo", 0.0, False), ("avspo", 0.0, False),
+                                              ("aapo", 0.0, False), ("dapo", 0.0, False), ("grpo", 0.04, False),
                                               ("grpo", 0.0, True), ("dapo", 0.04, True)])
 def test_a_train_step_keeps_cudas_device_rules(tmp_path, algo, beta, fast):
     """One step of each method and an evaluation in bf16, as a CUDA run would place their tensors (the
@@ -159,14 +160,14 @@ def test_a_train_step_keeps_cudas_device_rules(tmp_path, algo, beta, fast):
                                     "--lr", "1e-2", "--fast" if fast else "--no-fast", "--precision", "bf16",
                                     "--reward", "verifier" if algo == "dapo" else PARITY])
     device = torch.device("cpu")
-    run = common.start_run(args, tmp_path, device, True, train.algo_state(args),
+    run = run_module.start_run(args, tmp_path, device, True, train.algo_state(args),
                            with_reference=algo == "aapo" or beta > 0)
     models = [m for m in (run.master, run.policy, run.reference) if m is not None]
     assert run.policy.dtype == torch.bfloat16 and run.policy is not run.master
     favour_stops(models, model.stop_token_ids(run.policy, run.tokenizer))
     with CudaDeviceRules(*models):
         record, _ = train.train_step(args, run, 1, 0, slice(0, args.prompts_per_step), device)
-        assert 0 <= common.run_eval(args, run, tmp_path, 1) <= 1
+        assert 0 <= run_module.run_eval(args, run, tmp_path, 1) <= 1
     assert record["skipped"] == 0 and record["truncated_frac"] < 1  # some rows stopped
     if algo == "dapo":  # tiny-qwen2's groups all collapse: replace_groups ran under the rules
         assert record["resampled_groups"] > 0
@@ -179,22 +180,43 @@ def test_a_train_step_keeps_cudas_device_rules(tmp_path, algo, beta, fast):
 
 def test_cuda_where_unusable_is_a_value_error_saying_why(monkeypatch):
     monkeypatch.setattr(torch.version, "cuda", None)
-    assert model.pick_device("auto") == model.pick_device("cpu") == torch.device("cpu")
+    monkeypatch.setattr(hardware, "cuda_settings", lambda: None)  # test_cuda_settings has them
+    assert hardware.pick_device("auto") == hardware.pick_device("cpu") == torch.device("cpu")
     with pytest.raises(ValueError, match="--device cuda: this torch .* is a CPU-only build"):
-        model.pick_device("cuda")
-    assert "no CUDA: this torch" in model.describe_device(torch.device("cpu"))  # auto's fallback, said
+        hardware.pick_device("cuda")
+    assert "no CUDA: this torch" in hardware.describe_device(torch.device("cpu"))  # auto's fallback, said
     monkeypatch.setattr(torch.version, "cuda", "12.4")  # a CUDA wheel without a usable driver or device
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(ValueError, match="sees no CUDA device .* older than CUDA 12.4"):
-        model.pick_device("cuda")
+        hardware.pick_device("cuda")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    assert model.pick_device("auto") == model.pick_device("cuda") == torch.device("cuda")
+    assert hardware.pick_device("auto") == hardware.pick_device("cuda") == torch.device("cuda")
+
+
+@pytest.mark.parametrize("users", [None, "PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"])
+def test_cuda_settings_expandable_segments_unless_the_user_set_the_allocator_and_no_cudnn_attention(
+        monkeypatch, users):
+    for name in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
+        monkeypatch.delenv(name, raising=False)
+    if users:
+        monkeypatch.setenv(users, "max_split_size_mb:128")
+    monkeypatch.setattr(torch.version, "cuda", "12.4")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    cudnn = torch.backends.cuda.cudnn_sdp_enabled()
+    try:
+        assert hardware.pick_device("cuda") == torch.device("cuda")
+        assert not torch.backends.cuda.cudnn_sdp_enabled()
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(cudnn)
+    expected = "max_split_size_mb:128" if users == "PYTORCH_CUDA_ALLOC_CONF" else (
+        None if users else "expandable_segments:True")
+    assert os.environ.get("PYTORCH_CUDA_ALLOC_CONF") == expected
 
 
 def test_a_gpu_is_named_with_its_memory(monkeypatch):
     card = types.SimpleNamespace(name="NVIDIA H200", total_memory=140 * 2**30)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: card)
-    assert model.describe_device(torch.device("cuda", 0)) == "cuda:0 (NVIDIA H200, 140 GiB)"
+    assert hardware.describe_device(torch.device("cuda", 0)) == "cuda:0 (NVIDIA H200, 140 GiB)"
 
 
 @pytest.mark.parametrize("script", ["train.py", "eval.py"])
@@ -211,23 +233,23 @@ def test_device_cuda_where_unusable_stops_with_one_line_before_any_model(script)
 def test_auto_precision_on_cuda_is_bf16_only_where_the_gpu_has_it(monkeypatch, native, expected):
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: native
                         or including_emulation)  # a T4 or V100 emulates bf16
-    assert model.resolve_precision("auto", torch.device("cuda")) == expected
-    assert model.resolve_precision("bf16", torch.device("cuda")) == "bf16"
+    assert hardware.resolve_precision("auto", torch.device("cuda")) == expected
+    assert hardware.resolve_precision("bf16", torch.device("cuda")) == "bf16"
 
 
 def test_fast_means_the_fast_paths_on_the_cpu_and_the_plain_ones_on_cuda():
     """No CUDA call is made: the choice reads the device's type."""
-    assert common.fast_or_plain(True, torch.device("cpu")) == (decode, packing.completion_logprobs)
+    assert run_module.fast_or_plain(True, torch.device("cpu")) == (decode, packing.completion_logprobs)
     plain = (model.sample_with_generate, model.completion_logprobs)
-    assert common.fast_or_plain(True, torch.device("cuda")) == plain
-    assert common.fast_or_plain(False, torch.device("cpu")) == plain
-    assert common.fast_or_plain(True, torch.device("cuda", 1)) == plain
+    assert run_module.fast_or_plain(True, torch.device("cuda")) == plain
+    assert run_module.fast_or_plain(False, torch.device("cpu")) == plain
+    assert run_module.fast_or_plain(True, torch.device("cuda", 1)) == plain
 
 
 def test_the_first_line_names_device_precision_dtypes_and_memory(tmp_path):
     args = train.parse_args(TINY[:-2] + ["--precision", "bf16", "--beta", "0.1", "--out", str(tmp_path)])
     master, tokenizer = model.load_model("tiny-qwen2", torch.device("cpu"))
-    line = common.where_it_runs(args, master, model.working_copy(master, "bf16"), master, tokenizer,
+    line = run_module.where_it_runs(args, master, hardware.working_copy(master, "bf16"), master, tokenizer,
                                 [Problem("What is 2 + 3?", "5")])
     assert line.startswith("cpu (") and "; bf16 (float32 master weights, a bfloat16 working copy); " in line
     assert "memory ~" in line and "working copy" in line and "reference" in line
@@ -289,7 +311,7 @@ def test_memory_activations_are_what_the_forward_keeps_for_backward(size, precis
     from benchmarks.gpu_bench import SIZES
     config = Qwen2Config(vocab_size=1000, tie_word_embeddings=True, **{**SIZES[size], "num_hidden_layers": 2})
     torch.manual_seed(0)
-    net = model.working_copy(Qwen2ForCausalLM(config), precision).train()
+    net = hardware.working_copy(Qwen2ForCausalLM(config), precision).train()
     if checkpointing:
         model.checkpoint_activations(net)
     ids = torch.randint(0, 1000, (4, 101))
@@ -327,7 +349,7 @@ def test_memory_logits_are_the_peak_of_the_log_probs_forward_and_backward(monkey
     config = Qwen2Config(vocab_size=16_000, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                          num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True)
     torch.manual_seed(0)
-    net = model.working_copy(Qwen2ForCausalLM(config), precision).train()
+    net = hardware.working_copy(Qwen2ForCausalLM(config), precision).train()
     net.model.embed_tokens.weight.requires_grad_(False)  # its gradient is the static terms', not the update's
     ids = torch.randint(0, 16_000, (8, 161))
     mask = torch.ones_like(ids)

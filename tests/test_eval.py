@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import eval as evaluation
+import model as model_module
 from data.tasks import Problem
 from eval import evaluate, pass_at_k
 from model import Rollout
@@ -72,7 +73,20 @@ def test_cli_on_tiny_model_writes_outputs(tmp_path, capsys):
     rows = [json.loads(line) for line in (tmp_path / "samples-tiny-qwen2.jsonl").read_text().splitlines()]
     assert len(rows) == 6 and set(rows[0]) == {"question", "level", "completion", "extracted", "gold",
                                                "reward", "correct"}
-    assert "mean@2" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "mean@2" in out
+    # where it runs, as train.py's first line says it (train.py adds its memory estimate)
+    assert out.startswith("[eval tiny-qwen2] cpu (") and "(float32 master weights" in out.splitlines()[0]
+
+
+def test_the_stop_set_is_worked_out_once_per_model(monkeypatch):
+    """Not at every batch: it renders the chat template (model.end_of_turn_token)."""
+    calls, real = [], model_module.stop_token_ids
+    monkeypatch.setattr(evaluation, "stop_token_ids", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(model_module, "stop_token_ids", lambda *a: pytest.fail("worked out per batch"))
+    evaluation.main(["--model", "tiny-qwen2", "--dataset", "arith-add1", "--limit", "3", "--batch-size", "1",
+                     "--max-new-tokens", "2"])
+    assert len(calls) == 1
 
 
 @pytest.mark.parametrize("argv, message", [

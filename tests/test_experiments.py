@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 import torch
 
-import common
 import experiments
+import run_folder
 
 LEVELS = np.array(["easy"] * 20 + ["hard"] * 30)
 
@@ -136,7 +136,7 @@ def test_quick_pipeline_writes_every_number_and_figure(tmp_path):
         assert row["cost"]["gen_tokens"]["mean"] > 0 and row["cost"]["seconds"]["mean"] > 0
         assert (experiments.run_dir(tmp_path / "compare", name, 0) / "summary.json").exists()
         run = experiments.run_dir(tmp_path / "compare", name, 0)
-        machines = common.read_jsonl(run.parent / "machines.jsonl")  # one start: one line, naming the CPU
+        machines = run_folder.read_jsonl(run.parent / "machines.jsonl")  # one start: one line, naming the CPU
         assert [m["algos"] for m in machines] == [[run.name]] and "cpu_features" in machines[0]
         acr = row["collapse"]
         assert set(acr) - {"avspo_triggered"} == {"acr", "acr_effective", "acr_effective_first_quarter",
@@ -173,15 +173,15 @@ def test_accuracy_curves_average_seeds_by_step_and_name_a_run_with_a_missing_eva
     runs = [tmp_path / "seed0", tmp_path / "seed1"]
     for run, (accuracy, tokens) in zip(runs, [((0.2, 0.4, 0.6), 10), ((0.4, 0.6, 1.0), 30)]):
         run.mkdir()
-        common.write_jsonl(run / "evals.jsonl", [{"step": s, "eval_accuracy": a}
+        run_folder.write_jsonl(run / "evals.jsonl", [{"step": s, "eval_accuracy": a}
                                                  for s, a in zip((0, 2, 4), accuracy)])
-        common.write_jsonl(run / "metrics.jsonl", [{"step": s, "gen_tokens_total": tokens * s}
+        run_folder.write_jsonl(run / "metrics.jsonl", [{"step": s, "gen_tokens_total": tokens * s}
                                                    for s in (1, 2, 3, 4)])
     curve = experiments.accuracy_curves(runs)
     assert curve["steps"] == [0, 2, 4] and curve["gen_tokens"] == [0, 40, 80]
     assert curve["accuracy"] == pytest.approx([0.3, 0.5, 0.8])
     assert curve["accuracy_low"] == [0.2, 0.4, 0.6] and curve["accuracy_high"] == [0.4, 0.6, 1.0]
-    common.write_jsonl(runs[1] / "evals.jsonl", [{"step": s, "eval_accuracy": 0.5} for s in (0, 4)])
+    run_folder.write_jsonl(runs[1] / "evals.jsonl", [{"step": s, "eval_accuracy": 0.5} for s in (0, 4)])
     with pytest.raises(SystemExit, match=r"seed1/evals.jsonl: evaluated at steps \[0, 4\], not \[0, 2, 4\]"):
         experiments.accuracy_curves(runs)
 
@@ -193,7 +193,7 @@ def test_collapse_counts_the_steps_whose_gradient_norm_was_clipped(tmp_path):
     for run, (max_norm, norms) in zip(runs, [(1.0, [0.5, 1.0, 1.5, 3.0]), (2.0, [0.0, 1.5, 2.5, 0.1])]):
         run.mkdir()
         (run / "config.json").write_text(json.dumps({"max_grad_norm": max_norm}))
-        common.write_jsonl(run / "metrics.jsonl", [
+        run_folder.write_jsonl(run / "metrics.jsonl", [
             {"step": s, "grad_norm": n, "acr": 0.5, "acr_effective": 0.5, "all_correct_frac": 0.25,
              "all_wrong_frac": 0.25} for s, n in enumerate(norms, 1)])
     clipped = experiments.collapse(runs)["clipped"]
@@ -206,7 +206,7 @@ def test_seed_cpus_reads_each_runs_machines(tmp_path):
     for method, cpus in (("grpo", ["Xeon"]), ("avspo", ["Xeon", "EPYC"]), ("aapo", [])):
         folder = experiments.run_dir(tmp_path, method, 0).parent
         folder.mkdir(parents=True)
-        common.write_jsonl(folder / "machines.jsonl", [{"cpu": cpu} for cpu in cpus])
+        run_folder.write_jsonl(folder / "machines.jsonl", [{"cpu": cpu} for cpu in cpus])
     assert experiments.seed_cpus(tmp_path, ["grpo", "aapo"], 0) == {"Xeon"}
     assert experiments.seed_cpus(tmp_path, ["grpo", "avspo"], 0) == {"Xeon", "EPYC"}
 
@@ -236,7 +236,7 @@ def test_quick_precision_part_trains_each_seed_in_both_precisions(tmp_path):
         for run, seed in zip(row["runs"], (0, 1)):
             config = json.loads((Path(run) / "config.json").read_text())
             assert (config["precision"], config["seed"], config["algo"]) == (name, seed, "grpo")
-            assert len(common.read_jsonl(Path(run) / "metrics.jsonl")) == 2  # --precision-steps 2
+            assert len(run_folder.read_jsonl(Path(run) / "metrics.jsonl")) == 2  # --precision-steps 2
         assert row["cost"]["seconds"]["mean"] > 0
     assert (tmp_path / "figures" / "precision.png").stat().st_size > 5_000
 

@@ -9,16 +9,15 @@ from functools import partial
 import pytest
 import torch
 import torch.nn.functional as F
+from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, Qwen2ForCausalLM
 
 import decoding
 import model as model_module
 import packing
-from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, Qwen2ForCausalLM
-
 from decoding import DecodeCache, decode, decode_step, decode_weights, packed_linear
-from model import (accumulate_gradients, copy_weights, load_model, next_tokens, resolve_precision, sample,
-                   sample_with_generate, working_copy)
+from hardware import accumulate_gradients, copy_weights, resolve_precision, working_copy
 from model import completion_logprobs as plain_logprobs
+from model import load_model, next_tokens, sample, sample_with_generate
 from model_files import byte_tokenizer, tiny_qwen2
 from packing import TokenLogProbs
 from packing import completion_logprobs as packed_logprobs
@@ -787,7 +786,7 @@ def test_dataclass_parser_gives_a_true_bool_field_a_no_flag():
     stays --x."""
     import dataclasses
 
-    from common import arg, dataclass_parser
+    from flags import arg, dataclass_parser
 
     @dataclasses.dataclass
     class Config:

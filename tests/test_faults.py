@@ -9,7 +9,6 @@ import random
 import signal
 import subprocess
 import sys
-import textwrap
 import time
 from pathlib import Path
 
@@ -17,11 +16,12 @@ import numpy as np
 import pytest
 import torch
 
-import common
+import run as run_module
+import run_folder
 import train
-from common import read_jsonl
 from eval import main as eval_main
 from model import load_model
+from run_folder import read_jsonl
 from verifier import RewardError, checked, load_reward
 
 TINY = ["--model", "tiny-qwen2", "--max-new-tokens", "8", "--group-size", "4", "--eval-size", "4"]
@@ -128,7 +128,7 @@ def test_virtual_rewards_follow_the_declared_range():
 
 def hold_the_folder(folder: Path) -> subprocess.Popen:
     """Another process that owns `folder` until killed."""
-    code = ("import sys, time; from pathlib import Path; from common import one_owner\n"
+    code = ("import sys, time; from pathlib import Path; from run_folder import one_owner\n"
             f"with one_owner(Path({str(folder)!r})):\n    print('held', flush=True); time.sleep(120)")
     holder = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stdout=subprocess.PIPE, text=True)
     assert holder.stdout.readline().strip() == "held"
@@ -137,7 +137,7 @@ def hold_the_folder(folder: Path) -> subprocess.Popen:
 
 def test_a_second_run_into_a_folder_in_use_is_refused(tmp_path, monkeypatch):
     holder = hold_the_folder(tmp_path / "run")
-    monkeypatch.setattr(common, "load_model", lambda *a, **k: pytest.fail("a model loaded"))
+    monkeypatch.setattr(run_module, "load_model", lambda *a, **k: pytest.fail("a model loaded"))
     try:
         with pytest.raises(SystemExit) as exit_info:
             train.main(TINY + ["--steps", "2", "--out", str(tmp_path / "run")])
@@ -164,7 +164,7 @@ def test_an_out_that_is_a_file_is_one_line(tmp_path, capsys, out):
 def test_resume_under_other_flags_is_refused_naming_each(tmp_path, capsys, monkeypatch):
     train.main(TINY + ["--steps", "2", "--out", str(tmp_path)])
     before = (tmp_path / "grpo" / "metrics.jsonl").read_text()
-    monkeypatch.setattr(common, "load_model", lambda *a, **k: pytest.fail("a model loaded"))
+    monkeypatch.setattr(run_module, "load_model", lambda *a, **k: pytest.fail("a model loaded"))
     with pytest.raises(SystemExit):
         train.main(TINY + ["--steps", "3", "--group-size", "2", "--lr", "1e-3", "--out", str(tmp_path),
                            "--resume"])
@@ -178,7 +178,7 @@ def test_resume_may_change_bookkeeping_and_extend_a_constant_lr_run(tmp_path):
     train.main(base + ["--steps", "2"])
     train.main(base + ["--steps", "4", "--resume", "--save-every", "1", "--micro-batch", "2"])
     assert [r["step"] for r in read_jsonl(tmp_path / "grpo" / "metrics.jsonl")] == [1, 2, 3, 4]
-    assert common.resume_conflicts(tmp_path / "grpo", train.Args(**{
+    assert run_folder.resume_conflicts(tmp_path / "grpo", train.Args(**{
         **json.loads((tmp_path / "grpo" / "config.json").read_text()), "lr_decay": 1.0, "steps": 5,
         "reward_range": (0.0, 1.0)})).count("->") == 2  # with the lr decaying, --steps counts too
 
@@ -189,7 +189,7 @@ def test_a_flag_newer_than_the_run_counts_as_its_default(tmp_path):
     del config["virtual_ends"]  # a run made before the flag existed
     (tmp_path / "grpo" / "config.json").write_text(json.dumps(config))
     now = train.Args(**{**config, "reward_range": (0.0, 1.0)})
-    assert common.resume_conflicts(tmp_path / "grpo", now) is None
+    assert run_folder.resume_conflicts(tmp_path / "grpo", now) is None
 
 
 # ---------------------------------------------------------------- killed at random moments
@@ -228,7 +228,7 @@ def test_a_second_run_into_a_run_folder_is_refused_saying_what_to_type(tmp_path,
     out = tmp_path / "run"
     train.main(TINY + ["--steps", "1", "--save-every", "1", "--out", str(out)])
     before = (out / "grpo" / "metrics.jsonl").read_text()
-    monkeypatch.setattr(common, "load_model", lambda *a, **k: pytest.fail("a model loaded"))
+    monkeypatch.setattr(run_module, "load_model", lambda *a, **k: pytest.fail("a model loaded"))
     with pytest.raises(SystemExit) as exit_info:
         train.main(TINY + ["--steps", "1", "--out", str(out)])
     assert exit_info.value.code == (f"error: {out / 'grpo'} holds an earlier run (steps logged: 1): add "

@@ -9,7 +9,8 @@ from torch.utils._pytree import tree_flatten
 import model as model_module
 import model_files
 import packing
-from model import load_model, sample, working_copy
+from hardware import working_copy
+from model import load_model, sample
 
 
 def test_embedded_default_downloads_converts_and_is_trainable(tmp_path, monkeypatch):
@@ -94,7 +95,7 @@ class LargestFloat32(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor) and t.dtype == torch.float32 and t.dim() and t.shape[-1] == self.vocab:
+            if isinstance(t, torch.Tensor) and t.dtype == torch.float32 and t.shape[-1:] == (self.vocab,):
                 self.largest = max(self.largest, t.numel())
         return out
 

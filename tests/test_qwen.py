@@ -11,14 +11,15 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, GenerationConfig
 
-import common
 import eval as evaluation
 import model as model_module
+import run as run_module
 import train
-from data.tasks import Problem
+from data.tasks import Problem, load_problems
 from decoding import decode
-from model import (RAW_INSTRUCTION, completion_logprobs, completion_mask_from_eos, format_prompts,
-                   load_model, sample, sample_with_generate, stop_token_ids, working_copy)
+from hardware import working_copy
+from model import (RAW_INSTRUCTION, completion_logprobs, format_prompts, load_model, sample,
+                   sample_with_generate, stop_token_ids)
 from model_files import save_folder, tiny_qwen2
 from verifier import load_reward
 
@@ -169,7 +170,7 @@ def test_text_after_the_first_stop_token_never_reaches_the_reward(layout, path):
     model, tokenizer = qwen25(layout)
     tokens = script(tokenizer, "<|im_end|>", "<|endoftext|>")
     args = train.Args(model="tiny-qwen2", group_size=2, max_new_tokens=40, fast=path == "decode")
-    run = types.SimpleNamespace(tokenizer=tokenizer, reward_fn=load_reward(), costs=Counter())
+    run = types.SimpleNamespace(tokenizer=tokenizer, reward_fn=load_reward(), costs=Counter(), stop_ids=None)
     problems = [Problem("What is 1 + 1?", "2", ""), Problem("What is 1 + 2?", "3", "")]
     with scripted(model, tokens):
         _, rewards = train.sample_and_score(args, run, model, problems)  # [b, G]
@@ -230,7 +231,7 @@ def test_the_bf16_working_copy_and_reference_keep_float32_buffers(tmp_path):
     assert_bf16_with_float32_buffers(working_copy(model, "bf16"))
     assert {b.dtype for b in model.buffers()} == {torch.float32}  # the master is untouched
     args = train.Args(model="tiny-qwen2", algo="aapo", precision="bf16")
-    run = common.start_run(args, tmp_path, CPU, True, train.algo_state(args), with_reference=True)
+    run = run_module.start_run(args, tmp_path, CPU, True, train.algo_state(args), with_reference=True)
     assert_bf16_with_float32_buffers(run.policy)
     assert_bf16_with_float32_buffers(run.reference)
 
@@ -268,6 +269,20 @@ def test_raw_prompts_are_plain_text_with_qwen_math_instruction():
     assert prompt == format_prompts(tokenizer, ["What is 2 + 3?"], "raw")[0]  # no chat markup, nothing added
 
 
+def test_a_jsonl_question_gets_one_instruction_in_either_format(tmp_path):
+    """The data holds the question; the prompt format gives the instruction, once: chat the dataset's
+    (\\boxed{} asked for in the user turn), raw Qwen2.5-Math's in its place."""
+    (tmp_path / "one.jsonl").write_text(json.dumps({"problem": "What is 2 + 3?", "answer": "5"}) + "\n")
+    problem, = load_problems(str(tmp_path / "one.jsonl"), "all")
+    _, tokenizer = qwen25("instruct")
+    chat, = format_prompts(tokenizer, [problem.question], "chat", "", [problem.instruction])
+    assert chat == ("<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant."
+                    "<|im_end|>\n<|im_start|>user\nWhat is 2 + 3?\nPut the final answer in \\boxed{}."
+                    "<|im_end|>\n<|im_start|>assistant\n")
+    raw, = format_prompts(tokenizer, [problem.question], "raw", "", [problem.instruction])
+    assert raw == "What is 2 + 3?\nPlease reason step by step, and put your final answer within \\boxed{}.\n"
+
+
 def test_system_message_replaces_the_templates_default():
     _, tokenizer = qwen25("instruct")
     default, = format_prompts(tokenizer, ["hi"])
@@ -283,16 +298,16 @@ def test_training_and_evaluation_sample_in_the_chosen_format(monkeypatch):
     """--prompt-format and --system reach every prompt that train.py samples and evaluates."""
     seen = []
     real = model_module.format_prompts
-    monkeypatch.setattr(model_module, "format_prompts", lambda *a: seen.append(a[2:]) or real(*a))
+    monkeypatch.setattr(model_module, "format_prompts", lambda *a: seen.append(a[2:4]) or real(*a))
     model, tokenizer = qwen25("instruct")
     for prompt_format, system in (("raw", ""), ("chat", "Be brief.")):
         args = train.Args(model="tiny-qwen2", group_size=2, max_new_tokens=2, prompt_format=prompt_format,
                           system=system)
-        run = types.SimpleNamespace(policy=model, tokenizer=tokenizer, reward_fn=load_reward(),
+        run = types.SimpleNamespace(policy=model, tokenizer=tokenizer, reward_fn=load_reward(), stop_ids=None,
                                     costs=Counter(), eval_problems=[Problem("1 + 1?", "2", "")])
         train.sample_and_score(args, run, model, run.eval_problems)
-        monkeypatch.setattr(common, "log_eval", lambda *a: 0.0)
-        common.run_eval(args, run, None, 0)
+        monkeypatch.setattr(run_module, "log_eval", lambda *a: 0.0)
+        run_module.run_eval(args, run, None, 0)
         assert seen[-2:] == [(prompt_format, system)] * 2
 
 
@@ -304,7 +319,7 @@ def without_chat_template(tmp_path):
 
 def test_a_tokenizer_without_chat_template_is_one_line_before_any_model_loads(tmp_path, capsys, monkeypatch):
     base = without_chat_template(tmp_path)
-    monkeypatch.setattr(common, "load_model", lambda *a, **k: pytest.fail("a model loaded"))
+    monkeypatch.setattr(run_module, "load_model", lambda *a, **k: pytest.fail("a model loaded"))
     monkeypatch.setattr(evaluation, "load_model", lambda *a, **k: pytest.fail("a model loaded"))
     with pytest.raises(SystemExit):
         train.main(["--model", base, "--steps", "1", "--out", str(tmp_path / "run")])

@@ -12,13 +12,16 @@ from pathlib import Path
 import pytest
 import torch
 
-import common
+import model as model_module
+import run as run_module
 import train
 from advantage import avspo_advantages, grpo_advantages
-from common import (arg, collapse_warning, dataclass_parser, early_steps, find_checkpoint, group_map,
-                    read_jsonl, start_logs, step_metrics, write_jsonl)
 from data.tasks import Problem, step_problems
-from model import completion_logprobs, completion_mask_from_eos, load_model, sample, working_copy
+from flags import arg, dataclass_parser
+from hardware import working_copy
+from metrics import collapse_warning, early_steps, group_map, step_metrics, summarise_run
+from model import completion_logprobs, completion_mask_from_eos, load_model, sample
+from run_folder import find_checkpoint, read_jsonl, start_logs, write_jsonl
 
 TINY = ["--model", "tiny-qwen2", "--max-new-tokens", "8", "--group-size", "4", "--eval-size", "4"]
 ROOT = Path(__file__).resolve().parent.parent
@@ -437,13 +440,13 @@ def test_resume_makes_up_the_evaluation_of_the_saved_step(tmp_path, monkeypatch)
 def test_ctrl_c_while_loading_starts_no_step(tmp_path, monkeypatch, capsys):
     """Python can drop a KeyboardInterrupt raised inside a weakref callback (seen while models load); the flag
     cannot be dropped, and the loop reads it before its first step."""
-    real_load = common.load_model
+    real_load = run_module.load_model
 
     def load_then_ctrl_c(*args, **kwargs):
         signal.getsignal(signal.SIGINT)(signal.SIGINT, None)
         return real_load(*args, **kwargs)
 
-    monkeypatch.setattr(common, "load_model", load_then_ctrl_c)
+    monkeypatch.setattr(run_module, "load_model", load_then_ctrl_c)
     with pytest.raises(SystemExit) as exit_info:
         train.main(TINY + ["--algo", "grpo,avspo", "--steps", "3", "--out", str(tmp_path)])
     assert exit_info.value.code == 130
@@ -470,7 +473,7 @@ def test_a_second_ctrl_c_stops_at_once_without_saving_half_a_step(tmp_path, monk
                                          ("--virtual-delta", "0"), ("--virtual-delta", "1.5"),
                                          ("--delta-low", "-1"), ("--eval-size", "0"), ("--alpha", "nan")])
 def test_bad_flags_are_rejected_before_anything_runs(flag, value, tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(common, "load_model", lambda *a, **k: pytest.fail("a model loaded before the check"))
+    monkeypatch.setattr(run_module, "load_model", lambda *a, **k: pytest.fail("a model loaded too soon"))
     with pytest.raises(SystemExit):
         train.main(TINY + [flag, value, "--out", str(tmp_path)])
     assert not any(tmp_path.iterdir())
@@ -683,7 +686,7 @@ def test_summary_counts_the_steps_that_trained_no_row(tmp_path):
             "reward_mean": 0.5, "all_wrong_frac": 0.5, "all_correct_frac": 0.0}
     write_jsonl(tmp_path / "metrics.jsonl", [{**step, "rows_trained": n} for n in (8, 0, 3, 0, 0)])
     write_jsonl(tmp_path / "evals.jsonl", [{"eval_accuracy": 0.25}, {"eval_accuracy": 0.5}])
-    assert common.summarise_run(tmp_path, "grpo")["steps_without_signal"] == 3
+    assert summarise_run(tmp_path, "grpo")["steps_without_signal"] == 3
 
 
 def test_a_step_that_trains_no_row_still_moves_the_weights_by_adams_momentum(tiny, rollout):
@@ -748,3 +751,12 @@ def test_a_trl_style_reward_trains_and_a_wrong_shape_is_one_line(tmp_path, monke
     error = capsys.readouterr().err.strip().splitlines()[-1]
     assert "neither f(completion, gold)" in error and "TRL's f(prompts, completions" in error
     assert not (tmp_path / "bad").exists()
+
+
+def test_a_run_works_out_its_stop_set_once(tmp_path, monkeypatch):
+    """Once per run, not at every sample call of training, resampling or evaluation."""
+    calls, real = [], model_module.stop_token_ids
+    monkeypatch.setattr(run_module, "stop_token_ids", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(model_module, "stop_token_ids", lambda *a: pytest.fail("worked out per sample call"))
+    train.main(TINY + ["--algo", "dapo,aapo", "--steps", "2", "--eval-every", "1", "--out", str(tmp_path)])
+    assert len(calls) == 2  # one run of each algorithm

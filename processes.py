@@ -1,0 +1,119 @@
+"""A run's processes: one, or several under torchrun (their collectives), and how they stop: Ctrl-C or SIGTERM
+ends the step under way, saved; an expected failure exits with one line.
+"""
+
+import os
+import signal
+import sys
+import threading
+from contextlib import contextmanager
+
+import torch
+import torch.distributed as dist
+
+from hardware import pick_device
+from run_folder import RunFolderError
+from verifier import RewardError
+
+
+def init_processes(device_name: str = "auto") -> tuple[int, int, torch.device]:
+    """(rank, world size, device) for --device auto|cpu|cuda (`hardware.pick_device`): one process unless
+    launched by torchrun (nccl on CUDA, gloo on CPU)."""
+    device = pick_device(device_name)
+    if "RANK" not in os.environ:
+        return 0, 1, device
+    if device.type == "cuda":
+        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+        torch.cuda.set_device(device)
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    return dist.get_rank(), dist.get_world_size(), device
+
+
+def close_processes() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def all_sum(values: list[float], device: torch.device) -> list[float]:
+    """Elementwise sum of `values` over all processes (unchanged in a single process)."""
+    if not dist.is_initialized():
+        return values
+    total = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(total)
+    return total.tolist()
+
+
+def gather_groups(local: torch.Tensor, error: RewardError | None = None) -> torch.Tensor:
+    """[B/N, G] rows of each of N processes -> [B, G] in rank order (the order of the step's prompts). A
+    process whose reward failed sends NaN rows and its `error`: every process then raises that error, rather
+    than wait for the failed one (a checked reward is never NaN)."""
+    if not dist.is_initialized():
+        return local
+    nccl = dist.get_backend() == "nccl"  # nccl gathers CUDA tensors only
+    device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+    parts = [torch.empty_like(local, device=device) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, local.to(device))
+    if any(part.isnan().any() for part in parts):
+        errors = [None] * dist.get_world_size()
+        dist.all_gather_object(errors, error)
+        raise next(e for e in errors if e is not None)
+    return torch.cat(parts).cpu()
+
+def sum_gradients(model) -> None:
+    """Sum each parameter's gradient over processes; a parameter without one gets zeros, so that every
+    process (even one that had no row to train) joins the same all-reduces and takes the same step."""
+    for p in model.parameters():
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        if dist.is_initialized():
+            dist.all_reduce(p.grad)
+
+
+# ------------------------------------------------------------------------------ stopping
+
+STOP_SIGNALS = {signal.SIGINT: "Ctrl-C", signal.SIGTERM: "SIGTERM"}  # SIGTERM: schedulers, `timeout`
+
+
+@contextmanager
+def ctrl_c_stops_after_the_step():
+    """Inside the block, a first Ctrl-C or SIGTERM only asks to stop (the yielded list gets its signal
+    number): the loop ends its step, so that a checkpoint holds whole steps. The loop checks the request
+    itself, so an interrupt can never be lost inside a library that swallows exceptions. A second one stops
+    at once, unsaved."""
+    requested: list[int] = []
+    if threading.current_thread() is not threading.main_thread():  # only the main thread receives signals
+        yield requested
+        return
+
+    def on_signal(signum, frame):
+        if requested:
+            raise KeyboardInterrupt
+        requested.append(signum)
+        os.write(2, f"\n{STOP_SIGNALS[signum]}: stopping at the end of the step under way "
+                    "(a second one stops at once, unsaved)\n".encode())
+
+    previous = {signum: signal.signal(signum, on_signal) for signum in STOP_SIGNALS}
+    try:
+        yield requested
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+
+@contextmanager
+def exits_cleanly():
+    """train.py's way out: Ctrl-C or SIGTERM ends the step under way, then exits with code 128 + the signal
+    (130, 143) once it is saved (`ctrl_c_stops_after_the_step` yields the stop requests); an unknown model, a
+    missing file, a damaged run folder or a bad reward exits with one line, not a traceback; the processes of
+    torchrun are closed whichever way it ends."""
+    requested: list[int] = []
+    try:
+        with ctrl_c_stops_after_the_step() as requested:
+            yield requested
+    except (FileNotFoundError, RunFolderError, RewardError) as e:
+        sys.exit(f"error: {e}")
+    except KeyboardInterrupt:  # the checkpoint is saved and said so (or a second signal); no traceback
+        sys.exit(128 + (requested[0] if requested else signal.SIGINT))
+    finally:
+        close_processes()

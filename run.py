@@ -1,0 +1,191 @@
+"""A run of one algorithm: its setup (models, optimizer, method state, problems; new or resumed), the --fast
+choice, its first line (where it runs), and what follows each step (logs, checkpoints, evaluations).
+
+Nothing here knows about GRPO, AVSPO or AAPO: a method's state reaches a checkpoint as a dict of dataclasses,
+and is rebuilt with the same classes on resume.
+"""
+
+import dataclasses
+import math
+import os
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Callable, NamedTuple
+
+import torch
+import transformers
+from tqdm import tqdm
+
+import packing
+from data.tasks import Problem, load_eval_problems, load_problems
+from decoding import FAST_ON, decode
+from eval import evaluate, score_groups
+from hardware import cast_weights, pick_device, where, working_copy
+from memory import describe_estimate, estimate_memory
+from metrics import collapse_warning, early_steps, show_group
+from model import (Rollout, checkpoint_activations, completion_logprobs, format_prompts, load_model,
+                   load_tokenizer, sample, sample_with_generate, stop_token_ids)
+from processes import gather_groups
+from run_folder import (append_jsonl, find_checkpoint, log_eval, log_step, read_jsonl, restore_checkpoint,
+                        save_checkpoint)
+from verifier import RewardError, load_reward
+
+
+class Paths(NamedTuple):
+    """The two functions --fast chooses between, with the same arguments and the same numbers."""
+
+    sample_completions: Callable  # completion ids of a group of prompts, as model.sample_with_generate
+    completion_logprobs: Callable  # per-token log-probs of rows, as model.completion_logprobs
+
+
+def fast_or_plain(fast: bool, device: torch.device) -> Paths:
+    """--fast: the fast paths, decoding.decode and packing.completion_logprobs (tests/test_fast_paths.py
+    holds them to the plain definitions), on the device types where a run has shown them equal and faster
+    (`decoding.FAST_ON`: the CPU, for which they were built); elsewhere, and with --no-fast, the plain
+    definitions in model.py, HF generate and one forward pass. On CUDA --fast thus runs the plain path until
+    `benchmarks/gpu_bench.py --smoke` has checked the fast ones there."""
+    if fast and device.type in FAST_ON:
+        return Paths(decode, packing.completion_logprobs)
+    return Paths(sample_with_generate, completion_logprobs)
+
+
+def check_inputs(args) -> None:
+    """What a run of train.Args `args` reads, read before any model loads, so that a bad line or flag fails in
+    a second, naming file and line: the device (--device cuda where CUDA is unusable says why), the reward,
+    the problems, and the tokenizer alone (a missing chat template)."""
+    pick_device(args.device)
+    load_reward(args.reward)
+    load_problems(args.dataset, "train", args.seed)
+    load_eval_problems(args.eval_dataset or args.dataset, args.seed)
+    format_prompts(load_tokenizer(args.model), ["1 + 1?"], args.prompt_format, args.system)
+
+
+@dataclasses.dataclass
+class Run:
+    """What one algorithm's run holds from step to step (`start_run`)."""
+
+    master: torch.nn.Module  # the float32 weights the optimizer steps
+    policy: torch.nn.Module  # the network that samples and backpropagates: master, or its bf16 copy
+    reference: torch.nn.Module | None  # the frozen initial policy, for AAPO's r_ref and the KL
+    tokenizer: object
+    optimizer: torch.optim.Optimizer
+    state: dict  # the method's state across steps, checkpointed
+    reward_fn: Callable
+    train_problems: list[Problem]
+    eval_problems: list[Problem]
+    done: int  # the last completed step: 0, or the checkpoint's
+    costs: Counter  # this step's sampling seconds and generated tokens
+    stop_ids: list[int] | None = None  # the ids that end a completion (`model.stop_token_ids`), once
+
+
+def start_run(args, run_dir: Path, device: torch.device, is_main: bool, state: dict,
+              with_reference: bool) -> Run:
+    """The models, optimizer, method state and problems of a run (train.Args `args`): new, or as saved with
+    --resume."""
+    transformers.logging.disable_progress_bar()  # the run's own bar alone: none for loading or saving weights
+    checkpoint = find_checkpoint(run_dir) if args.resume else None
+    if args.resume and not checkpoint and is_main:
+        print(f"[{args.algo}] --resume: no checkpoint in {run_dir}, starting from scratch")
+    master, tokenizer = load_model(str(checkpoint / "model") if checkpoint else args.model, device)
+    policy = working_copy(master, args.precision)  # bf16: on CUDA and on CPUs with native bf16 (auto)
+    reference = (cast_weights(load_model(args.model, device)[0].requires_grad_(False), policy.dtype)
+                 if with_reference else None)
+    if args.grad_checkpointing:
+        checkpoint_activations(policy)
+    optimizer = torch.optim.AdamW(master.parameters(), lr=args.lr, weight_decay=0.0, fused=True)
+    done = restore_checkpoint(checkpoint, optimizer, state) if checkpoint else 0
+    eval_problems = (load_eval_problems(args.eval_dataset, args.seed) if args.eval_dataset
+                     else load_problems(args.dataset, "test", args.seed))[: args.eval_size]
+    reward_fn = load_reward(args.reward, args.reward_range)
+    train_problems = load_problems(args.dataset, "train", args.seed)
+    if is_main:
+        print(f"[{args.algo}] {where_it_runs(args, master, policy, reference, tokenizer, train_problems)}")
+    return Run(master, policy, reference, tokenizer, optimizer, state, reward_fn, train_problems,
+               eval_problems, done, Counter(), stop_token_ids(master, tokenizer))
+
+
+def sample_and_score(args, run: Run, network, problems: list[Problem]) -> tuple[Rollout, torch.Tensor]:
+    """G completions from `network` for each of these prompts, and their rewards [b, G] (train.py's
+    `SampleAndScore`); the seconds each took and the tokens generated go to `run.costs`."""
+    questions, answers = [p.question for p in problems], [p.answer for p in problems]
+    start = time.perf_counter()
+    paths = fast_or_plain(args.fast, network.device)
+    rollout = sample(network, run.tokenizer, questions, args.group_size, args.max_new_tokens,
+                     args.temperature, args.top_p, paths.sample_completions, args.prompt_format, args.system,
+                     [p.instruction for p in problems], run.stop_ids)
+    run.costs["generate"] += time.perf_counter() - start
+    run.costs["gen_tokens"] += rollout.completion_mask.sum().item()
+    start = time.perf_counter()
+    try:
+        rewards = torch.tensor(score_groups(questions, rollout.texts, answers, run.reward_fn))  # [b, G]
+    except RewardError as error:  # under torchrun the others wait in gather_groups, which tells them
+        rows = args.prompts_per_step // int(os.environ.get("WORLD_SIZE", 1))  # [b, G], as every process sends
+        gather_groups(torch.full((rows, args.group_size), math.nan), error)
+        raise
+    run.costs["score"] += time.perf_counter() - start
+    return rollout, rewards
+
+
+def where_it_runs(args, master, policy, reference, tokenizer, problems: list[Problem]) -> str:
+    """The run's first line: the device, the precision and dtypes, and the memory it should need
+    (memory.py), for the run's shapes; the prompt length is that of the longest question, templated."""
+    longest = max(problems, key=lambda p: len(p.question) + len(p.instruction))
+    prompt = format_prompts(tokenizer, [longest.question], args.prompt_format, args.system,
+                            [longest.instruction])
+    prompt_len = len(tokenizer(prompt, add_special_tokens=False).input_ids[0])
+    rows = args.prompts_per_step * args.group_size // int(os.environ.get("WORLD_SIZE", 1))
+    terms = estimate_memory(master.config, sum(p.numel() for p in master.parameters()), rows=rows,
+                            prompt_len=prompt_len, completion_len=args.max_new_tokens,
+                            micro_batch=min(args.micro_batch, rows), bf16=policy.dtype == torch.bfloat16,
+                            reference=reference is not None, checkpointing=args.grad_checkpointing,
+                            cuda=master.device.type == "cuda")
+    return f"{where(master, policy, args.precision)}; {describe_estimate(terms)}"
+
+
+def run_eval(args, run: Run, run_dir: Path, step: int) -> float:
+    """Greedy held-out accuracy, logged to evals.jsonl and eval_records.jsonl."""
+    result = evaluate(run.policy, run.tokenizer, run.eval_problems, reward_fn=run.reward_fn,
+                      max_new_tokens=args.max_new_tokens, prompt_format=args.prompt_format,
+                      system=args.system, stop_ids=run.stop_ids,
+                      sample_completions=fast_or_plain(args.fast, run.policy.device).sample_completions)
+    return log_eval(run_dir, step, result)
+
+
+def eval_due(args, step: int) -> bool:
+    """Every --eval-every steps, and after the last."""
+    return bool(args.eval_every) and step % args.eval_every == 0 or step == args.steps
+
+
+def first_eval(args, run: Run, run_dir: Path) -> None:
+    """Before training; or, resumed, the checkpoint's evaluation if the run stopped between saving and it
+    (Ctrl-C on an evaluation step skips it)."""
+    if not run.done:
+        print(f"[{args.algo}] held-out accuracy before training: {run_eval(args, run, run_dir, 0):.3f} "
+              f"({len(run.eval_problems)} problems)")
+        return
+    evaluated = [e["step"] for e in read_jsonl(run_dir / "evals.jsonl")]
+    if eval_due(args, run.done) and run.done not in evaluated:
+        run_eval(args, run, run_dir, run.done)
+
+
+def after_step(args, run: Run, run_dir: Path, record: dict, totals: dict, stop: bool,
+               samples: list[dict]) -> dict:
+    """Process 0, after each step: log it and (--log-samples) its groups, warn once if the early ACR says the
+    setup wastes its samples, save, evaluate and show one group. Returns the run's totals so far
+    (`log_step`)."""
+    totals = log_step(run_dir, record, totals)
+    step = record["step"]
+    evaluating = eval_due(args, step) and (not stop or step == args.steps)
+    if args.log_samples == "every" or args.log_samples == "evals" and evaluating:
+        for sample in samples:
+            append_jsonl(run_dir / "samples.jsonl", sample)
+    if step == early_steps(args.steps) and (warning := collapse_warning(run_dir, args.group_size)):
+        tqdm.write(f"[{args.algo}] {warning}")  # the paper's early-ACR diagnostic
+    if args.save_every and (step % args.save_every == 0 or step == args.steps or stop):
+        save_checkpoint(run_dir, run.master, run.tokenizer, run.optimizer, step, run.state)
+    if evaluating:
+        accuracy = run_eval(args, run, run_dir, step)
+        if args.show_group:
+            show_group(args.algo, step, accuracy, samples)
+    return totals
