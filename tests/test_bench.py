@@ -131,8 +131,13 @@ def test_gpu_bench_tiny_runs_on_cpu(tmp_path, fast):
     report = json.loads(out.read_text())
     checks = [c["check"] for c in report["smoke"]]
     assert all(c["ok"] for c in report["smoke"]), report["smoke"]
-    if smoke:  # the fast paths against the plain ones, then a step of each method in each setting
-        assert sum("fast paths:" in c for c in checks) == 3 and len(checks) == 3 + 4 * 5
+    if smoke:  # the fast paths against the plain ones, the attention kernels, each method in each setting
+        assert sum("fast paths:" in c for c in checks) == 3 and len(checks) == 3 + 2 * 4 + 4 * 5
+        for head_dim in (64, 128):  # the update's and generation's attention, each path: an SDPA kernel named
+            kernels = [c["detail"] for c in report["smoke"] if c["check"].endswith(f"head dim {head_dim})")]
+            assert len(kernels) == 4 and all(k.startswith("SDPA kernel: ") for k in kernels)
+        assert all(c["detail"].startswith("rows trained ") and int(c["detail"].split()[2].strip(",")) > 0
+                   for c in report["smoke"] if c["check"].startswith("train_step"))  # every method trained
         for algo in ("grpo:", "avspo:", "aapo:", "dapo:", "grpo beta 0.04:"):
             assert sum(f"train_step {algo} tiny-qwen2" in c for c in checks) == 4  # fp32, bf16, +- ckpt
     assert "| check | ok |" in out.with_suffix(".md").read_text() if smoke else not checks
