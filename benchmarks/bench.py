@@ -41,6 +41,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+import run  # noqa: E402
 import train  # noqa: E402
 from benchmarks.floors import FLOOR_COLUMNS, batch_shape, floor_rows, phase_floors  # noqa: E402
 from benchmarks.timing import fmt, markdown_table, median_of, peak_memory_bytes, run_isolated  # noqa: E402
@@ -67,9 +68,9 @@ def reference_args(model: str, steps: int, precision: str, algo: str = "grpo",
 def bench_ours(args: train.Args, warmup: int) -> dict:
     """train.train for warmup + steps steps; medians of the per-step times it logs, after the warm-up. For
     GRPO, each step's batch shape (`floors.batch_shape`) is recorded from the rollout train.py samples and the
-    rewards it scores (train.sample and train.score_groups wrapped, in this spawned process only)."""
+    rewards it scores (run.sample and run.score_groups wrapped, in this spawned process only)."""
     args = dataclasses.replace(args, steps=warmup + args.steps)
-    shapes, rollouts, sample, score_groups = [], [], train.sample, train.score_groups
+    shapes, rollouts, sample, score_groups = [], [], run.sample, run.score_groups
 
     def recording_sample(*a, **kw):
         rollouts.append(sample(*a, **kw))
@@ -84,7 +85,7 @@ def bench_ours(args: train.Args, warmup: int) -> dict:
         return rewards
 
     if args.algo == "grpo":  # the only config with floors
-        train.sample, train.score_groups = recording_sample, recording_score_groups
+        run.sample, run.score_groups = recording_sample, recording_score_groups
     with tempfile.TemporaryDirectory() as tmp:
         run_dir = Path(tmp) / args.algo
         train.train(args, run_dir)
