@@ -76,7 +76,7 @@ def bench_ours(args: train.Args, warmup: int) -> dict:
         rollouts.append(sample(*a, **kw))
         return rollouts[-1]
 
-    def recording_score_groups(questions, texts, answers, reward_fn):  # right after each train.sample call
+    def recording_score_groups(questions, texts, answers, reward_fn):  # right after each run.sample call
         rewards, rollout = score_groups(questions, texts, answers, reward_fn), rollouts.pop()
         prompt_len = rollout.input_ids.shape[1] - rollout.completion_len
         shapes.append(batch_shape(rollout.completion_mask.sum(1).tolist(),
@@ -141,7 +141,7 @@ def advantage_seconds(args: train.Args, reps: int) -> float:
 def verifier_rows(data_dir: Path, limit: int | None) -> list[list[str]] | None:
     """Median and worst µs per call of each verifier on GSM8K and MATH-500 (self + cross) cases;
     None, with a message, when the data folder lacks them."""
-    from benchmarks.verifier_bench import load_cases, math_verify_check, run
+    from benchmarks.verifier_bench import load_cases, math_verify_check, run as run_checks
 
     if not (data_dir / "math500_test.jsonl").exists():
         print(f"no math500_test.jsonl in {data_dir} (python data/prepare.py math gsm8k-solutions): "
@@ -159,7 +159,7 @@ def verifier_rows(data_dir: Path, limit: int | None) -> list[list[str]] | None:
             continue
         for label, subset in sets.items():
             print(f"verifier: {name} on {len(subset)} {label} cases")
-            agree, seconds = run(check, subset)
+            agree, seconds = run_checks(check, subset)
             us = [s * 1e6 for s in seconds]
             rows.append([name, label, str(len(us)), f"{100 * agree / len(us):.1f}%",
                          f"{statistics.median(us):.1f}", f"{max(us):.1f}"])

@@ -4,6 +4,7 @@ gradients as the plain pass, close log-probs from the bf16 sampling copy, and pr
 flags."""
 
 import types
+from copy import deepcopy
 from functools import partial
 
 import pytest
@@ -12,10 +13,11 @@ import torch.nn.functional as F
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, Qwen2ForCausalLM
 
 import decoding
+import hardware
 import model as model_module
 import packing
 from decoding import DecodeCache, decode, decode_step, decode_weights, packed_linear
-from hardware import accumulate_gradients, copy_weights, resolve_precision, working_copy
+from hardware import accumulate_gradients, copy_weights, cpu_features, resolve_precision, working_copy
 from model import completion_logprobs as plain_logprobs
 from model import load_model, next_tokens, sample, sample_with_generate
 from model_files import byte_tokenizer, tiny_qwen2
@@ -325,7 +327,7 @@ def test_sample_with_generate_reference_path_still_runs(tiny):
 
 def test_working_copy_is_bf16_follows_steps_and_matches_autocast_logprobs(tiny):
     model, tokenizer = tiny
-    model = model_module.copy.deepcopy(model)
+    model = deepcopy(model)
     assert working_copy(model, "fp32") is model
     copy = working_copy(model, "bf16")
     assert all(p.dtype == torch.bfloat16 and p.requires_grad for p in copy.parameters())  # it trains
@@ -350,7 +352,7 @@ def test_working_copy_is_bf16_follows_steps_and_matches_autocast_logprobs(tiny):
 
 def test_accumulate_gradients_sums_micro_batches_in_float32_and_frees_the_bf16_ones(tiny):
     model, tokenizer = tiny
-    model = model_module.copy.deepcopy(model)
+    model = deepcopy(model)
     copy = working_copy(model, "bf16")
     torch.manual_seed(0)
     rollout = sample_fast(copy, tokenizer, QUESTIONS, 2, 8)
@@ -373,14 +375,14 @@ def test_accumulate_gradients_sums_micro_batches_in_float32_and_frees_the_bf16_o
                                             ({"avx2", "avx512f", "avx512_bf16"}, "bf16"),
                                             ({"amx_bf16"}, "bf16"), (set(), "fp32")])
 def test_resolve_precision_auto_uses_bf16_only_with_native_bf16(monkeypatch, flags, expected):
-    monkeypatch.setattr(model_module, "cpu_features", lambda: flags)
+    monkeypatch.setattr(hardware, "cpu_features", lambda: flags)
     assert resolve_precision("auto", torch.device("cpu")) == expected
     assert resolve_precision("fp32", torch.device("cpu")) == "fp32"
     assert resolve_precision("bf16", torch.device("cpu")) == "bf16"
 
 
 def test_cpu_features_reads_this_machines_flags():
-    features = model_module.cpu_features()
+    features = cpu_features()
     assert isinstance(features, set) and features <= {"avx2", "avx512f", "avx512_bf16", "amx_bf16",
                                                       "amx_tile"}
 
@@ -408,7 +410,7 @@ def test_packed_logprobs_and_gradients_equal_the_plain_pass(block_model, micro_r
     Llama; attention written out (CPU) and by SDPA (CUDA)."""
     monkeypatch.setattr(packing, "attention_by_sdpa", lambda device: sdpa)
     model, tokenizer = block_model
-    model = model_module.copy.deepcopy(model).train()
+    model = deepcopy(model).train()
     torch.manual_seed(0)
     rollout = sample_fast(model, tokenizer, QUESTIONS[:2], 4, 10)  # 2 prompts of different lengths x 4
     assert rollout.completion_len == 10  # random weights never emit EOS: every row has 10 columns to cut
@@ -454,7 +456,7 @@ def test_packed_logprobs_with_gradient_checkpointing_equal_the_plain_pass(tiny, 
     """--grad-checkpointing wraps each packed block in torch's checkpoint (recomputed in backward): same
     log-probs and gradients as without it, and as the plain path."""
     model, tokenizer = tiny
-    model = model_module.copy.deepcopy(model).train()
+    model = deepcopy(model).train()
     torch.manual_seed(3)
     rollout = sample_fast(model, tokenizer, QUESTIONS[:2], 3, 6)
     args = (model, rollout.input_ids, rollout.attention_mask, rollout.completion_len)
@@ -561,7 +563,7 @@ def test_packed_attention_on_cuda_runs_on_a_fused_kernel(tiny):
     model, tokenizer = tiny
     torch.manual_seed(0)
     rollout = sample_fast(model, tokenizer, QUESTIONS[:2], 4, 10)
-    net = model_module.copy.deepcopy(model).cuda()
+    net = deepcopy(model).cuda()
     args = (rollout.input_ids.cuda(), rollout.attention_mask.cuda(), rollout.completion_len)
     plain = plain_logprobs(net, *args)
     with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION]):
@@ -732,7 +734,7 @@ def test_other_blocks_take_fast_logprobs_from_their_own_forward(tiny, monkeypatc
     the log-softmax by TokenLogProbs; the same log-probs and gradients as the plain definition, 0 after
     EOS."""
     model, tokenizer = tiny
-    model = model_module.copy.deepcopy(model)
+    model = deepcopy(model)
     torch.manual_seed(0)
     rollout = sample_fast(model, tokenizer, QUESTIONS[:2], 3, 6)
     attn = rollout.attention_mask.clone()
