@@ -324,7 +324,8 @@ def test_memory_activations_are_what_the_forward_keeps_for_backward(size, precis
     forward = terms["activations"] + 4 * 60 * 1000 * w  # and the logits
     if checkpointing:  # less the layer that backward recomputes
         forward -= 4 * 100 * memory.layer_bytes(config, w)
-    assert kept == pytest.approx(forward, rel=0.1)
+    # 10% is the bar; without checkpointing the count is within 0.5%, so 3% shows a slip in any one term
+    assert kept == pytest.approx(forward, rel=0.1 if checkpointing else 0.03)
 
 
 def peak_bytes(fn) -> int:
