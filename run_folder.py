@@ -103,7 +103,8 @@ def save_checkpoint(run_dir: Path, model, tokenizer, optimizer, step: int, algo_
     torch.save({"step": step, "optimizer": optimizer.state_dict(),
                 "algo_state": {key: dataclasses.asdict(value) for key, value in algo_state.items()}},
                tmp / "state.pt")
-    if final.exists():
+    if final.exists():  # whole (it came by a rename): a checkpoint.old beside it is a leftover of a kill
+        shutil.rmtree(old, ignore_errors=True)  # while it was being removed
         final.rename(old)
     tmp.rename(final)
     shutil.rmtree(old, ignore_errors=True)
