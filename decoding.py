@@ -181,8 +181,9 @@ def decode(model: PreTrainedModel, prompt_ids: torch.Tensor, prompt_mask: torch.
     weights = decode_weights(model, rows=n)
     cache = DynamicCache(config=model.config)
     positions = (prompt_mask.cumsum(dim=1) - 1).clamp(min=0)  # [B, P]: left padding must not shift positions
-    logits = model(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=positions, cache=cache,
-                   use_cache=True, logits_to_keep=1).logits[:, -1]  # [B, V]
+    # The cache goes fourth, by position: transformers 5.17 names that argument past_key_values, 5.25 cache
+    # (and warns at the old name); a keyword either end lacks is dropped silently, and the cache stays empty.
+    logits = model(prompt_ids, prompt_mask, positions, cache, use_cache=True, logits_to_keep=1).logits[:, -1]
     logits = logits.repeat_interleave(group_size, dim=0)  # [N, V]: rows b*G .. b*G+G-1 share prompt b
     if weights:
         cache = DecodeCache.from_prefill(cache, group_size, max_new_tokens)
@@ -209,7 +210,6 @@ def decode(model: PreTrainedModel, prompt_ids: torch.Tensor, prompt_mask: torch.
         if weights:
             logits = decode_step(model, weights, tokens, next_position, cache, mask.shape[1] - 1, mask.bool())
         else:
-            logits = model(input_ids=tokens[:, None], attention_mask=mask,
-                           position_ids=next_position[:, None], cache=cache, use_cache=True).logits[:, -1]
+            logits = model(tokens[:, None], mask, next_position[:, None], cache, use_cache=True).logits[:, -1]
         next_position = next_position + 1
     return completion[:, : t + 1]

@@ -5,6 +5,7 @@ train.py and eval.py print `where` first, so a silent fallback to the CPU, or to
 """
 
 import copy
+import os
 from pathlib import Path
 
 import torch
@@ -31,7 +32,21 @@ def pick_device(name: str = "auto") -> torch.device:
         return torch.device("cpu")
     if problem := cuda_problem():
         raise ValueError(f"--device cuda: {problem}")
+    cuda_settings()
     return torch.device("cuda")
+
+
+def cuda_settings() -> None:
+    """Before CUDA's first allocation (a run picks its device before any model): the caching allocator maps
+    growable segments, so the update's and sampling's ever-changing tensor sizes do not strand memory in
+    fixed blocks, unless the user set the allocator's options (PYTORCH_CUDA_ALLOC_CONF or PYTORCH_ALLOC_CONF);
+    and SDPA does not try cuDNN's attention."""
+    if not (os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or os.environ.get("PYTORCH_ALLOC_CONF")):
+        os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
+    # cuDNN's kernel, first in line for masked bf16 SDPA on sm90, builds a graph for each new shape, and HF
+    # generate's key length changes at every token; the memory-efficient kernel takes the same masks (not
+    # measured here: benchmarks/gpu_bench.py --smoke names the kernel each attention gets)
+    torch.backends.cuda.enable_cudnn_sdp(False)
 
 
 def describe_device(device: torch.device) -> str:

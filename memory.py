@@ -4,24 +4,43 @@
 Bytes, P the parameter count, w the working precision's bytes (2 for bf16, 4 for fp32):
   weights 4P (float32 master), optimizer 8P (AdamW's two float32 moments), gradients 4P (float32),
   working copy 2P + 2P (bf16 only: the copy, its gradients of one micro-batch), reference wP (AAPO, --beta);
+  on CUDA, CUDA_ALLOWANCE for the CUDA context and the cuBLAS and attention workspaces;
 then the larger of the two phases, which never overlap:
   sampling: the KV cache of all rows, rows x (prompt + completion) x layers x 2 x kv_dim x w;
-  update, one micro-batch of m rows of T = prompt + completion tokens:
-    activations kept for backward, per token and layer about 6 h + 4 i + 4 kv_dim values (the block's norm
-    inputs and outputs, q/k/v before and after rotary, the attention output, the MLP's gate, up, act and
-    product), w bytes each; under --grad-checkpointing only each layer's input (h values) plus one layer's
-    worth, recomputed in backward;
-    logits at the m x C completion positions, V each: w for the logits, 4 for their float32 copy, 4 for the
-    log-softmax, 4 for its gradient (model.completion_logprobs, the plain path CUDA runs).
-Left out: attention scores (fused SDPA kernels keep none), the reference's forward (no grad, one micro-batch
-at a time), the allocator's fragmentation and the CUDA context (about 0.5-1 GiB).
+  update, one micro-batch of m rows of T = prompt + completion tokens, what autograd saves for backward
+  (tests/test_device.py counts it in bf16 with padding, at Qwen2.5-0.5B's and 1.5B's layer shapes):
+    activations, per token: each layer's `layer_bytes`, plus the final norm's (4 + 2w) h and the rotary
+    cos and sin, 2 head_dim w; under --grad-checkpointing each layer keeps only its input (h w) and one
+    layer's worth is recomputed at a time in backward;
+    logits at the m x C completion positions, V each: 2w per entry (the logits, then their gradient), plus
+    16 bytes for each of LOGPROB_CHUNK x V entries, one chunk's float32 log-softmax and its gradient
+    (model.completion_logprobs; measured on the CPU with torch's memory profiler, tests/test_device.py).
+Left out: the attention mask (m T^2 w, shared by the layers), the reference's forward (no grad, one
+micro-batch at a time), and the allocator's fragmentation (docs/performance.md's table leaves 10% of each
+card for it).
 """
 
+from model import LOGPROB_CHUNK
+
 GIB = 2**30
+CUDA_ALLOWANCE = GIB  # the CUDA context (about 0.5 GiB with lazy module loading) and the kernels' workspaces
+
+
+def layer_bytes(config, w: int) -> int:
+    """Bytes one decoder layer saves for backward per token, as transformers' Llama/Qwen2 block does in w-byte
+    precision with a padding mask: each RMSNorm its float32 input (4h), the normalised values and its output
+    (w h each); q after rotary and the attention output (w q_dim each); k and v repeated to every query head
+    (w q_dim each: with a mask, transformers repeats them before SDPA); SDPA's float32 logsumexp per head;
+    the MLP's gate, up, activation and their product (w i each)."""
+    hidden, heads = config.hidden_size, config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or hidden // heads
+    q_dim = heads * head_dim
+    return 2 * (4 + 2 * w) * hidden + 4 * w * q_dim + 4 * heads + 4 * w * config.intermediate_size
 
 
 def estimate_memory(config, num_params: int, *, rows: int, prompt_len: int, completion_len: int,
-                    micro_batch: int, bf16: bool, reference: bool, checkpointing: bool) -> dict[str, float]:
+                    micro_batch: int, bf16: bool, reference: bool, checkpointing: bool,
+                    cuda: bool = False) -> dict[str, float]:
     """The terms of the module docstring in bytes, for a transformers config (hidden_size,
     intermediate_size, num_hidden_layers, num_attention_heads, num_key_value_heads, vocab_size), and
     "total": the static terms plus the larger phase."""
@@ -30,16 +49,18 @@ def estimate_memory(config, num_params: int, *, rows: int, prompt_len: int, comp
     head_dim = getattr(config, "head_dim", None) or hidden // config.num_attention_heads
     kv_dim = config.num_key_value_heads * head_dim
     tokens = micro_batch * (prompt_len + completion_len)  # one micro-batch's positions
-    per_layer = 6 * hidden + 4 * config.intermediate_size + 4 * kv_dim  # values kept per token and layer
-    kept = (layers * hidden + per_layer) if checkpointing else layers * per_layer
+    per_token = (4 + 2 * w) * hidden + 2 * head_dim * w  # the final norm, the rotary cos and sin
+    per_layer = layer_bytes(config, w)
+    kept = (layers * hidden * w + per_layer) if checkpointing else layers * per_layer
     terms = {
         "weights": 4 * num_params, "optimizer": 8 * num_params, "gradients": 4 * num_params,
         "working_copy": 4 * num_params if bf16 else 0, "reference": w * num_params if reference else 0,
+        "cuda": CUDA_ALLOWANCE if cuda else 0,
         "sampling": rows * (prompt_len + completion_len) * layers * 2 * kv_dim * w,
-        "activations": tokens * kept * w,
-        "logits": micro_batch * completion_len * config.vocab_size * (w + 12 if bf16 else 12),
+        "activations": tokens * (per_token + kept),
+        "logits": (micro_batch * completion_len * 2 * w + 16 * LOGPROB_CHUNK) * config.vocab_size,
     }
-    static = sum(terms[k] for k in ("weights", "optimizer", "gradients", "working_copy", "reference"))
+    static = sum(terms[k] for k in ("weights", "optimizer", "gradients", "working_copy", "reference", "cuda"))
     return {**terms, "total": static + max(terms["sampling"], terms["activations"] + terms["logits"])}
 
 
@@ -50,9 +71,9 @@ def size(n: float) -> str:
 def describe_estimate(terms: dict[str, float]) -> str:
     """One line: the total and its parts."""
     static = terms["weights"] + terms["optimizer"] + terms["gradients"]
-    extra = [name for name in ("working_copy", "reference") if terms[name]]
-    parts = [f"weights+AdamW+grads {size(static)}", *(f"{n.replace('_', ' ')} {size(terms[n])}"
-                                                      for n in extra)]
+    extra = [name for name in ("working_copy", "reference", "cuda") if terms[name]]
+    names = {"working_copy": "working copy", "reference": "reference", "cuda": "CUDA context"}
+    parts = [f"weights+AdamW+grads {size(static)}", *(f"{names[n]} {size(terms[n])}" for n in extra)]
     return (f"memory ~{size(terms['total'])} = {' + '.join(parts)} + the larger of update "
             f"{size(terms['activations'] + terms['logits'])} (activations {size(terms['activations'])}, "
             f"logits {size(terms['logits'])}) and sampling's KV cache {size(terms['sampling'])}")

@@ -15,6 +15,7 @@ from typing import Callable
 
 import torch
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 from safetensors import SafetensorError
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
@@ -70,6 +71,14 @@ def load_model(name: str,
     model = (tiny_qwen2()[0] if name == "tiny-qwen2"
              else from_source(AutoModelForCausalLM, name, dtype=torch.float32))
     return model.to(device).eval(), tokenizer  # eval mode (no dropout); training switches train mode on
+
+
+def checkpoint_activations(model: PreTrainedModel) -> None:
+    """--grad-checkpointing: each decoder layer keeps only its input for backward and recomputes the rest
+    there. transformers 5.25 names the call activation_checkpointing_enable and warns at the old name,
+    gradient_checkpointing_enable, the only one 5.17 has; both set `gradient_checkpointing` on the layers."""
+    enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
+    enable()
 
 
 # ----------------------------------------------------------------------------- sampling
@@ -243,18 +252,35 @@ def sample(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, questions
 # ----------------------------------------------------------------------------- log-probs
 
 
+LOGPROB_CHUNK = 256  # tokens whose float32 log-softmax exists at once: 156 MB at Qwen's 151,936 entries
+
+
+def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float) -> torch.Tensor:
+    """log softmax(logits / T) at the targets, in float32: [n] from logits [n, V] and targets [n]; the
+    target's scaled logit minus the logsumexp of them all."""
+    scaled = logits.float() / temperature  # [n, V]
+    return scaled.gather(1, targets[:, None]).squeeze(1) - scaled.logsumexp(dim=1)
+
+
 def completion_logprobs(model: PreTrainedModel, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                         completion_len: int, temperature: float = 1.0) -> torch.Tensor:
     """Per-token log pi(token | prefix) [N, C] of the last C = `completion_len` tokens of each row, 0 where
     the attention mask is 0 (after a row's EOS): log softmax(logits / T) at each token, T the sampling
     temperature, so they are the log-probs of the distribution sampled from. Logits only at the C completion
-    positions."""
+    positions.
+
+    `token_logprobs` works LOGPROB_CHUNK of the N x C tokens at a time, each chunk recomputed in backward
+    (torch's checkpoint): the float32 log-softmax of all N x C tokens at once, [N, C, V], would be the largest
+    tensor of the update (7 GiB at micro-batch 8, 512 tokens and Qwen's vocabulary). What stays is the logits
+    in the model's dtype (memory.py counts the bytes)."""
     positions = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)  # [N, T]: count real tokens, as sampling did
     logits = model(input_ids=input_ids[:, :-1], attention_mask=attention_mask[:, :-1],  # the last token is
                    position_ids=positions[:, :-1], use_cache=False,  # no input: it predicts nothing
                    logits_to_keep=completion_len).logits  # [N, C, V]: position t predicts token t + 1
-    logp = torch.log_softmax(logits.float() / temperature, dim=-1)  # [N, C, V]
-    picked = logp.gather(-1, input_ids[:, -completion_len:, None]).squeeze(-1)  # [N, C]
+    targets = input_ids[:, -completion_len:]  # [N, C]
+    chunks = zip(logits.flatten(0, 1).split(LOGPROB_CHUNK), targets.flatten().split(LOGPROB_CHUNK))
+    picked = torch.cat([checkpoint(token_logprobs, chunk, chunk_targets, temperature, use_reentrant=False)
+                        for chunk, chunk_targets in chunks]).view(targets.shape)  # [N, C]
     return picked.masked_fill(attention_mask[:, -completion_len:] == 0, 0.0)
 
 

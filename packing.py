@@ -226,7 +226,8 @@ def packed_states(model: PreTrainedModel, rows: PackedRows) -> torch.Tensor:
         h = h + attn.o_proj(out)
         return h + layer.mlp(layer.post_attention_layernorm(h))
 
-    recompute = torch.is_grad_enabled() and model.is_activation_checkpointing  # --grad-checkpointing
+    # --grad-checkpointing (`model.checkpoint_activations`): the layers' flag, which 5.17 and 5.25 both set
+    recompute = torch.is_grad_enabled() and model.model.layers[0].gradient_checkpointing
     for layer in model.model.layers:
         h = checkpoint(block, layer, h, use_reentrant=False) if recompute else block(layer, h)
     return model.model.norm(h)

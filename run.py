@@ -24,8 +24,8 @@ from eval import evaluate, score_groups
 from hardware import cast_weights, pick_device, where, working_copy
 from memory import describe_estimate, estimate_memory
 from metrics import collapse_warning, early_steps, show_group
-from model import (Rollout, completion_logprobs, context_warning, format_prompts, load_model, load_tokenizer,
-                   longest_prompt, sample, sample_with_generate, stop_token_ids)
+from model import (Rollout, checkpoint_activations, completion_logprobs, context_warning, format_prompts,
+                   load_model, load_tokenizer, longest_prompt, sample, sample_with_generate, stop_token_ids)
 from processes import gather_groups, stops_at_once
 from run_folder import (append_jsonl, checkpoint_damage, find_checkpoint, log_eval, log_step, read_jsonl,
                         restore_checkpoint, save_checkpoint)
@@ -95,7 +95,7 @@ def start_run(args, run_dir: Path, device: torch.device, is_main: bool, state: d
     reference = (cast_weights(load_model(args.model, device)[0].requires_grad_(False), policy.dtype)
                  if with_reference else None)
     if args.grad_checkpointing:
-        policy.activation_checkpointing_enable()
+        checkpoint_activations(policy)
     optimizer = torch.optim.AdamW(master.parameters(), lr=args.lr, weight_decay=0.0, fused=True)
     done = restore_checkpoint(checkpoint, optimizer, state) if checkpoint else 0
     eval_problems = (load_eval_problems(args.eval_dataset, args.seed) if args.eval_dataset
@@ -143,7 +143,8 @@ def where_it_runs(args, master, policy, reference, tokenizer, problems: list[Pro
     terms = estimate_memory(master.config, sum(p.numel() for p in master.parameters()), rows=rows,
                             prompt_len=prompt_len, completion_len=args.max_new_tokens,
                             micro_batch=min(args.micro_batch, rows), bf16=policy.dtype == torch.bfloat16,
-                            reference=reference is not None, checkpointing=args.grad_checkpointing)
+                            reference=reference is not None, checkpointing=args.grad_checkpointing,
+                            cuda=master.device.type == "cuda")
     return f"{where(master, policy, args.precision)}; {describe_estimate(terms)}"
 
 

@@ -35,7 +35,7 @@ from data.tasks import Problem, step_problems
 from flags import arg, at_least, dataclass_parser, folder, in_range
 from hardware import DEVICES, accumulate_gradients, copy_weights
 from metrics import group_map, group_samples, step_metrics, summarise_run
-from model import PROMPT_FORMATS, Rollout, real_tokens, replace_groups, sample, trim_padding
+from model import PROMPT_FORMATS, Rollout, real_tokens, replace_groups, trim_padding
 from processes import (StoppedWhileScoring, all_sum, exits_cleanly, gather_groups, init_processes,
                        sum_gradients)
 from run import Run, after_step, check_inputs, fast_or_plain, first_eval, sample_and_score, start_run

@@ -1,6 +1,6 @@
 """Our training step on one CUDA GPU at Qwen2.5-0.5B and 1.5B sizes: first a smoke check, then the table.
 
-  python benchmarks/gpu_bench.py --smoke         # one GPU: checks, then the table; under 7 minutes on an H200
+  python benchmarks/gpu_bench.py --smoke         # one GPU: checks, then the table, within --budget-s (400 s)
   python benchmarks/gpu_bench.py --smoke --tiny --device cpu  # the same code on tiny shapes, seconds on a CPU
   python benchmarks/gpu_bench.py --memory-table  # docs/performance.md's memory table (memory.py), no GPU
 
@@ -9,9 +9,12 @@
     `decoding.decode` token for token against HF `generate`, and `packing.completion_logprobs` with its
     gradients against `model.completion_logprobs`, in fp32 and bf16; their verdict, with the timing rows
     below, decides whether `decoding.FAST_ON` may name "cuda";
+  - the SDPA kernel each attention gets (`kernel_checks`), bf16 at head dims 64 and 128: the update's, plain
+    and packed, and generation's, HF generate and decoding.decode (cuDNN's is off: hardware.cuda_settings);
   - one `train.train_step` of each method (grpo, avspo, aapo, dapo, and grpo with --beta), on tiny-qwen2 and
     on a random Qwen2.5-0.5B shape, in fp32 and bf16, with and without gradient checkpointing; the rewards are
-    the verifier's (random weights: mostly collapsed groups), so AVSPO and --beta train rows.
+    `parity_reward`'s, which split the groups even on random weights, so every method's backward runs (a
+    check with no row trained fails).
 Then the table: each (size, checkpointing) config is a train.py step with B prompts x G completions.
 Models are Qwen2ForCausalLM with the real Qwen2.5-0.5B / 1.5B dimensions and random weights (no download),
 bf16 working weights with float32 master weights as train.py uses on CUDA. Caveats:
@@ -46,6 +49,7 @@ from pathlib import Path
 from unittest import mock
 
 import torch
+import transformers
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -60,7 +64,8 @@ from eval import score_groups  # noqa: E402
 from flags import FlagParser, at_least, in_range  # noqa: E402
 from hardware import DEVICES, pick_device, working_copy  # noqa: E402
 from memory import GIB, estimate_memory  # noqa: E402
-from model import completion_logprobs, load_model, sample, sample_with_generate  # noqa: E402
+from model import (checkpoint_activations, completion_logprobs, load_model, sample,  # noqa: E402
+                   sample_with_generate)
 from model_files import byte_tokenizer  # noqa: E402
 from run import fast_or_plain  # noqa: E402
 from verifier import load_reward  # noqa: E402
@@ -101,6 +106,13 @@ def build_model(size: str, device: torch.device, tokenizer):
         return Qwen2ForCausalLM(config).eval()
 
 
+def parity_reward(completion: str, gold: str) -> float:
+    """The parity of the sum of the completion's character codes, a coin flip per completion on random
+    weights: a group of G is split but with probability 2^(1 - G), so the methods' updates have rows to
+    train (the verifier's rewards on random weights are all 0: every group collapses, no backward runs)."""
+    return float(sum(map(ord, completion)) % 2)
+
+
 def mixed_rewards(prompts: int, group_size: int) -> torch.Tensor:
     """[B, G] rewards with both values in every group (so no group collapses and every row trains)."""
     return (torch.arange(group_size) % 2).float().repeat(prompts, 1)
@@ -135,19 +147,26 @@ def run_step(model, net, tokenizer, optimizer, args: train.Args, problems, step:
             "rows_trained": stats.get("rows_trained", rows), "sdpa": sdpa_kernels(net, rollout, args)}
 
 
-def sdpa_kernels(net, rollout, args: train.Args) -> str:
-    """The attention kernels one micro-batch of the update's forward runs (profiler op names): flash,
-    efficient (memory-efficient), cudnn, math (scores materialised), or flash_cpu."""
-    rows = slice(0, args.micro_batch)
-    logprobs = fast_or_plain(args.fast, net.device).completion_logprobs
-    with torch.no_grad(), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-        logprobs(net, rollout.input_ids[rows], rollout.attention_mask[rows], rollout.completion_len)
-    names = {e.key for e in prof.key_averages() if "scaled_dot_product" in e.key}
+def attention_kernels(fn) -> str:
+    """The SDPA kernels fn runs, forward and backward (profiler op names): flash, efficient
+    (memory-efficient), cudnn, math (scores materialised), flash_cpu; "none" where no SDPA ran."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        fn()
+    names = {e.key for e in prof.key_averages() if "scaled_dot_product" in e.key or "_attention_" in e.key}
     kinds = {"flash_attention_for_cpu": "flash_cpu", "flash": "flash", "efficient": "efficient",
              "cudnn": "cudnn", "math": "math"}
     found = {kind for name in names for key, kind in kinds.items() if key in name and not (
         kind == "flash" and "for_cpu" in name)}
     return ",".join(sorted(found)) or "none"
+
+
+def sdpa_kernels(net, rollout, args: train.Args) -> str:
+    """The attention kernels one micro-batch of the update's forward runs (`attention_kernels`)."""
+    rows = slice(0, args.micro_batch)
+    logprobs = fast_or_plain(args.fast, net.device).completion_logprobs
+    with torch.no_grad():
+        return attention_kernels(lambda: logprobs(net, rollout.input_ids[rows], rollout.attention_mask[rows],
+                                                  rollout.completion_len))
 
 
 def model_flops(model, s: dict) -> tuple[float, float]:
@@ -177,7 +196,7 @@ def bench_config(size: str, checkpointing: bool, device: torch.device, opts, pro
     model = build_model(size, device, tokenizer)
     net = working_copy(model, "bf16")
     if checkpointing:
-        net.activation_checkpointing_enable()
+        checkpoint_activations(net)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, weight_decay=0.0, fused=True)
     args = train.Args(algo="grpo", prompts_per_step=opts.prompts, group_size=opts.group_size,
                       max_new_tokens=opts.max_new_tokens, micro_batch=opts.micro_batch, lr=1e-5, beta=0.0,
@@ -202,7 +221,8 @@ def bench_config(size: str, checkpointing: bool, device: torch.device, opts, pro
     estimate = estimate_memory(model.config, params, rows=s["rows"], prompt_len=s["prompt_len"],
                                completion_len=opts.max_new_tokens,
                                micro_batch=min(opts.micro_batch, s["rows"]),
-                               bf16=True, reference=False, checkpointing=checkpointing)
+                               bf16=True, reference=False, checkpointing=checkpointing,
+                               cuda=device.type == "cuda")
     result = {
         "size": size, "grad_checkpointing": checkpointing,
         "path": "fast" if forced_fast or opts.fast and device.type in run.FAST_ON else "plain",
@@ -290,7 +310,8 @@ def fast_equals_plain(device: torch.device) -> list[tuple[str, object]]:
 
 
 def one_step_each(size: str, precision: str, checkpointing: bool, device: torch.device, problems):
-    """(name, check) pairs: one train.train_step per method on a fresh Run, train.py's paths."""
+    """(name, check) pairs: one train.train_step per method on a fresh Run, train.py's paths; rewards from
+    `parity_reward`, so that every method's update has rows to train (the check fails where none did)."""
     if size == "tiny-qwen2":
         master, tokenizer = load_model("tiny-qwen2", device)
     else:
@@ -300,16 +321,17 @@ def one_step_each(size: str, precision: str, checkpointing: bool, device: torch.
     policy = working_copy(master, precision)
     reference = copy.deepcopy(policy).requires_grad_(False)
     if checkpointing:
-        policy.activation_checkpointing_enable()
+        checkpoint_activations(policy)
     optimizer = torch.optim.AdamW(master.parameters(), lr=1e-5, weight_decay=0.0, fused=True)
 
     def step(algo: str, beta: float):
-        args = train.Args(algo=algo, beta=beta, prompts_per_step=2, group_size=4, max_new_tokens=16,
-                          micro_batch=4, lr=1e-5, precision=precision, grad_checkpointing=checkpointing)
+        args = train.Args(algo=algo, beta=beta, prompts_per_step=4, group_size=4, max_new_tokens=16,
+                          micro_batch=4, lr=1e-5, precision=precision, grad_checkpointing=checkpointing,
+                          reward="benchmarks.gpu_bench:parity_reward")
         state = run.Run(master, policy, reference, tokenizer, optimizer, train.algo_state(args),
                         load_reward(args.reward, args.reward_range), problems, [], 0, Counter())
         record, _ = train.train_step(args, state, 1, 0, slice(0, args.prompts_per_step), device)
-        ok = record["skipped"] == 0 and math.isfinite(record["grad_norm"])
+        ok = record["skipped"] == 0 and math.isfinite(record["grad_norm"]) and record["rows_trained"] > 0
         return ok, f"rows trained {record['rows_trained']}, grad norm {record['grad_norm']:.3g}"
 
     label = f"{size} {precision}{' ckpt' if checkpointing else ''}"
@@ -317,9 +339,56 @@ def one_step_each(size: str, precision: str, checkpointing: bool, device: torch.
              lambda a=algo, b=beta: step(a, b)) for algo, beta in SMOKE_METHODS]
 
 
+HEAD_DIMS = {64: dict(hidden_size=896, num_attention_heads=14),  # Qwen2.5-0.5B's attention
+             128: dict(hidden_size=1024, num_attention_heads=8)}  # Qwen2.5-7B's head dim
+
+
+def kernel_checks(head_dim: int, device: torch.device) -> list[tuple[str, object]]:
+    """(name, check) pairs naming the SDPA kernel (`attention_kernels`) of each attention a run on `device`
+    can take, in bf16 at `head_dim`, with left-padded prompts and rows that end early: the update's forward
+    and backward, plain (HF's SDPA) and packed (`packing.segment_attention`, its SDPA branch forced on off
+    CUDA), and generation, HF generate and `decoding.decode`. A check fails where the scores were
+    materialised (the math kernel) or no SDPA ran."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+    tokenizer = byte_tokenizer()
+    tokenizer.padding_side = "left"
+    config = Qwen2Config(vocab_size=tokenizer.vocab_size + 3, intermediate_size=512, num_hidden_layers=2,
+                         num_key_value_heads=2, tie_word_embeddings=True, eos_token_id=tokenizer.eos_token_id,
+                         pad_token_id=tokenizer.pad_token_id, **HEAD_DIMS[head_dim])
+    torch.manual_seed(0)
+    with torch.device(device):
+        net = working_copy(Qwen2ForCausalLM(config), "bf16").train()
+    rollout = sample(net, tokenizer, QUESTIONS, 2, 12, sample_completions=sample_with_generate)
+    rows = (rollout.input_ids, rollout.attention_mask.clone(), rollout.completion_len)
+    rows[1][::3, -4:] = 0  # a third of the rows ended early: padding on both sides, as in training
+
+    def update(logprobs):
+        net.zero_grad()
+        logprobs(net, *rows).sum().backward()
+
+    def generation(sample_completions):
+        with torch.no_grad():
+            sample(net, tokenizer, QUESTIONS, 2, 8, sample_completions=sample_completions)
+
+    def named(fn, *args):
+        def check():
+            with mock.patch.object(packing, "attention_by_sdpa", lambda device: True):
+                kernels = attention_kernels(lambda: fn(*args))
+            return kernels != "none" and "math" not in kernels, f"SDPA kernel: {kernels}"
+        return check
+
+    label = f"bf16, head dim {head_dim}"
+    return [(f"kernels: update, plain ({label})", named(update, completion_logprobs)),
+            (f"kernels: update, packed ({label})", named(update, packing.completion_logprobs)),
+            (f"kernels: generation, HF generate ({label})", named(generation, sample_with_generate)),
+            (f"kernels: generation, decoding.decode ({label})", named(generation, decode))]
+
+
 def smoke(device: torch.device, opts, problems, deadline: float) -> list[dict]:
     """The checks of the module docstring, each time-boxed by `deadline` and failing alone."""
     results = [checked(name, fn, deadline) for name, fn in fast_equals_plain(device)]
+    for head_dim in HEAD_DIMS:
+        results += [checked(name, fn, deadline) for name, fn in kernel_checks(head_dim, device)]
     for size in ("tiny-qwen2",) if opts.tiny else ("tiny-qwen2", "0.5B"):
         for precision in ("fp32", "bf16"):
             for checkpointing in (False, True):
@@ -337,12 +406,13 @@ def smoke(device: torch.device, opts, problems, deadline: float) -> list[dict]:
 # ------------------------------------------------------------------------------ --memory-table
 
 CARDS_GIB = (24, 48, 80)  # a "24 GB" card holds 24 GiB
-FITS = 0.9  # of a card's memory: the rest for the CUDA context and the allocator's fragmentation
+FITS = 0.9  # of a card's memory: the rest for the allocator's fragmentation (the total has the CUDA context)
 
 
 def memory_table(prompts: int, group_size: int, new_tokens: int, prompt_len: int) -> str:
     """docs/performance.md's table: memory.py's estimate at the Qwen2.5 sizes (parameters counted on the
-    meta device, nothing allocated), bf16 with float32 master weights, with and without checkpointing."""
+    meta device, nothing allocated), bf16 with float32 master weights, with and without checkpointing; the
+    static terms include memory.CUDA_ALLOWANCE."""
     rows, notes = [], []
     for size in ("0.5B", "1.5B"):
         model = build_model(size, torch.device("meta"), byte_tokenizer())
@@ -351,8 +421,8 @@ def memory_table(prompts: int, group_size: int, new_tokens: int, prompt_len: int
         for micro_batch in (4, 8, 16):
             for checkpointing in (False, True):
                 t = estimate_memory(model.config, params, **shapes, micro_batch=micro_batch, reference=False,
-                                    checkpointing=checkpointing)
-                static = t["weights"] + t["optimizer"] + t["gradients"] + t["working_copy"]
+                                    checkpointing=checkpointing, cuda=True)
+                static = t["weights"] + t["optimizer"] + t["gradients"] + t["working_copy"] + t["cuda"]
                 fits = ["yes" if t["total"] <= FITS * card * GIB else "no" for card in CARDS_GIB]
                 parts = (static, t["activations"], t["logits"], t["sampling"], t["total"])
                 gib = [f"{x / GIB:.1f}" for x in parts]
@@ -372,7 +442,9 @@ def write(report: dict, out: Path) -> None:
     w = report["workload"]
     lines = [f"## {report['device']}, bf16 + fp32 master weights, B={w['prompts']} x G={w['group_size']}, "
              f"{w['max_new_tokens']} new tokens, micro-batch {w['micro_batch']}, median of {w['steps']} "
-             f"steps after {w['warmup']} warm-up; matmul peak {report['matmul_bf16_tflops']:.0f} TFLOP/s", ""]
+             f"steps after {w['warmup']} warm-up; matmul peak {report['matmul_bf16_tflops']:.0f} TFLOP/s",
+             "", f"torch {report['torch']}, transformers {report['transformers']}; PYTORCH_CUDA_ALLOC_CONF "
+             f"{report['allocator']}; cuDNN attention {'on' if report['cudnn_attention'] else 'off'}", ""]
     if report["smoke"]:
         lines += ["### smoke checks", "", markdown_table(["check", "ok", "s", "detail"], [
             [c["check"], {True: "ok", False: "FAIL", None: "skipped"}[c["ok"]], str(c.get("seconds", "")),
@@ -434,7 +506,9 @@ def main(argv: list[str] | None = None) -> int:
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "CPU"
     peak = matmul_tflops(device, opts.matmul_size, iters=50 if device.type == "cuda" else 3)
     print(f"{name}: measured bf16 matmul {peak:.1f} TFLOP/s ({opts.matmul_size}^3)", flush=True)
-    report = {"device": name, "torch": torch.__version__, "matmul_bf16_tflops": peak,
+    report = {"device": name, "torch": torch.__version__, "transformers": transformers.__version__,
+              "matmul_bf16_tflops": peak, "allocator": os.environ.get("PYTORCH_CUDA_ALLOC_CONF"),
+              "cudnn_attention": torch.backends.cuda.cudnn_sdp_enabled(),
               "workload": {k: getattr(opts, k) for k in ("prompts", "group_size", "max_new_tokens",
                                                          "micro_batch", "steps", "warmup", "fast")},
               "smoke": [], "results": [], "skipped": []}

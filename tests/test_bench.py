@@ -4,6 +4,7 @@ gpu_bench.py's CPU smoke mode, fast_vs_plain.py."""
 import json
 import os
 import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -119,20 +120,34 @@ def test_advantage_step_is_timed_for_each_algorithm():
         assert 0 < seconds < 0.01
 
 
-# the fast paths (with the smoke checks first), or HF generate and the plain forward
+def gpu_check_command() -> list[str]:
+    """docs/performance.md's one command for the offline GPU node, as words."""
+    text = (ROOT / "docs" / "performance.md").read_text()
+    return shlex.split(next(line for line in text.splitlines()
+                            if line.startswith("python benchmarks/gpu_bench.py --smoke")))
+
+
+# docs/performance.md's GPU check in its CPU mode (smoke checks first), or HF generate and the plain forward
 @pytest.mark.parametrize("fast", ["--fast", "--no-fast"])
 def test_gpu_bench_tiny_runs_on_cpu(tmp_path, fast):
     out = tmp_path / "gpu_bench.json"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}  # CPU even on a GPU machine
-    smoke = ["--smoke", "--device", "cpu"] if fast == "--fast" else []
-    command = [sys.executable, "benchmarks/gpu_bench.py", "--tiny", fast, "--out", str(out), *smoke]
+    documented = gpu_check_command()
+    assert documented[:3] == ["python", "benchmarks/gpu_bench.py", "--smoke"]
+    smoke = [*documented[3:], "--smoke", "--device", "cpu"] if fast == "--fast" else []
+    command = [sys.executable, "benchmarks/gpu_bench.py", "--tiny", fast, *smoke, "--out", str(out)]
     proc = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     report = json.loads(out.read_text())
     checks = [c["check"] for c in report["smoke"]]
     assert all(c["ok"] for c in report["smoke"]), report["smoke"]
-    if smoke:  # the fast paths against the plain ones, then a step of each method in each setting
-        assert sum("fast paths:" in c for c in checks) == 3 and len(checks) == 3 + 4 * 5
+    if smoke:  # the fast paths against the plain ones, the attention kernels, each method in each setting
+        assert sum("fast paths:" in c for c in checks) == 3 and len(checks) == 3 + 2 * 4 + 4 * 5
+        for head_dim in (64, 128):  # the update's and generation's attention, each path: an SDPA kernel named
+            kernels = [c["detail"] for c in report["smoke"] if c["check"].endswith(f"head dim {head_dim})")]
+            assert len(kernels) == 4 and all(k.startswith("SDPA kernel: ") for k in kernels)
+        assert all(c["detail"].startswith("rows trained ") and int(c["detail"].split()[2].strip(",")) > 0
+                   for c in report["smoke"] if c["check"].startswith("train_step"))  # every method trained
         for algo in ("grpo:", "avspo:", "aapo:", "dapo:", "grpo beta 0.04:"):
             assert sum(f"train_step {algo} tiny-qwen2" in c for c in checks) == 4  # fp32, bf16, +- ckpt
     assert "| check | ok |" in out.with_suffix(".md").read_text() if smoke else not checks

@@ -119,7 +119,7 @@ def test_decode_step_logits_equal_the_transformers_forward(block_model):
     positions = (enc["attention_mask"].cumsum(1) - 1).clamp(min=0)
     reference, ours = DynamicCache(config=model.config), DynamicCache(config=model.config)
     for cache in (reference, ours):
-        model(**enc, position_ids=positions, cache=cache, use_cache=True)
+        model(enc["input_ids"], enc["attention_mask"], positions, cache, use_cache=True)  # as decode does
     reference.batch_repeat_interleave(2)
     ours, weights = DecodeCache.from_prefill(ours, 2, 6), decode_weights(model, rows=4)
     assert weights is not None
@@ -132,8 +132,7 @@ def test_decode_step_logits_equal_the_transformers_forward(block_model):
             ours.batch_select_indices(keep)
             tokens, mask, position = tokens[keep], mask[keep], position[keep]
         mask = torch.cat([mask, mask.new_ones(len(mask), 1)], dim=1)
-        expected = model(input_ids=tokens[:, None], attention_mask=mask, position_ids=position[:, None],
-                         cache=reference, use_cache=True).logits[:, -1]
+        expected = model(tokens[:, None], mask, position[:, None], reference, use_cache=True).logits[:, -1]
         got = decode_step(model, weights, tokens, position, ours, mask.shape[1] - 1, mask.bool())
         torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
         tokens, position = expected.argmax(-1), position + 1
@@ -462,7 +461,7 @@ def test_packed_logprobs_with_gradient_checkpointing_equal_the_plain_pass(tiny, 
     rollout = sample_fast(model, tokenizer, QUESTIONS[:2], 3, 6)
     args = (model, rollout.input_ids, rollout.attention_mask, rollout.completion_len)
     expected = packed_and_plain(*args)
-    model.activation_checkpointing_enable()
+    model_module.checkpoint_activations(model)
     checkpointed_blocks, checkpoint = [], packing.checkpoint
 
     def counting_checkpoint(*call_args, **call_kwargs):
@@ -758,8 +757,7 @@ def test_decode_pads_prompts_to_a_multiple_of_16_for_its_prefill(tiny):
     rollout keeps the tokenizer's own prompt columns, as sampling with generate does."""
     model, tokenizer = tiny
     widths = []
-    hook = model.register_forward_pre_hook(
-        lambda module, args, kwargs: widths.append(kwargs["input_ids"].shape[1]), with_kwargs=True)
+    hook = model.register_forward_pre_hook(lambda module, args: widths.append(args[0].shape[1]))  # input ids
     try:
         rollout = sample_fast(model, tokenizer, QUESTIONS, 2, 5)
     finally:
