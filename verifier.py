@@ -1260,7 +1260,7 @@ def _trl_style(fn: Callable, signature: inspect.Signature, spec: str) -> Reward:
 # ("ok", rewards) or ("raised", the exception in one line, its traceback printed by the child).
 
 
-WORKER_FLAG = "--reward-worker"  # `python verifier.py --reward-worker`: serve(); the run starts it, not a user
+WORKER_FLAG = "--reward-worker"  # `python verifier.py --reward-worker`: serve(), started by a run
 
 
 class RewardWorker:
