@@ -147,9 +147,9 @@ def favour_stops(nets, stop_ids: list[int], bias: float = 4.0) -> None:
         net.lm_head.bias = torch.nn.Parameter(logit_bias, requires_grad=False)
 
 
-@pytest.mark.parametrize("algo, beta, fast", [("grpo", 0.0, False), ("avspo", 0.0, False), ("aapo", 0.0, False),
-                                              ("dapo", 0.0, False), ("grpo", 0.04, False), ("grpo", 0.0, True),
-                                              ("dapo", 0.04, True)])
+@pytest.mark.parametrize("algo, beta, fast", [
+    ("grpo", 0.0, False), ("avspo", 0.0, False), ("aapo", 0.0, False), ("dapo", 0.0, False),
+    ("grpo", 0.04, False), ("grpo", 0.0, True), ("dapo", 0.04, True)])
 def test_a_train_step_keeps_cudas_device_rules(tmp_path, algo, beta, fast):
     """One step of each method and an evaluation in bf16, as a CUDA run would place their tensors (the
     rollout and advantages on the device, rewards and bookkeeping on the host): the plain paths, which CUDA
