@@ -28,6 +28,7 @@ from flags import FlagParser, at_least, folder, in_range
 from hardware import DEVICES, pick_device, where, working_copy
 from model import (PROMPT_FORMATS, context_warning, format_prompts, load_model, load_tokenizer,
                    longest_prompt, sample, sample_with_generate, stop_token_ids)
+from run_folder import write_whole
 from verifier import REWARD_TIMEOUT, Reward, extract_answer, load_reward, per_completion, reward_range, verify
 
 
@@ -115,7 +116,7 @@ def print_table(results: dict, dataset: str, problems: int, temperature: float, 
 
 def write_results(out: Path, summary: dict, results: dict, dataset: str, temperature: float) -> None:
     """summary.json, and each model's completions, one JSON line each: each file written whole or not at all
-    (a temporary file renamed into place), summary.json last."""
+    (`run_folder.write_whole`), summary.json last."""
     files = {out / f"samples-{slug(name)}.jsonl": "".join(json.dumps(rec) + "\n" for rec in r["records"])
              for name, r in results.items()}
     files[out / "summary.json"] = json.dumps({"dataset": dataset, "temperature": temperature,
@@ -123,12 +124,7 @@ def write_results(out: Path, summary: dict, results: dict, dataset: str, tempera
     try:
         out.mkdir(parents=True, exist_ok=True)
         for path, text in files.items():
-            tmp = path.with_name(path.name + ".tmp")
-            try:
-                tmp.write_text(text)
-                tmp.replace(path)
-            finally:
-                tmp.unlink(missing_ok=True)
+            write_whole(path, text)
     except OSError as e:  # a full disk, a read-only folder: the table above is the result
         sys.exit(f"error: the results could not be written to {out} ({e.strerror or e}); the table above "
                  "holds them")

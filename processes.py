@@ -60,6 +60,7 @@ def gather_groups(local: torch.Tensor, error: RewardError | None = None) -> torc
         raise next(e for e in errors if e is not None)
     return torch.cat(parts).cpu()
 
+
 def sum_gradients(model) -> None:
     """Sum each parameter's gradient over processes; a parameter without one gets zeros, so that every
     process (even one that had no row to train) joins the same all-reduces and takes the same step."""
@@ -76,15 +77,27 @@ STOP_SIGNALS = {signal.SIGINT: "Ctrl-C", signal.SIGTERM: "SIGTERM"}  # SIGTERM: 
 
 
 @contextmanager
+def on_stop_signals(handler):
+    """Inside the block, Ctrl-C and SIGTERM call `handler(signum, frame)`; the handlers before it come back
+    after. Only the main thread receives signals: elsewhere nothing changes."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {signum: signal.signal(signum, handler) for signum in STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+
+@contextmanager
 def ctrl_c_stops_after_the_step():
     """Inside the block, a first Ctrl-C or SIGTERM only asks to stop (the yielded list gets its signal
     number): the loop ends its step, so that a checkpoint holds whole steps. The loop checks the request
     itself, so an interrupt can never be lost inside a library that swallows exceptions. A second one stops
     at once, unsaved."""
     requested: list[int] = []
-    if threading.current_thread() is not threading.main_thread():  # only the main thread receives signals
-        yield requested
-        return
 
     def on_signal(signum, frame):
         if requested:
@@ -93,12 +106,8 @@ def ctrl_c_stops_after_the_step():
         os.write(2, f"\n{STOP_SIGNALS[signum]}: stopping at the end of the step under way "
                     "(a second one stops at once, unsaved)\n".encode())
 
-    previous = {signum: signal.signal(signum, on_signal) for signum in STOP_SIGNALS}
-    try:
+    with on_stop_signals(on_signal):
         yield requested
-    finally:
-        for signum, handler in previous.items():
-            signal.signal(signum, handler)
 
 
 class StoppedWhileScoring(KeyboardInterrupt):
@@ -115,19 +124,11 @@ def stops_at_once():
     """Inside the block, Ctrl-C or SIGTERM raises StoppedWhileScoring at once instead of asking the step to
     end: around the wait for a reward, which may never return (a reward stuck in C code holds even the time
     limit's wait only until the signal arrives)."""
-    if threading.current_thread() is not threading.main_thread():  # only the main thread receives signals
-        yield
-        return
-
     def on_signal(signum, frame):
         raise StoppedWhileScoring(signum)
 
-    previous = {signum: signal.signal(signum, on_signal) for signum in STOP_SIGNALS}
-    try:
+    with on_stop_signals(on_signal):
         yield
-    finally:
-        for signum, handler in previous.items():
-            signal.signal(signum, handler)
 
 
 @contextmanager

@@ -26,7 +26,6 @@ class RunFolderError(Exception):
     it, and nothing is written."""
 
 
-
 @contextmanager
 def one_owner(folder: Path):
     """The run folder has one owner: an exclusive lock on <folder>/.lock, with the owner's process id in it,
@@ -45,7 +44,6 @@ def one_owner(folder: Path):
         lock.write(f"{os.getpid()}\n")
         lock.flush()
         yield
-
 
 
 RESUMABLE = ("resume", "overwrite", "out", "save_every", "eval_every", "micro_batch", "grad_checkpointing",
@@ -171,6 +169,16 @@ def resume_conflicts(run_dir: Path, args) -> str | None:
             "(and --steps with --lr-decay 0)")
 
 
+def stopped_line(args, run_dir: Path, last_step: int, dropped: str = "") -> str:
+    """The one line a run stopped by Ctrl-C or SIGTERM prints, whenever the signal came: what is saved, how
+    to go on."""
+    if not args.save_every:
+        return f"[{args.algo}] interrupted{dropped} after step {last_step}: --save-every 0, no checkpoint"
+    if last_step == 0:
+        return f"[{args.algo}] interrupted{dropped}: no step ended, nothing to resume"
+    return f"[{args.algo}] interrupted{dropped}: step {last_step} saved in {run_dir}; continue with --resume"
+
+
 def save_checkpoint(run_dir: Path, model, tokenizer, optimizer, step: int, algo_state: dict) -> None:
     """HF folder + optimizer + step + method state (a dict of dataclasses), written to a temp folder then
     renamed into place. A failed write (a full disk, a read-only folder) is a RunFolderError in one line,
@@ -279,12 +287,21 @@ def append_jsonl(path: Path, record: dict) -> None:
         f.write(json.dumps(record) + "\n")
 
 
-def write_jsonl(path: Path, records: list[dict]) -> None:
-    """Written whole or not at all (a temporary file renamed into place): a run killed while a resume rewrites
-    its metrics.jsonl keeps every logged step."""
+def write_whole(path: Path, text: str) -> None:
+    """`text` into `path`, whole or not at all: written to <path>.tmp, then renamed into place (a temporary
+    file a failed write leaves is removed)."""
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("".join(json.dumps(r) + "\n" for r in records))
-    tmp.replace(path)
+    try:
+        tmp.write_text(text)
+        tmp.replace(path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def write_jsonl(path: Path, records: list[dict]) -> None:
+    """Written whole or not at all (`write_whole`): a run killed while a resume rewrites its metrics.jsonl
+    keeps every logged step."""
+    write_whole(path, "".join(json.dumps(r) + "\n" for r in records))
 
 
 TOTALS = ("gen_tokens", "train_tokens")  # summed over a run's steps in metrics.jsonl, as <name>_total

@@ -39,7 +39,7 @@ from model import PROMPT_FORMATS, Rollout, real_tokens, replace_groups, trim_pad
 from processes import (StoppedWhileScoring, all_sum, exits_cleanly, gather_groups, init_processes,
                        sum_gradients)
 from run import Run, after_step, check_inputs, fast_or_plain, first_eval, sample_and_score, start_run
-from run_folder import folder_problem, one_owner, save_checkpoint, start_logs
+from run_folder import folder_problem, one_owner, save_checkpoint, start_logs, stopped_line
 from verifier import REWARD_TIMEOUT, RewardError, reward_range
 
 ALGOS, PRECISIONS = ("grpo", "avspo", "aapo", "dapo"), ("auto", "fp32", "bf16")
@@ -315,7 +315,7 @@ def train(args: Args, run_dir: Path, stop_requested: Sequence = ()) -> dict | No
             if is_main and args.save_every and step - 1 > run.done:
                 save_checkpoint(run_dir, run.master, run.tokenizer, run.optimizer, step - 1, run.state)
             if is_main and isinstance(e, StoppedWhileScoring):  # `processes.stops_at_once`
-                print(f"\n[{args.algo}] {e}: stopped while scoring step {step}, the steps before it saved")
+                print(f"\n{stopped_line(args, run_dir, step - 1, f' while scoring step {step} (dropped)')}")
             raise
         stop = all_sum([len(stop_requested)], device)[0] > 0  # every process stops after the same step
         if is_main:
@@ -325,8 +325,8 @@ def train(args: Args, run_dir: Path, stop_requested: Sequence = ()) -> dict | No
             break
     bar.close()
     if stop or stop_requested:
-        if is_main and args.save_every:
-            print(f"[{args.algo}] interrupted: step {step} saved in {run_dir}; continue with --resume")
+        if is_main:
+            print(stopped_line(args, run_dir, step))
         raise KeyboardInterrupt
     return summarise_run(run_dir, args.algo) if is_main else None
 

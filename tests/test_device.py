@@ -51,10 +51,10 @@ class CudaDeviceRules(TorchFunctionMode):
 
     def __init__(self, *models: torch.nn.Module):
         super().__init__()
-        for model in models:
-            for t in [*model.parameters(), *model.buffers()]:
+        for network in models:
+            for t in [*network.parameters(), *network.buffers()]:
                 self.mark(t)
-            for p in model.parameters():
+            for p in network.parameters():
                 if p.requires_grad:  # gradients live where their parameter does
                     p.register_post_accumulate_grad_hook(self.mark_grad)
 

@@ -6,10 +6,12 @@ import contextlib
 import json
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
 import time
+import types
 from pathlib import Path
 
 import numpy as np
@@ -354,18 +356,35 @@ def wait_for_lines(path: Path, lines: int, proc: subprocess.Popen) -> None:
         time.sleep(0.1)
 
 
-def test_sigterm_saves_the_step_under_way_and_exits_143(tmp_path):
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_saves_the_last_step_prints_one_line_and_exits_128_plus_it(tmp_path, signum):
+    """Ctrl-C or SIGTERM at a random moment of a step: while it samples or trains, the step ends and is saved;
+    while its rewards are computed, it is dropped and the one before is saved. Either way, one line says
+    which step is saved, and the code is 130 or 143."""
     cmd = [sys.executable, "train.py", *TINY, "--steps", "1000", "--eval-every", "0", "--out", str(tmp_path)]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     metrics = tmp_path / "grpo" / "metrics.jsonl"
     wait_for_lines(metrics, 2, proc)
-    proc.send_signal(signal.SIGTERM)
+    proc.send_signal(signum)
     out, err = proc.communicate(timeout=120)
-    assert proc.returncode == 143, err[-2000:]
-    assert "SIGTERM: stopping at the end of the step under way" in err and "Traceback" not in err
-    assert "interrupted: step" in out
+    assert proc.returncode == 128 + signum, err[-2000:]
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err[-2000:]
+    said = re.fullmatch(r"\[grpo\] interrupted(?P<scoring> while scoring step \d+ \(dropped\))?: step "
+                        r"(?P<step>\d+) saved in .+; continue with --resume", out.strip().splitlines()[-1])
+    assert said, out[-2000:]
+    name = {signal.SIGINT: "Ctrl-C", signal.SIGTERM: "SIGTERM"}[signum]
+    assert (f"{name}: stopping at the end of the step under way" in err) == (said["scoring"] is None)
     saved = torch.load(tmp_path / "grpo" / "checkpoint" / "state.pt", weights_only=True)["step"]
-    assert saved >= 2 and saved == len(read_jsonl(metrics))
+    assert saved == int(said["step"]) >= 2 and saved == len(read_jsonl(metrics))
+
+
+def test_a_stopped_run_says_what_it_saved_even_when_nothing():
+    saving, not_saving = (types.SimpleNamespace(algo="grpo", save_every=n) for n in (10, 0))
+    scoring = " while scoring step 1 (dropped)"
+    assert run_folder.stopped_line(saving, Path("r"), 0, scoring) == (
+        "[grpo] interrupted while scoring step 1 (dropped): no step ended, nothing to resume")
+    assert run_folder.stopped_line(not_saving, Path("r"), 3) == (
+        "[grpo] interrupted after step 3: --save-every 0, no checkpoint")
 
 
 def test_sigterm_to_experiments_ends_its_workers_each_saved(tmp_path):

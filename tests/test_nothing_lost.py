@@ -516,7 +516,7 @@ def test_a_signal_while_a_reward_hangs_stops_at_once_and_resume_redoes_it(tmp_pa
     finally:
         run.kill()
     assert run.returncode == 128 + signum and "Traceback" not in err, err[-2000:]
-    assert "stopped while scoring step 2, the steps before it saved" in said
+    assert "[grpo] interrupted while scoring step 2 (dropped): step 1 saved in" in said
     assert [r["step"] for r in read_jsonl(out / "grpo" / "metrics.jsonl")] == [1]
     monkeypatch.syspath_prepend(str(tmp_path))
     train.main(flags + ["--resume"])
