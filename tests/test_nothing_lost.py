@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 from collections import Counter
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -111,7 +112,10 @@ def test_eval_ctrl_c_is_one_line_and_writes_nothing(tmp_path, monkeypatch, capsy
 
     monkeypatch.setattr(evaluation, "evaluate", interrupted)
     with pytest.raises(SystemExit) as exit_info:
-        evaluation.main(["--model", "tiny-qwen2", "--limit", "2", "--out", str(tmp_path / "out")])
+        try:
+            evaluation.main(["--model", "tiny-qwen2", "--limit", "2", "--out", str(tmp_path / "out")])
+        except KeyboardInterrupt:  # as it is, it would stop the whole session, not fail this test
+            pytest.fail("Ctrl-C left eval.py as a KeyboardInterrupt, a traceback")
     assert exit_info.value.code == 130
     assert capsys.readouterr().err.strip() == "eval.py: interrupted, nothing written"
     assert not (tmp_path / "out").exists()
@@ -165,6 +169,22 @@ def stuck(completion, gold):
 '''
 
 
+@contextmanager
+def fails_after(seconds: int):
+    """The block fails once `seconds` have passed: where the time limit does not hold, the test fails rather
+    than hang the suite."""
+    def fail(signum, frame):
+        pytest.fail(f"still running after {seconds} s: the reward's time limit did not hold")
+
+    previous = signal.signal(signal.SIGALRM, fail)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+
+
 @pytest.fixture()
 def hangs(tmp_path, monkeypatch):
     (tmp_path / "hanging_rewards.py").write_text(HANGS)
@@ -176,7 +196,8 @@ def test_a_reward_call_past_its_time_limit_scores_0_and_is_counted(hangs, capfd)
     counts = Counter()
     reward = load_reward("hanging_rewards:stuck", time_limit=1.0, counts=counts)
     start = time.monotonic()
-    assert reward(["q"] * 5, ["5", "loop", "regex", "sleep", "5"], ["5"] * 5) == [1.0, 0.0, 0.0, 0.0, 1.0]
+    with fails_after(60):
+        assert reward(["q"] * 5, ["5", "loop", "regex", "sleep", "5"], ["5"] * 5) == [1.0, 0.0, 0.0, 0.0, 1.0]
     assert time.monotonic() - start < 30 and counts["reward_timeouts"] == 3
     assert reward(["q"], ["5"], ["5"]) == [1.0]  # a fresh process after the stuck one
     warnings = [line for line in capfd.readouterr().err.splitlines() if line.startswith("warning:")]
@@ -372,6 +393,31 @@ def test_a_save_that_fails_is_one_line_and_loses_nothing(tmp_path, monkeypatch, 
     assert [r["step"] for r in read_jsonl(tmp_path / "grpo" / "metrics.jsonl")] == [1, 2, 3]
 
 
+def test_a_log_line_that_cannot_be_written_is_one_line_and_loses_nothing(tmp_path, monkeypatch):
+    """The disk fills as step 2's metrics line is appended: one line naming the file; step 1's line and
+    checkpoint stay, and --resume goes on from them."""
+    import run_folder
+    import torch
+    real_append = run_folder.append_jsonl
+
+    def full_disk(path, record):
+        if path.name == "metrics.jsonl" and record["step"] == 2:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+        real_append(path, record)
+
+    monkeypatch.setattr(run_folder, "append_jsonl", full_disk)
+    flags = TINY + ["--steps", "3", "--save-every", "1", "--out", str(tmp_path)]
+    with pytest.raises(SystemExit) as exit_info:
+        train.main(flags)
+    metrics = tmp_path / "grpo" / "metrics.jsonl"
+    assert str(exit_info.value.code) == f"error: [Errno {errno.ENOSPC}] {os.strerror(errno.ENOSPC)}: '{metrics}'"
+    assert [r["step"] for r in read_jsonl(metrics)] == [1]
+    assert torch.load(tmp_path / "grpo" / "checkpoint" / "state.pt", weights_only=True)["step"] == 1
+    monkeypatch.undo()
+    train.main(flags + ["--resume"])
+    assert [r["step"] for r in read_jsonl(metrics)] == [1, 2, 3]
+
+
 def test_a_file_where_a_save_writes_is_cleared(tmp_path, monkeypatch):
     """checkpoint.tmp as a file (a path that is a file where the save makes a folder)."""
     real_start = train.start_logs
@@ -491,8 +537,9 @@ def stuck_at_step_2(completion, gold):
 def test_a_reward_that_hangs_scores_0_past_the_time_limit_and_the_run_goes_on(tmp_path, monkeypatch):
     (tmp_path / "hanging_run_rewards.py").write_text(HANGS_IN_A_RUN)
     monkeypatch.syspath_prepend(str(tmp_path))
-    train.main(TINY + ["--steps", "2", "--reward", "hanging_run_rewards:sometimes_stuck", "--reward-timeout",
-                       "0.5", "--out", str(tmp_path / "run"), "--save-every", "0"])
+    with fails_after(180):
+        train.main(TINY + ["--steps", "2", "--reward", "hanging_run_rewards:sometimes_stuck",
+                           "--reward-timeout", "0.5", "--out", str(tmp_path / "run"), "--save-every", "0"])
     rows = read_jsonl(tmp_path / "run" / "grpo" / "metrics.jsonl")
     assert len(rows) == 2 and sum(r["reward_timeouts"] for r in rows) > 0
 
