@@ -56,6 +56,7 @@ Every path is bounded: length caps, a recursion-depth cap, exact powers capped b
 from __future__ import annotations
 
 import cmath
+import ctypes
 import importlib
 import inspect
 import math
@@ -1306,8 +1307,8 @@ class RewardWorker:
     def start(self) -> None:
         """The child, ready to take calls once it has imported the reward (not timed: a slow import is no
         hang; a bad spec was refused before any model loaded)."""
-        self.process = subprocess.Popen([sys.executable, __file__, WORKER_FLAG], stdin=subprocess.PIPE,
-                                        stdout=subprocess.PIPE)  # serve()
+        self.process = subprocess.Popen([sys.executable, __file__, WORKER_FLAG, str(os.getpid())],
+                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE)  # serve()
         weakref.finalize(self, self.process.kill)  # never outlives the run, however the run ends
         self.send((sys.path, self.spec))
         self.receive()
@@ -1330,8 +1331,18 @@ class RewardWorker:
             raise RewardError(f"reward {self.spec!r}: its process ended (exit code {code}) during a call")
 
 
-def serve() -> None:
-    """The child: build the reward, then answer calls until the run closes stdin."""
+def die_with(run: int) -> None:
+    """On Linux the kernel kills this process when the thread that started it, the run's, ends, even by
+    SIGKILL and while a reward spins in C code (PR_SET_PDEATHSIG); elsewhere the run's finalizer stops it."""
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # 1: PR_SET_PDEATHSIG
+    if os.getppid() != run:  # the run ended before the line above
+        os._exit(0)
+
+
+def serve(run: int) -> None:
+    """The child of the process `run`: build the reward, then answer calls until the run closes stdin."""
+    die_with(run)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group: the run decides
     channel = os.fdopen(os.dup(1), "wb")
     os.dup2(2, 1)  # the reward's own prints go to stderr, not into the channel
@@ -1355,7 +1366,7 @@ def serve() -> None:
 
 
 if __name__ == "__main__":
-    if sys.argv[1:] != [WORKER_FLAG]:
-        sys.exit(f"verifier.py is a module (the reward); `python verifier.py {WORKER_FLAG}` is the process "
-                 "a run starts for a reward with a time limit")
-    serve()
+    if sys.argv[1:2] != [WORKER_FLAG] or len(sys.argv) != 3 or not sys.argv[2].isdigit():
+        sys.exit(f"verifier.py is a module (the reward); `python verifier.py {WORKER_FLAG} <pid>` is the "
+                 "process a run starts for a reward with a time limit")
+    serve(int(sys.argv[2]))

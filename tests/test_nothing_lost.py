@@ -568,3 +568,41 @@ def test_a_signal_while_a_reward_hangs_stops_at_once_and_resume_redoes_it(tmp_pa
     monkeypatch.syspath_prepend(str(tmp_path))
     train.main(flags + ["--resume"])
     assert [r["step"] for r in read_jsonl(out / "grpo" / "metrics.jsonl")] == [1, 2, 3]
+
+
+def process_state(pid: int) -> tuple[str, int] | None:
+    """A process's state letter and its parent's pid, from /proc; None once it is gone."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()  # after "pid (name)"
+    except OSError:
+        return None
+    return fields[0], int(fields[1])
+
+
+def alive(pid: int) -> bool:
+    state = process_state(pid)
+    return state is not None and state[0] != "Z"  # a zombie has ended
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_a_reward_process_ends_with_its_run_even_one_killed_while_the_reward_hangs(tmp_path):
+    """SIGKILL to a run while its reward hangs: no finalizer runs, but the reward's process ends too
+    (verifier.die_with), rather than outlive the run."""
+    (tmp_path / "hanging_run_rewards.py").write_text(HANGS_IN_A_RUN)
+    stuck = tmp_path / "stuck"
+    run = python_run(TINY + ["--steps", "3", "--out", str(tmp_path / "run"), "--reward",
+                             "hanging_run_rewards:stuck_at_step_2", "--reward-timeout", "600"],
+                     tmp_path, HANG_AFTER=str(4 + 8), STUCK=str(stuck))
+    deadline = time.monotonic() + 240
+    while not stuck.exists() and run.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    workers = [int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit()
+               and (state := process_state(int(p.name))) and state[0] != "Z" and state[1] == run.pid]
+    run.kill()
+    run.wait(timeout=30)  # not its pipes: a worker left alive would hold them open
+    run.stdout.close(), run.stderr.close()
+    assert stuck.exists() and len(workers) == 1, workers
+    deadline = time.monotonic() + 10
+    while alive(workers[0]) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not alive(workers[0]), f"the reward's process {workers[0]} outlived its run"
