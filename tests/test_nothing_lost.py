@@ -410,7 +410,8 @@ def test_a_log_line_that_cannot_be_written_is_one_line_and_loses_nothing(tmp_pat
     with pytest.raises(SystemExit) as exit_info:
         train.main(flags)
     metrics = tmp_path / "grpo" / "metrics.jsonl"
-    assert str(exit_info.value.code) == f"error: [Errno {errno.ENOSPC}] {os.strerror(errno.ENOSPC)}: '{metrics}'"
+    full = f"[Errno {errno.ENOSPC}] {os.strerror(errno.ENOSPC)}"
+    assert str(exit_info.value.code) == f"error: {full}: '{metrics}'"
     assert [r["step"] for r in read_jsonl(metrics)] == [1]
     assert torch.load(tmp_path / "grpo" / "checkpoint" / "state.pt", weights_only=True)["step"] == 1
     monkeypatch.undo()
