@@ -169,14 +169,15 @@ def resume_conflicts(run_dir: Path, args) -> str | None:
             "(and --steps with --lr-decay 0)")
 
 
-def stopped_line(args, run_dir: Path, last_step: int, dropped: str = "") -> str:
+def stopped_line(args, run_dir: Path, step: int, while_scoring: bool = False) -> str:
     """The one line a run stopped by Ctrl-C or SIGTERM prints, whenever the signal came: what is saved, how
-    to go on."""
+    to go on. `while_scoring`: it came while step `step`'s rewards were computed, so that step is dropped."""
+    last, dropped = (step - 1, f" while scoring step {step} (dropped)") if while_scoring else (step, "")
     if not args.save_every:
-        return f"[{args.algo}] interrupted{dropped} after step {last_step}: --save-every 0, no checkpoint"
-    if last_step == 0:
+        return f"[{args.algo}] interrupted{dropped} after step {last}: --save-every 0, no checkpoint"
+    if last == 0:
         return f"[{args.algo}] interrupted{dropped}: no step ended, nothing to resume"
-    return f"[{args.algo}] interrupted{dropped}: step {last_step} saved in {run_dir}; continue with --resume"
+    return f"[{args.algo}] interrupted{dropped}: step {last} saved in {run_dir}; continue with --resume"
 
 
 def save_checkpoint(run_dir: Path, model, tokenizer, optimizer, step: int, algo_state: dict) -> None:

@@ -315,7 +315,7 @@ def train(args: Args, run_dir: Path, stop_requested: Sequence = ()) -> dict | No
             if is_main and args.save_every and step - 1 > run.done:
                 save_checkpoint(run_dir, run.master, run.tokenizer, run.optimizer, step - 1, run.state)
             if is_main and isinstance(e, StoppedWhileScoring):  # `processes.stops_at_once`
-                print(f"\n{stopped_line(args, run_dir, step - 1, f' while scoring step {step} (dropped)')}")
+                print("\n" + stopped_line(args, run_dir, step, while_scoring=True))
             raise
         stop = all_sum([len(stop_requested)], device)[0] > 0  # every process stops after the same step
         if is_main:

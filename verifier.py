@@ -1366,7 +1366,7 @@ def serve(run: int) -> None:
 
 
 if __name__ == "__main__":
-    if sys.argv[1:2] != [WORKER_FLAG] or len(sys.argv) != 3 or not sys.argv[2].isdigit():
+    if len(sys.argv) != 3 or sys.argv[1] != WORKER_FLAG or not sys.argv[2].isdigit():
         sys.exit(f"verifier.py is a module (the reward); `python verifier.py {WORKER_FLAG} <pid>` is the "
                  "process a run starts for a reward with a time limit")
     serve(int(sys.argv[2]))

@@ -380,8 +380,7 @@ def test_a_signal_saves_the_last_step_prints_one_line_and_exits_128_plus_it(tmp_
 
 def test_a_stopped_run_says_what_it_saved_even_when_nothing():
     saving, not_saving = (types.SimpleNamespace(algo="grpo", save_every=n) for n in (10, 0))
-    scoring = " while scoring step 1 (dropped)"
-    assert run_folder.stopped_line(saving, Path("r"), 0, scoring) == (
+    assert run_folder.stopped_line(saving, Path("r"), 1, while_scoring=True) == (
         "[grpo] interrupted while scoring step 1 (dropped): no step ended, nothing to resume")
     assert run_folder.stopped_line(not_saving, Path("r"), 3) == (
         "[grpo] interrupted after step 3: --save-every 0, no checkpoint")
