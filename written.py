@@ -144,6 +144,9 @@ class Folder:
         NotWritten. A name that was never recorded and is not there is this folder's to create."""
         path, states = self.path / name, self.files.get(name, [None])
         now = state(path, states)
+        for i, then in enumerate(states):
+            if isinstance(then, dict) and same(now, then):
+                states[i] = now  # the same content, maybe under a new inode or mtime (a copy): not read again
         if not any(same(now, then) for then in states):
             whose = (describe(path, now) + " since a script wrote it" if name in self.files
                      else "not written here")
@@ -265,8 +268,12 @@ def owned(path: Path, kind: str, wait: bool = False):
     exclusive lock on the folder itself (flock, released however the process ends). Another owner means
     NotWritten naming its process, or, with `wait`, waiting for it (the model cache's conversions)."""
     path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError as e:  # a file where the folder should be, a read-only place
+        raise NotWritten(f"{path}: not a folder this script can write ({e.strerror}): choose another "
+                         "folder") from None
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))

@@ -199,3 +199,14 @@ def test_killed_at_random_moments_the_record_still_knows_every_file_and_the_user
             again.clear()
         assert sorted(p.name for p in folder.iterdir() if not p.name.startswith(RECORD)) == ["user.txt"]
         (folder / "user.txt").unlink()
+
+
+def test_a_file_or_a_read_only_place_where_the_folder_should_be_is_one_line(tmp_path):
+    (tmp_path / "file").write_text("the user's")
+    with pytest.raises(NotWritten, match="file: not a folder this script can write"):
+        with owned(tmp_path / "file", "run"):
+            pass
+    assert (tmp_path / "file").read_text() == "the user's"
+    with pytest.raises(NotWritten, match="not a folder this script can write"):
+        with owned(tmp_path / "file" / "below", "run"):
+            pass
