@@ -130,7 +130,7 @@ class Folder:
                              f"{KINDS[kind]}: choose another folder")
 
     def save(self) -> None:
-        """The record, whole (a temporary of a random name, then renamed); names removed as planned dropped."""
+        """The record, whole (a random temporary, renamed into place); names removed as planned, dropped."""
         self.files = {name: states for name, states in self.files.items()
                       if not (states[-1] is None and not os.path.lexists(self.path / name))}
         tmp = self.path / f"{RECORD}.{secrets.token_hex(4)}.tmp"
