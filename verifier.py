@@ -1393,8 +1393,8 @@ def serve(run: int, channel_fd: int) -> None:
     """The child of the process `run`: build the reward, then answer calls until the run closes the socket."""
     if not die_with(run):
         return
-    guard_group(os.getpid(), channel_fd)
     os.dup2(2, 1)  # the reward's own prints go to stderr: the run's stdout holds the run's lines
+    guard_group(os.getpid(), channel_fd)
     channel = Connection(channel_fd)
     sys.path[:], spec = channel.recv()
     reward = _batch_reward(spec)[0]
