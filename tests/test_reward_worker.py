@@ -15,7 +15,7 @@ import pytest
 
 from test_faults import ROOT, TINY
 from test_nothing_lost import alive, python_run
-from verifier import RewardWorker
+from verifier import RewardError, RewardWorker
 
 WORKER_REWARDS = '''
 import os, subprocess, sys, time
@@ -31,6 +31,9 @@ def forks(completion, gold):
         return 0.5
     os.waitpid(child, 0)
     return 1.0
+
+def exits(completion, gold):
+    os._exit(3)
 
 def spawns(completion, gold):
     """"spawn": starts a helper that would live an hour, its pid in the file $HELPER; "hang": hangs."""
@@ -78,6 +81,12 @@ def test_a_reward_that_forks_answers_each_call_once_with_its_own_value(worker_re
     worker = RewardWorker("worker_rewards:forks", 60.0, one_by_one=True)
     assert worker(["q", "q"], ["a", "b"], ["g", "g"]) == [1.0, 1.0]
     worker.stop()
+
+
+def test_a_reward_that_ends_its_process_is_one_line_with_the_exit_code(worker_rewards):
+    worker = RewardWorker("worker_rewards:exits", 60.0, one_by_one=True)
+    with pytest.raises(RewardError, match=r"'worker_rewards:exits': its process ended \(exit code 3\)"):
+        worker(["q"], ["a"], ["g"])
 
 
 def test_the_time_limit_ends_what_the_reward_started(worker_rewards):
