@@ -1317,7 +1317,7 @@ class RewardWorker:
         deadline = time.monotonic() + self.time_limit
         while self.channel.poll(max(0.0, deadline - time.monotonic())):
             call, status, value = self.receive()
-            if call != self.calls:  # a stray answer
+            if call != self.calls:  # a stray: a second answer from a process the reward forked, say
                 continue
             if status == "raised":
                 what = (repr(completions[0][:60]) if self.one_by_one
@@ -1363,7 +1363,7 @@ class RewardWorker:
 def end_group(process: subprocess.Popen) -> None:
     """Kill a reward's process and everything it started (its process group), then reap it."""
     with contextlib.suppress(ProcessLookupError):  # the whole group has ended already
-        os.killpg(process.pid, signal.SIGKILL)
+        os.killpg(process.pid, signal.SIGKILL)  # before the wait: until reaped, its pid names only its group
     process.wait()
 
 
