@@ -56,23 +56,24 @@ Every path is bounded: length caps, a recursion-depth cap, exact powers capped b
 from __future__ import annotations
 
 import cmath
+import contextlib
 import ctypes
 import importlib
 import inspect
 import math
 import numbers
 import os
-import pickle
 import re
-import select
 import signal
 import subprocess
 import sys
+import time
 import traceback
 import weakref
 from collections import Counter
 from fractions import Fraction
 from functools import lru_cache
+from multiprocessing.connection import Connection, Pipe
 from typing import Callable, NamedTuple, Union
 
 MAX_TEXT = 50_000  # final answers live at the end; scanning only the tail bounds the time
@@ -1127,7 +1128,9 @@ def load_reward(spec: str = "verifier", reward_range: tuple[float, float] = (0.0
       through the chat template) and the golds as ``solution=``; a None in what it returns scores 0, with
       a warning the first time (TRL's convention: the reward does not apply).
 
-    A bad spec, or a function of neither shape, raises ValueError in one line naming what was expected.
+    A bad spec, or a function of neither shape, raises ValueError in one line naming what was expected; a
+    module that does not import (a SyntaxError, a NameError) too, naming file:line. Ctrl-C while the module
+    imports (one that hangs) ends the process with one line and exit code 130.
 
     Any reward but the verifier (pure Python, bounded work: it runs here) runs in a process of its own
     (`RewardWorker`), each call limited to `time_limit` seconds: a call past it scores 0, and its
@@ -1160,6 +1163,14 @@ def _batch_reward(spec: str) -> tuple[Reward, bool]:
         module = importlib.import_module(module_name)
     except ImportError as err:
         raise ValueError(f"reward spec {spec!r}: no module {module_name!r} ({err})") from err
+    except KeyboardInterrupt as err:  # Ctrl-C while it hangs: comes before the scripts' own handlers
+        print(f"interrupted (Ctrl-C) while importing the reward module {module_name!r}, at {_where(err)}",
+              file=sys.stderr)
+        sys.exit(128 + signal.SIGINT)
+    except Exception as err:  # the module's bug (SyntaxError, NameError, ...): where it is, not a traceback
+        what = err.msg if isinstance(err, SyntaxError) else err
+        raise ValueError(f"reward spec {spec!r}: the module {module_name!r} does not import: {_where(err)}: "
+                         f"{type(err).__name__}: {what}") from None
     fn = getattr(module, attr, None)
     if fn is None:
         raise ValueError(f"reward spec {spec!r}: module {module_name!r} has no function {attr!r}")
@@ -1177,6 +1188,14 @@ def _batch_reward(spec: str) -> tuple[Reward, bool]:
         raise ValueError(f"reward spec {spec!r}: {attr}{signature} is neither f(completion, gold) -> float "
                          "nor TRL's f(prompts, completions, **kwargs) -> list[float]") from None
     return per_completion(fn, spec), True
+
+
+def _where(err: BaseException) -> str:
+    """file:line where an exception arose: a SyntaxError's own, else its traceback's innermost frame."""
+    if isinstance(err, SyntaxError):
+        return f"{err.filename}:{err.lineno}"
+    frame = traceback.extract_tb(err.__traceback__)[-1]
+    return f"{frame.filename}:{frame.lineno}"
 
 
 def per_completion(fn: Callable[[str, str], float], spec: str = "verifier") -> Reward:
@@ -1256,9 +1275,14 @@ def _trl_style(fn: Callable, signature: inspect.Signature, spec: str) -> Reward:
 # the run waits for each call at most `time_limit` seconds, then kills the process, scores that call's
 # completions 0 and starts another. `verify`, pure Python with bounded work, runs in the run's own process.
 #
-# The two talk over the child's stdin and stdout, one pickle a message (the reward's own prints go to stderr):
-# first (sys.path, spec), answered by "ready"; then each call's (questions, completions, golds), answered by
-# ("ok", rewards) or ("raised", the exception in one line, its traceback printed by the child).
+# That process leads a process group of its own (a new session), killed whole (`end_group`), so that what the
+# reward started (a pool, a server, a shell command) ends with it: at the time limit, at the run's end, and,
+# by the group's guard (`guard_group`), whenever the process dies otherwise, the run SIGKILLed included.
+#
+# The two talk over a socket pair, one pickle a message (multiprocessing's Connection): first (sys.path,
+# spec), answered by "ready"; then each call's (id, questions, completions, golds), answered by (id, "ok",
+# rewards) or (id, "raised", the exception in one line, its traceback printed by the child). An answer is
+# taken only for the call it names: a stray one (from a process the reward forked, say) never shifts the rest.
 
 
 WORKER_FLAG = "--reward-worker"  # `python verifier.py --reward-worker`: serve(), started by a run
@@ -1274,6 +1298,8 @@ class RewardWorker:
         self.spec, self.time_limit, self.one_by_one = spec, time_limit, one_by_one
         self.counts = Counter() if counts is None else counts
         self.process: subprocess.Popen | None = None
+        self.channel: Connection | None = None
+        self.calls = 0  # the id of the latest call
         self.warned = False
 
     def __call__(self, questions: list[str], completions: list[str], golds: list[str]) -> list:
@@ -1286,87 +1312,111 @@ class RewardWorker:
         """One call of the reward in the child: its rewards, or 0 for each completion past the time limit."""
         if self.process is None:
             self.start()
-        self.send((questions, completions, golds))
-        if not select.select([self.process.stdout], [], [], self.time_limit)[0]:
-            self.stop()  # stuck: the next call starts a fresh process
-            self.counts["reward_timeouts"] += len(completions)
-            if not self.warned:
-                self.warned = True
-                print(f"warning: reward {self.spec!r} took over {self.time_limit:g} s (--reward-timeout) on "
-                      f"{completions[0][:60]!r}: scored 0, and so is every call past the limit (counted as "
-                      "reward_timeouts in metrics.jsonl; warned once)", file=sys.stderr)
-            return [0.0] * len(completions)
-        status, value = self.receive()
-        if status == "raised":
-            what = (repr(completions[0][:60]) if self.one_by_one
-                    else f"a batch of {len(completions)} completions")
-            raise RewardError(f"reward {self.spec!r} raised {value} on {what} of problem "
-                              f"{questions[0][:60]!r} (its traceback above)")
-        return value
+        self.calls += 1
+        self.channel.send((self.calls, questions, completions, golds))
+        deadline = time.monotonic() + self.time_limit
+        while self.channel.poll(max(0.0, deadline - time.monotonic())):
+            call, status, value = self.receive()
+            if call != self.calls:  # a stray: a second answer from a process the reward forked, say
+                continue
+            if status == "raised":
+                what = (repr(completions[0][:60]) if self.one_by_one
+                        else f"a batch of {len(completions)} completions")
+                raise RewardError(f"reward {self.spec!r} raised {value} on {what} of problem "
+                                  f"{questions[0][:60]!r} (its traceback above)")
+            return value
+        self.stop()  # stuck: the next call starts a fresh process
+        self.counts["reward_timeouts"] += len(completions)
+        if not self.warned:
+            self.warned = True
+            print(f"warning: reward {self.spec!r} took over {self.time_limit:g} s (--reward-timeout) on "
+                  f"{completions[0][:60]!r}: scored 0, and so is every call past the limit (counted as "
+                  "reward_timeouts in metrics.jsonl; warned once)", file=sys.stderr)
+        return [0.0] * len(completions)
 
     def start(self) -> None:
         """The child, ready to take calls once it has imported the reward (not timed: a slow import is no
         hang; a bad spec was refused before any model loaded)."""
-        self.process = subprocess.Popen([sys.executable, __file__, WORKER_FLAG, str(os.getpid())],
-                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE)  # serve()
-        weakref.finalize(self, self.process.kill)  # never outlives the run, however the run ends
-        self.send((sys.path, self.spec))
+        self.channel, its_end = Pipe()
+        self.process = subprocess.Popen(  # serve()
+            [sys.executable, __file__, WORKER_FLAG, str(os.getpid()), str(its_end.fileno())],
+            stdin=subprocess.DEVNULL, pass_fds=[its_end.fileno()], start_new_session=True)
+        its_end.close()
+        self.end = weakref.finalize(self, end_group, self.process)  # never outlives the run, however it ends
+        self.channel.send((sys.path, self.spec))
         self.receive()
 
     def stop(self) -> None:
-        self.process.kill()
-        self.process.wait()
-        self.process = None
-
-    def send(self, message) -> None:
-        pickle.dump(message, self.process.stdin)
-        self.process.stdin.flush()
+        self.end()  # once: the finalizer is spent
+        self.process = self.channel = None
 
     def receive(self):
         try:
-            return pickle.load(self.process.stdout)
+            return self.channel.recv()
         except EOFError:  # the child died: os._exit, a crash in C code, killed from outside
-            code = self.process.wait()
-            self.process = None
-            raise RewardError(f"reward {self.spec!r}: its process ended (exit code {code}) during a call")
+            process = self.process
+            self.stop()
+            raise RewardError(f"reward {self.spec!r}: its process ended (exit code {process.returncode}) "
+                              "during a call") from None
 
 
-def die_with(run: int) -> None:
-    """On Linux the kernel kills this process when the thread that started it, the run's, ends, even by
-    SIGKILL and while a reward spins in C code (PR_SET_PDEATHSIG); elsewhere the run's finalizer stops it."""
+def end_group(process: subprocess.Popen) -> None:
+    """Kill a reward's process and everything it started (its process group), then reap it."""
+    with contextlib.suppress(ProcessLookupError):  # the whole group has ended already
+        os.killpg(process.pid, signal.SIGKILL)  # before the wait: until reaped, its pid names only its group
+    process.wait()
+
+
+def die_with(parent: int, signum: int = signal.SIGKILL) -> bool:
+    """On Linux the kernel sends `signum` to this process when the thread that started it, the `parent`'s,
+    ends, even by SIGKILL and while a reward spins in C code (PR_SET_PDEATHSIG); elsewhere the run's finalizer
+    stops the worker. False if the parent has ended already."""
     if sys.platform.startswith("linux"):
-        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # 1: PR_SET_PDEATHSIG
-    if os.getppid() != run:  # the run ended before the line above
-        os._exit(0)
+        ctypes.CDLL(None).prctl(1, signum)  # 1: PR_SET_PDEATHSIG
+    return os.getppid() == parent  # else it ended before the line above
 
 
-def serve(run: int) -> None:
-    """The child of the process `run`: build the reward, then answer calls until the run closes stdin."""
-    die_with(run)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group: the run decides
-    channel = os.fdopen(os.dup(1), "wb")
-    os.dup2(2, 1)  # the reward's own prints go to stderr, not into the channel
-    requests = sys.stdin.buffer
-    sys.path[:], spec = pickle.load(requests)
+def guard_group(worker: int, channel: int) -> None:
+    """Fork the group's guard, which kills the worker's process group once the worker ends, whichever way:
+    SIGKILLed with its run (`die_with`), a crash, os._exit in the reward. The reward's own processes, which no
+    PR_SET_PDEATHSIG reaches, end with it. (Off Linux only the run's finalizer does this.)"""
+    if os.fork():
+        return
+    os.close(channel)  # the run reads the worker's end as the end of its answers
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})  # kept pending for sigwait, never lost
+    if die_with(worker, signal.SIGTERM):
+        signal.sigwait({signal.SIGTERM})
+    os.killpg(0, signal.SIGKILL)
+
+
+def serve(run: int, channel_fd: int) -> None:
+    """The child of the process `run`: build the reward, then answer calls until the run closes the socket."""
+    if not die_with(run):
+        return
+    os.dup2(2, 1)  # the reward's own prints go to stderr: the run's stdout holds the run's lines
+    guard_group(os.getpid(), channel_fd)
+    channel = Connection(channel_fd)
+    sys.path[:], spec = channel.recv()
     reward = _batch_reward(spec)[0]
-    pickle.dump("ready", channel)
-    channel.flush()
+    channel.send("ready")
+    worker = os.getpid()
     while True:
         try:
-            questions, completions, golds = pickle.load(requests)
+            call, questions, completions, golds = channel.recv()
         except EOFError:  # the run has ended
             return
         try:
-            answer = ("ok", reward(questions, completions, golds))
+            answer = (call, "ok", reward(questions, completions, golds))
         except Exception as e:  # the user's bug: its traceback here, one line for the run's error
             traceback.print_exc()
-            answer = ("raised", f"{type(e).__name__}: {e}")
-        pickle.dump(answer, channel)
-        channel.flush()
+            answer = (call, "raised", f"{type(e).__name__}: {e}")
+        if os.getpid() != worker:  # a process the reward forked returned here: it must not answer, nor read
+            os._exit(0)
+        channel.send(answer)
 
 
 if __name__ == "__main__":
-    if len(sys.argv) != 3 or sys.argv[1] != WORKER_FLAG or not sys.argv[2].isdigit():
-        sys.exit(f"verifier.py is a module (the reward); `python verifier.py {WORKER_FLAG} <pid>` is the "
-                 "process a run starts for a reward with a time limit")
-    serve(int(sys.argv[2]))
+    if len(sys.argv) != 4 or sys.argv[1] != WORKER_FLAG or not all(a.isdigit() for a in sys.argv[2:]):
+        sys.exit(f"verifier.py is a module (the reward); `python verifier.py {WORKER_FLAG} <pid> <fd>` is "
+                 "the process a run starts for a reward with a time limit")
+    serve(int(sys.argv[2]), int(sys.argv[3]))
