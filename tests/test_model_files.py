@@ -295,3 +295,25 @@ def test_an_empty_model_name_is_one_line(load):
     with pytest.raises(FileNotFoundError, match="unknown model ''") as error:
         load("")
     assert "\n" not in str(error.value)
+
+
+def test_a_converted_model_changed_since_is_refused_not_loaded(tmp_path, cache):
+    a, b = (write_tiny_gguf(tmp_path / f"{name}.gguf", seed) for seed, name in enumerate("ab"))
+    embedding(str(a)), embedding(str(b))
+    weights = cache / "models" / sha256(a) / "model.safetensors"
+    weights.write_bytes((cache / "models" / sha256(b) / "model.safetensors").read_bytes())  # b's, in a's
+    with pytest.raises(FileNotFoundError, match=f"{weights.parent} is changed since a script wrote") as error:
+        load_tokenizer(str(a))
+    assert "\n" not in str(error.value)
+
+
+def test_a_gguf_file_is_hashed_once_while_it_is_unchanged(tmp_path, cache, monkeypatch):
+    """load_model reads the file's key twice (tokenizer, weights), train.py four times: one hash."""
+    gguf_path, hashed = write_tiny_gguf(tmp_path / "model.gguf"), []
+    real_digest = model_files.hashlib.file_digest
+    monkeypatch.setattr(model_files.hashlib, "file_digest",
+                        lambda f, algo: hashed.append(f.name) or real_digest(f, algo))
+    first = embedding(str(gguf_path))
+    assert torch.equal(embedding(str(gguf_path)), first) and hashed.count(str(gguf_path)) == 1
+    write_tiny_gguf(gguf_path, 1)  # changed in place: hashed again, and converted again
+    assert not torch.equal(embedding(str(gguf_path)), first) and hashed.count(str(gguf_path)) == 2
