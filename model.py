@@ -33,7 +33,7 @@ def model_source(name: str) -> str:
         path = smollm2_folder()
     elif path.suffix == ".gguf":
         path = gguf_folder(path)
-    elif not path.exists() and (name.startswith((".", "/", "~")) or name.count("/") != 1):
+    elif not name.strip() or not path.exists() and (name.startswith((".", "/", "~")) or name.count("/") != 1):
         raise FileNotFoundError(f"unknown model {name!r}: not an alias (smollm2-135m, tiny-qwen2), "
                                 "a .gguf file, a folder or a hub id")
     if (path / "model" / "config.json").exists():  # a train.py checkpoint folder
@@ -46,8 +46,11 @@ def from_source(auto_class, name: str, **kwargs):
     source = model_source(name)
     try:
         return auto_class.from_pretrained(source, **kwargs)
-    except OSError as e:  # no such hub id, no network, or a folder without a model
-        raise FileNotFoundError(f"could not load model {name!r}: {str(e).splitlines()[0]}") from None
+    except OSError as e:  # no such hub id, no network, a folder without a model or with pickled weights only
+        pickled = sorted(Path(source).glob("pytorch_model*.bin"))
+        why = (f"{pickled[0]} is refused unread: a pickle, which could run code (safetensors are read)"
+               if pickled and not any(Path(source).glob("*.safetensors")) else str(e).splitlines()[0])
+        raise FileNotFoundError(f"could not load model {name!r}: {why}") from None
     except SafetensorError as e:  # a truncated or overwritten weights file (its message names none)
         damaged = ", ".join(str(f) for f in sorted(Path(source).glob("*.safetensors"))) or source
         raise FileNotFoundError(f"could not load model {name!r}: {damaged} is damaged ({e})") from None
@@ -68,8 +71,8 @@ def load_model(name: str,
     """Load (model, tokenizer) from an alias, a .gguf file, a local folder or a hub id, in float32."""
     device = device or pick_device()
     tokenizer = load_tokenizer(name)
-    model = (tiny_qwen2()[0] if name == "tiny-qwen2"
-             else from_source(AutoModelForCausalLM, name, dtype=torch.float32))
+    model = (tiny_qwen2()[0] if name == "tiny-qwen2"  # safetensors only: unpickling weights could run code
+             else from_source(AutoModelForCausalLM, name, dtype=torch.float32, use_safetensors=True))
     return model.to(device).eval(), tokenizer  # eval mode (no dropout); training switches train mode on
 
 
