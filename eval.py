@@ -9,6 +9,7 @@ and the unbiased pass@k estimator 1 - C(n - c, k) / C(n, k) (Chen et al. 2021, E
 """
 
 import argparse
+import contextlib
 import json
 import math
 import re
@@ -28,8 +29,8 @@ from flags import FlagParser, at_least, folder, in_range
 from hardware import DEVICES, pick_device, where, working_copy
 from model import (PROMPT_FORMATS, context_warning, format_prompts, load_model, load_tokenizer,
                    longest_prompt, sample, sample_with_generate, stop_token_ids)
-from run_folder import write_whole
 from verifier import REWARD_TIMEOUT, Reward, extract_answer, load_reward, per_completion, reward_range, verify
+from written import Folder, NotWritten, owned
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -114,21 +115,22 @@ def print_table(results: dict, dataset: str, problems: int, temperature: float, 
                   + "".join(f"  {r['pass_at_k'][k]:28.3f}" for r in results.values()))
 
 
-def write_results(out: Path, summary: dict, results: dict, dataset: str, temperature: float) -> None:
-    """summary.json, and each model's completions, one JSON line each: each file written whole or not at all
-    (`run_folder.write_whole`), summary.json last."""
-    files = {out / f"samples-{slug(name)}.jsonl": "".join(json.dumps(rec) + "\n" for rec in r["records"])
-             for name, r in results.items()}
-    files[out / "summary.json"] = json.dumps({"dataset": dataset, "temperature": temperature,
-                                              "models": summary}, indent=2)
+def result_files(models: list[str]) -> list[str]:
+    """The files --out receives: each model's completions, one JSON line each, and summary.json, last."""
+    return [f"samples-{slug(name)}.jsonl" for name in models] + ["summary.json"]
+
+
+def write_results(out: Folder, summary: dict, results: dict, dataset: str, temperature: float) -> None:
+    """`result_files`, each written whole or not at all (`Folder.write`)."""
+    texts = ["".join(json.dumps(rec) + "\n" for rec in r["records"]) for r in results.values()]
+    texts.append(json.dumps({"dataset": dataset, "temperature": temperature, "models": summary}, indent=2))
     try:
-        out.mkdir(parents=True, exist_ok=True)
-        for path, text in files.items():
-            write_whole(path, text)
+        for name, text in zip(result_files(list(results)), texts):
+            out.write(name, text)
     except OSError as e:  # a full disk, a read-only folder: the table above is the result
-        sys.exit(f"error: the results could not be written to {out} ({e.strerror or e}); the table above "
-                 "holds them")
-    print(f"wrote {out / 'summary.json'} and {len(results)} samples-*.jsonl beside it")
+        sys.exit(f"error: the results could not be written to {out.path} ({e.strerror or e}); the table "
+                 "above holds them")
+    print(f"wrote {out.path / 'summary.json'} and {len(results)} samples-*.jsonl beside it")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -175,6 +177,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
+    try:  # --out is this process's alone until its results are in (written.py): checked before any model
+        with owned(Path(args.out), "eval") if args.out else contextlib.nullcontext() as out:
+            for name in result_files(args.model) if out else []:
+                out.now(name)  # a file eval.py did not write there (a user's, a symlink) stops it here
+            return evaluate_models(args, out)
+    except NotWritten as e:
+        sys.exit(f"error: {e}")
+
+
+def evaluate_models(args: argparse.Namespace, out: Folder | None) -> dict:
+    """Each of args.model on the problems: the table, and (`out`) the result files."""
     try:
         device = pick_device(args.device)  # --device cuda where CUDA is unusable: one line, before any model
         reward_fn = load_reward(args.reward, args.reward_range, args.reward_timeout)
@@ -209,8 +222,8 @@ def main(argv: list[str] | None = None) -> dict:
     print_table(results, args.dataset, len(problems), args.temperature, args.samples)
     keys = ("accuracy", "accuracy_by_level", "pass_at_k", "problems", "samples")
     summary = {name: {key: r[key] for key in keys} for name, r in results.items()}
-    if args.out:
-        write_results(Path(args.out), summary, results, args.dataset, args.temperature)
+    if out:
+        write_results(out, summary, results, args.dataset, args.temperature)
     return summary
 
 
