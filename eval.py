@@ -9,9 +9,9 @@ and the unbiased pass@k estimator 1 - C(n - c, k) / C(n, k) (Chen et al. 2021, E
 """
 
 import argparse
-import contextlib
 import json
 import math
+import os
 import re
 import sys
 from math import comb
@@ -30,7 +30,7 @@ from hardware import DEVICES, pick_device, where, working_copy
 from model import (PROMPT_FORMATS, context_warning, format_prompts, load_model, load_tokenizer,
                    longest_prompt, sample, sample_with_generate, stop_token_ids)
 from verifier import REWARD_TIMEOUT, Reward, extract_answer, load_reward, per_completion, reward_range, verify
-from written import Folder, NotWritten, owned
+from written import NotWritten, owned
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -120,17 +120,30 @@ def result_files(models: list[str]) -> list[str]:
     return [f"samples-{slug(name)}.jsonl" for name in models] + ["summary.json"]
 
 
-def write_results(out: Folder, summary: dict, results: dict, dataset: str, temperature: float) -> None:
-    """`result_files`, each written whole or not at all (`Folder.write`)."""
+def check_out(args: argparse.Namespace) -> None:
+    """--out, before any model loads: a folder eval.py may write (not a run folder, not a user's), where each
+    of `result_files` is absent or eval.py's own; else NotWritten, naming it. A new folder is made at the end
+    (`write_results`)."""
+    if args.out and os.path.lexists(args.out):
+        with owned(Path(args.out), "eval") as out:
+            for name in result_files(args.model):
+                out.now(name)
+
+
+def write_results(out: Path, summary: dict, results: dict, dataset: str, temperature: float) -> None:
+    """`result_files`, each written whole or not at all (`written.Folder.write`), summary.json last."""
     texts = ["".join(json.dumps(rec) + "\n" for rec in r["records"]) for r in results.values()]
     texts.append(json.dumps({"dataset": dataset, "temperature": temperature, "models": summary}, indent=2))
     try:
-        for name, text in zip(result_files(list(results)), texts):
-            out.write(name, text)
+        with owned(out, "eval") as folder:
+            for name, text in zip(result_files(list(results)), texts):
+                folder.write(name, text)
+    except NotWritten as e:  # changed since `check_out`
+        sys.exit(f"error: {e}")
     except OSError as e:  # a full disk, a read-only folder: the table above is the result
-        sys.exit(f"error: the results could not be written to {out.path} ({e.strerror or e}); the table "
-                 "above holds them")
-    print(f"wrote {out.path / 'summary.json'} and {len(results)} samples-*.jsonl beside it")
+        sys.exit(f"error: the results could not be written to {out} ({e.strerror or e}); the table above "
+                 "holds them")
+    print(f"wrote {out / 'summary.json'} and {len(results)} samples-*.jsonl beside it")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -177,18 +190,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
-    try:  # --out is this process's alone until its results are in (written.py): checked before any model
-        with owned(Path(args.out), "eval") if args.out else contextlib.nullcontext() as out:
-            for name in result_files(args.model) if out else []:
-                out.now(name)  # a file eval.py did not write there (a user's, a symlink) stops it here
-            return evaluate_models(args, out)
-    except NotWritten as e:
-        sys.exit(f"error: {e}")
-
-
-def evaluate_models(args: argparse.Namespace, out: Folder | None) -> dict:
-    """Each of args.model on the problems: the table, and (`out`) the result files."""
     try:
+        check_out(args)
         device = pick_device(args.device)  # --device cuda where CUDA is unusable: one line, before any model
         reward_fn = load_reward(args.reward, args.reward_range, args.reward_timeout)
         problems = load_eval_problems(args.dataset)
@@ -213,7 +216,7 @@ def evaluate_models(args: argparse.Namespace, out: Folder | None) -> dict:
                                      else sample_with_generate,  # as run.fast_or_plain chooses
                                      prompt_format=args.prompt_format, system=args.system,
                                      stop_ids=stop_token_ids(model, tokenizer))
-    except (FileNotFoundError, ValueError, ImportError) as e:
+    except (FileNotFoundError, ValueError, ImportError, NotWritten) as e:
         sys.exit(f"error: {e}")
     except KeyboardInterrupt:  # nothing is written until every model is evaluated
         print("\neval.py: interrupted, nothing written", file=sys.stderr)
@@ -222,8 +225,8 @@ def evaluate_models(args: argparse.Namespace, out: Folder | None) -> dict:
     print_table(results, args.dataset, len(problems), args.temperature, args.samples)
     keys = ("accuracy", "accuracy_by_level", "pass_at_k", "problems", "samples")
     summary = {name: {key: r[key] for key in keys} for name, r in results.items()}
-    if out:
-        write_results(out, summary, results, args.dataset, args.temperature)
+    if args.out:
+        write_results(Path(args.out), summary, results, args.dataset, args.temperature)
     return summary
 
 

@@ -73,30 +73,40 @@ def no_whole_checkpoint(folder: Folder) -> str | None:
             f"weights, or --out {free_out(str(run_dir.parent))} starts another beside it")
 
 
+def not_the_runs(folder: Folder) -> str | None:
+    """Why no run may use this run folder, with or without --overwrite: one line naming a file in it that no
+    run wrote (`Folder.foreign`: a user's, or a run's file changed since, a symlink in its place), which is
+    left as it is; None when every file is the run's."""
+    others = folder.foreign()
+    try:
+        for name in others[:1]:
+            folder.now(name)
+    except NotWritten as e:  # it says what the file is: not written here, changed since, a symlink
+        also = f" (also: {', '.join(others[1:3])}{', ...' * bool(others[3:])})" if others[1:] else ""
+        return f"{e}{also}"
+    return None
+
+
 def folder_problem(args, out: Folder) -> str | None:
     """Why the run folders of train.Args `args` in `out` (<out>, owned by this process: no other run changes
-    them in between) may not be used, in one line saying what to type; None when they may. No run takes a
-    folder holding a file that no run wrote there (`Folder.foreign`: a user's, or one changed since), even
-    with --overwrite; a fresh run takes no folder that holds an earlier run (without --overwrite), --resume no
-    run it cannot continue (`no_whole_checkpoint`) or that ran with other flags (`resume_conflicts`); and no
-    run replaces a plot at <out> that no run wrote."""
+    them in between) may not be used, in one line saying what to type; None when they may. --resume takes no
+    run it cannot continue (`no_whole_checkpoint`) or that ran with other flags (`resume_conflicts`); a fresh
+    run no folder that holds an earlier run (without --overwrite); no run a folder holding a file that no run
+    wrote there (`not_the_runs`), even with --overwrite; and no run replaces a plot at <out> that no run
+    wrote."""
     for algo in args.algo.split(","):
         if not os.path.lexists(out.path / algo):
             continue
         try:
             folder = out.subfolder(algo, "run")
-        except NotWritten as e:
+        except NotWritten as e:  # a file or a symlink in its place, a folder of someone else's
             return str(e)
-        if others := folder.foreign():  # a user's file, or a run's changed since (a symlink in its place)
-            named = ", ".join(str(folder.path / name) for name in others[:2]) + ", ..." * bool(others[2:])
-            return (f"{folder.path} holds files no run wrote, or changed since ({named}): they are left as "
-                    "they are; move them, or choose another --out")
         if args.resume and holds_a_run(folder):
             problem = (no_whole_checkpoint(folder)
                        or resume_conflicts(folder.path, dataclasses.replace(args, algo=algo)))
         else:
             problem = None if args.overwrite else earlier_run(folder, args.out)
-        if problem:
+        if problem := problem or not_the_runs(folder):
             return problem
     try:
         out.now(PLOT)
@@ -268,22 +278,16 @@ def write_jsonl(folder: Folder, name: str, records: list[dict]) -> None:
 TOTALS = ("gen_tokens", "train_tokens")  # summed over a run's steps in metrics.jsonl, as <name>_total
 
 
-def clear_run(folder: Folder) -> None:
-    """--overwrite: remove what the run wrote (`Folder.clear`, nothing else), its checkpoints first and
-    config.json last: a run killed part-way through holds either all it had or its config and no checkpoint,
-    which --resume refuses in one line (`no_whole_checkpoint`), never logs that a checkpoint outlives."""
-    folder.clear(keep=[name for name in folder.files if name not in CHECKPOINTS])
-    folder.clear(keep=("config.json",))
-    folder.remove("config.json")
-
-
 def start_logs(folder: Folder, config: dict, last_step: int) -> dict:
-    """A fresh run (last_step 0): config.json first, then empty logs, nothing an earlier run left in the run
-    folder (`folder_problem` lets one be replaced only with --overwrite; another's files stay). A resumed one:
-    drop what was logged after its checkpoint, and what a write stopped part-way left. Returns the TOTALS of
-    the last record kept."""
+    """A fresh run (last_step 0): nothing an earlier run wrote in the run folder (`Folder.clear`;
+    `folder_problem` lets one be replaced only with --overwrite), then config.json and empty logs. The
+    checkpoints go first and config.json is replaced last: a run killed anywhere in between leaves a config
+    and either all of the earlier run or no checkpoint, which --resume continues exactly or refuses in one
+    line. A resumed run: drop what was logged after its checkpoint. Both: what a write stopped part-way left
+    (`Folder.remove_temporaries`). Returns the TOTALS of the last record kept."""
     if last_step == 0:
-        clear_run(folder)  # an old checkpoint must not outlive its logs
+        folder.clear(keep=[name for name in folder.files if name not in CHECKPOINTS])
+        folder.clear(keep=("config.json",))
     folder.remove_temporaries()
     if last_step == 0:
         folder.write("config.json", json.dumps(config, indent=2))
