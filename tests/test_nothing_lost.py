@@ -127,14 +127,14 @@ def test_eval_results_are_written_whole_or_not_at_all(tmp_path, monkeypatch, cap
     evaluation.main(flags)
     before = {p.name: p.read_text() for p in tmp_path.iterdir()}
     assert f"wrote {tmp_path / 'summary.json'}" in capsys.readouterr().out
-    real_replace = Path.replace
+    real_replace = os.replace
 
-    def disk_full(self, target):
-        if Path(target).name == "summary.json":
+    def disk_full(src, dst):  # where written.py renames summary.json's temporary into place
+        if Path(dst).name == "summary.json":
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-        return real_replace(self, target)
+        return real_replace(src, dst)
 
-    monkeypatch.setattr(Path, "replace", disk_full)
+    monkeypatch.setattr(os, "replace", disk_full)
     with pytest.raises(SystemExit) as exit_info:
         evaluation.main(flags + ["--seed", "1"])
     line = str(exit_info.value.code)
