@@ -186,10 +186,14 @@ class Folder:
         """`name` whole, or left as it was: a reserved temporary, then renamed into place."""
         self.now(name)
         tmp = self.reserve(name)
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
-        with os.fdopen(fd, "wb") as f:
-            f.write(data.encode() if isinstance(data, str) else data)
-        return self.rename(tmp.name, name)
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+            with os.fdopen(fd, "wb") as f:
+                f.write(data.encode() if isinstance(data, str) else data)
+            return self.rename(tmp.name, name)
+        except Exception:  # a full disk: the temporary goes, `name` stays as it was
+            self.remove(tmp.name)
+            raise
 
     def append(self, name: str, text: str) -> None:
         """`text` at the end of `name` (made if absent), recorded first as the file it will then be."""

@@ -49,6 +49,7 @@ from data.prepare import DOWNLOADS  # noqa: E402
 from flags import FlagParser, at_least  # noqa: E402
 from hardware import cpu_features  # noqa: E402
 from verifier import verify  # noqa: E402
+from written import owned  # noqa: E402
 
 AVSPO_GOAL, AAPO_GOAL = 0.1, 1.6  # AVSPO advantage step < 0.1% of a GRPO step; AAPO step <= 1.6x GRPO's
 
@@ -87,9 +88,9 @@ def bench_ours(args: train.Args, warmup: int) -> dict:
 
     if args.algo == "grpo":  # the only config with floors
         run.sample, run.score_groups = recording_sample, recording_score_groups
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp, owned(Path(tmp), "runs") as out:
         run_dir = Path(tmp) / args.algo
-        train.train(args, run_dir)
+        train.train(args, out.subfolder(args.algo, "run"))
         rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()][warmup:]
     for r in rows:
         r["time_step"] = r["time_generate"] + r["time_score"] + r["time_train"]
