@@ -32,7 +32,8 @@ checkpointing is not counted, as usual for MFU), plus the LM head on the positio
 attention's own FLOPs are left out (a few % at these lengths). Each distinct prompt counts once, as
 decoding.decode prefills it and the update streams it (train.py's `train_tokens`), not once per completion.
 Results go to stdout (markdown) and to --out (JSON, rewritten after every part, and a .md beside it; default
-$OUT/gpu_bench.json where $OUT is set); parts that would start after --budget-s are skipped and listed.
+$OUT/gpu_bench.json where $OUT is set). Checks that would start after --smoke-s and parts after --budget-s
+are skipped and listed by name, not failed: a slow machine runs fewer of them (status 1: a check failed).
 """
 import argparse
 import contextlib
