@@ -563,7 +563,7 @@ def test_a_signal_while_a_reward_hangs_stops_at_once_and_resume_redoes_it(tmp_pa
     time.sleep(0.2)
     run.send_signal(signum)
     try:
-        said, err = run.communicate(timeout=30)  # at once: not once the reward returns, an hour from now
+        said, err = run.communicate(timeout=120)  # at once: not after --reward-timeout 600, nor an hour
     finally:
         run.kill()
     assert run.returncode == 128 + signum and "Traceback" not in err, err[-2000:]
