@@ -32,7 +32,8 @@ checkpointing is not counted, as usual for MFU), plus the LM head on the positio
 attention's own FLOPs are left out (a few % at these lengths). Each distinct prompt counts once, as
 decoding.decode prefills it and the update streams it (train.py's `train_tokens`), not once per completion.
 Results go to stdout (markdown) and to --out (JSON, rewritten after every part, and a .md beside it; default
-$OUT/gpu_bench.json where $OUT is set); parts that would start after --budget-s are skipped and listed.
+$OUT/gpu_bench.json where $OUT is set). Checks that would start after --smoke-s and parts after --budget-s
+are skipped and listed by name, not failed: a slow machine runs fewer of them (status 1: a check failed).
 """
 import argparse
 import contextlib
@@ -260,9 +261,10 @@ SMOKE_METHODS = [("grpo", 0.0), ("avspo", 0.0), ("aapo", 0.0), ("dapo", 0.0), ("
 
 
 def checked(name: str, fn, deadline: float) -> dict:
-    """{"check", "ok", "seconds", "detail": what fn returned, or the error's first line}; skipped past the
-    deadline."""
+    """{"check", "ok", "seconds", "detail": what fn returned, or the error's first line}; past the deadline
+    not run: ok None (skipped, which is no failure: a slow machine runs fewer checks, not failing ones)."""
     if time.perf_counter() > deadline:
+        print(f"  skip {name}: over the smoke time budget (--smoke-s)", flush=True)
         return {"check": name, "ok": None, "detail": "skipped: over the smoke time budget"}
     start = time.perf_counter()
     try:
@@ -401,6 +403,19 @@ def smoke(device: torch.device, opts, problems, deadline: float) -> list[dict]:
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
     return results
+
+
+def smoke_summary(checks: list[dict]) -> str:
+    """One line: how many checks passed, failed and were skipped for time, naming the failed and skipped."""
+    failed = [c["check"] for c in checks if c["ok"] is False]
+    skipped = [c["check"] for c in checks if c["ok"] is None]
+    passed = sum(c["ok"] is True for c in checks)
+    line = f"smoke: {passed} ok, {len(failed)} FAILED, {len(skipped)} skipped"
+    if failed:
+        line += f"; FAILED: {', '.join(failed)}"
+    if skipped:
+        line += f"; skipped, no time left within --smoke-s (not run): {', '.join(skipped)}"
+    return line
 
 
 # ------------------------------------------------------------------------------ --memory-table
@@ -548,6 +563,8 @@ def main(argv: list[str] | None = None) -> int:
     write(report, opts.out)
     print()
     print(opts.out.with_suffix(".md").read_text())
+    if report["smoke"]:
+        print(smoke_summary(report["smoke"]))
     print(f"{opts.out} written; took {report['total_s']:.0f} s")
     return 1 if any(c["ok"] is False for c in report["smoke"]) else 0
 

@@ -198,14 +198,20 @@ def test_a_numbers_answer_is_a_number_and_a_formulas_any_equal_value() -> None:
     assert verify("What is 7 * 3? 7 * 3", "21") == 0.0 and verify("7 * 3 = 21", "21") == 1.0
 
 
+# A runaway guard, not a speed test (benchmarks/bench.py measures speed): CPU seconds of this thread, so a
+# busy machine adds nothing, and 40x what a call takes here (at most 6 ms), so a slower one passes too;
+# a power computed takes 13 s here, a box scan made quadratic 0.9 s.
+CPU_CAP_S = 0.25
+
+
 def test_hostile_powers_are_refused_fast() -> None:
     for text in ("\\boxed{9^{9^{9}}}", "\\boxed{2^{10^{100}}}", "\\boxed{(10^{4000})^{4000}}",
                  "\\boxed{170!!}", "\\boxed{" + "\\sqrt{" * 200 + "2" + "}" * 200 + "}",
                  "\\boxed{" + "(" * 300 + "1" + ")" * 300 + "}", "\\boxed{" + "2^" * 100 + "2}"):
         for gold in ("1", "9^{9^{9}}", "x", text[7:-1]):
-            start = time.perf_counter()
+            start = time.thread_time()
             assert verify(text, gold) in (0.0, 1.0)
-            assert time.perf_counter() - start < 0.05
+            assert time.thread_time() - start < CPU_CAP_S
     assert verify("\\boxed{9^{9^{9}}}", "9^{9^{9}}") == 1.0  # equal as written, never computed
     assert verify("\\boxed{2^{100}}", "4^{50}") == 1.0  # exact while small enough
 
@@ -398,9 +404,9 @@ def test_thousands_separators(n: int) -> None:
 ])
 def test_adversarial_inputs_are_fast(text: str) -> None:
     for gold in ("1", "1" * 100_000, text[-300:], text):
-        start = time.perf_counter()
+        start = time.thread_time()
         assert verify(text, gold) in (0.0, 1.0)
-        assert time.perf_counter() - start < 0.5  # generous: the benchmark measures real speed
+        assert time.thread_time() - start < CPU_CAP_S
 
 
 def _read(name: str) -> list[dict]:
