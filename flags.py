@@ -1,6 +1,6 @@
 """Config flags: one dataclass field per flag with its help text beside it (`arg`), argparse types that check
-a flag's range (`at_least`, `in_range`) or place (`folder`), and every script's parser (`FlagParser`): a bad
-value stops a script in one line, before any model loads.
+a flag's range (`at_least`, `in_range`), text (`non_empty`, `names_from`) or place (`folder`), and every
+script's parser (`FlagParser`): a bad value stops a script in one line, before any model loads.
 """
 
 import argparse
@@ -43,6 +43,27 @@ def in_range(low: float, high: float, *, low_open: bool = False, high_open: bool
             raise argparse.ArgumentTypeError(f"must be a finite number in {name}, got {text}")
         return value
     return number
+
+
+def non_empty(text: str) -> str:
+    """An argparse type: text that is not empty (an empty --model would name the current folder)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("must not be empty")
+    return text
+
+
+def names_from(choices: tuple[str, ...]):
+    """An argparse type: a comma list of distinct names from `choices`, or a one-line error naming the
+    unknown or repeated one (a name twice would run twice into one folder)."""
+    def names(text: str) -> str:
+        given = text.split(",")
+        if unknown := set(given) - set(choices):
+            raise argparse.ArgumentTypeError(f"unknown {', '.join(sorted(unknown))}; choose from "
+                                             f"{', '.join(choices)}")
+        if twice := sorted({name for name in given if given.count(name) > 1}):
+            raise argparse.ArgumentTypeError(f"{', '.join(twice)} given twice")
+        return text
+    return names
 
 
 def folder(text: str) -> str:

@@ -7,6 +7,7 @@ import signal
 import sys
 import threading
 from contextlib import contextmanager
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -133,12 +134,26 @@ def stops_at_once():
 
 
 @contextmanager
+def bad_input_is_one_line(report: Callable[[str], None] = lambda line: sys.exit(f"error: {line}")):
+    """Around what reads a run's inputs before its first step (train.parse_args's checks, run.start_run): a
+    missing file, a bad data line, flag, model or prompt, a reward module that does not import (OSError,
+    ValueError, ImportError, raised with a message naming it) exits with that message, joined into one line
+    however many it has, through `report` (argparse's parser.error at parse time), not a traceback. Raised
+    later, a ValueError is a bug, and keeps its traceback. Usable as a decorator."""
+    try:
+        yield
+    except (OSError, ValueError, ImportError) as e:
+        report(" ".join(str(e).split()))
+
+
+@contextmanager
 def exits_cleanly():
-    """train.py's way out: Ctrl-C or SIGTERM ends the step under way, then exits with code 128 + the signal
-    (130, 143) once it is saved (`ctrl_c_stops_after_the_step` yields the stop requests); an unknown model, a
-    missing file, a damaged run folder, a file that is not the run's (written.py) or a bad reward exits with
-    one line, not a traceback; the processes of torchrun are closed whichever way it ends. A filesystem failure (a full disk, a read-only folder) is one
-    line too: what was saved before it stays whole."""
+    """train.py's way out: Ctrl-C or SIGTERM ends the step under way (while the flags, data and models load:
+    the run stops before its first step), then exits with code 128 + the signal (130, 143) once it is saved
+    (`ctrl_c_stops_after_the_step` yields the stop requests); an unknown model, a missing file, a damaged run
+    folder, a file that is not the run's (written.py) or a bad reward exits with one line, not a traceback;
+    the processes of torchrun are closed whichever way it ends. A filesystem failure (a full disk, a
+    read-only folder) is one line too: what was saved before it stays whole."""
     requested: list[int] = []
     try:
         with ctrl_c_stops_after_the_step() as requested:

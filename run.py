@@ -26,7 +26,7 @@ from memory import describe_estimate, estimate_memory
 from metrics import collapse_warning, early_steps, show_group
 from model import (Rollout, checkpoint_activations, completion_logprobs, context_warning, format_prompts,
                    load_model, load_tokenizer, longest_prompt, sample, sample_with_generate, stop_token_ids)
-from processes import gather_groups, stops_at_once
+from processes import bad_input_is_one_line, gather_groups, stops_at_once
 from run_folder import (append_jsonl, checkpoint_damage, find_checkpoint, log_eval, log_step, read_jsonl,
                         restore_checkpoint, save_checkpoint)
 from verifier import RewardError, load_reward
@@ -80,6 +80,7 @@ class Run:
     stop_ids: list[int] | None = None  # the ids that end a completion (`model.stop_token_ids`), once
 
 
+@bad_input_is_one_line()  # a model, data line or prompt the run cannot use: one line, not a traceback
 def start_run(args, run_dir: Path, device: torch.device, is_main: bool, state: dict,
               with_reference: bool) -> Run:
     """The models, optimizer, method state and problems of a run (train.Args `args`): new, or as saved with
@@ -105,7 +106,8 @@ def start_run(args, run_dir: Path, device: torch.device, is_main: bool, state: d
     reward_fn = load_reward(args.reward, args.reward_range, args.reward_timeout, costs)
     train_problems = load_problems(args.dataset, "train", args.seed)
     if is_main:
-        print(f"[{args.algo}] {where_it_runs(args, master, policy, reference, tokenizer, train_problems)}")
+        first_line = where_it_runs(args, master, policy, reference, tokenizer, train_problems + eval_problems)
+        print(f"[{args.algo}] {first_line}")
     return Run(master, policy, reference, tokenizer, optimizer, state, reward_fn, train_problems,
                eval_problems, done, costs, stop_token_ids(master, tokenizer))
 
@@ -135,9 +137,15 @@ def sample_and_score(args, run: Run, network, problems: list[Problem]) -> tuple[
 
 def where_it_runs(args, master, policy, reference, tokenizer, problems: list[Problem]) -> str:
     """The run's first line: the device, the precision and dtypes, and the memory it should need
-    (memory.py), for the run's shapes; the prompt length is that of the longest question, templated."""
-    prompt_len = longest_prompt(tokenizer, [p.question for p in problems], args.prompt_format, args.system,
-                                [p.instruction for p in problems])
+    (memory.py), for the run's shapes; the prompt length is that of the longest question of `problems` (those
+    it trains on and those it evaluates), templated. A prompt longer than the model's context is refused
+    (ValueError naming it): no completion could read it, and its attention alone may not fit in memory."""
+    longest = max(problems, key=lambda p: len(p.question) + len(p.instruction))  # by characters
+    prompt_len = longest_prompt(tokenizer, [longest.question], args.prompt_format, args.system,
+                                [longest.instruction])
+    if (context := getattr(master.config, "max_position_embeddings", None)) and prompt_len > context:
+        raise ValueError(f"{longest.where or repr(longest.question[:40])}: a prompt of {prompt_len} tokens, "
+                         f"longer than the model's context of {context}: shorten or remove it")
     if warning := context_warning(master.config, prompt_len, args.max_new_tokens):
         print(f"[{args.algo}] {warning}")
     rows = args.prompts_per_step * args.group_size // int(os.environ.get("WORLD_SIZE", 1))

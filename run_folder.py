@@ -6,6 +6,7 @@ Every file of a run is written through written.py: the run folder's record knows
 (a user's, or one changed since) is refused in one line, with or without --overwrite.
 """
 
+import contextlib
 import dataclasses
 import itertools
 import json
@@ -18,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from written import Folder, NotWritten
+from written import Folder, NotWritten, owned
 
 
 class RunFolderError(Exception):
@@ -30,6 +31,12 @@ RESUMABLE = ("resume", "overwrite", "out", "save_every", "eval_every", "micro_ba
              "log_samples", "show_group")
 CHECKPOINTS = ("checkpoint", "checkpoint.old")  # the newest whole one, and the one before while a save ends
 PLOT = "curves.png"  # in <out>, beside the run folders
+
+
+def owned_out(out: str):
+    """<out>, owned by process 0 alone (`written.owned`, kind "runs": its run folders and curves.png); the
+    other processes of torchrun write nothing, and get None."""
+    return owned(Path(out), "runs") if os.environ.get("RANK", "0") == "0" else contextlib.nullcontext()
 
 
 def holds_a_run(folder: Folder) -> bool:

@@ -16,7 +16,6 @@ Choices, each made once here:
   4. The learning rate decays linearly to 0 (TRL's and nanochat's default; docs/results.md shows why).
 """
 
-import contextlib
 import dataclasses
 import math
 import os
@@ -32,16 +31,16 @@ from tqdm import tqdm
 from advantage import (AVSPO_ENDS, AdaptiveThreshold, aapo_advantages, aapo_margin, avspo_advantages,
                        collapsed_groups, grpo_advantages)
 from data.tasks import Problem, step_problems
-from flags import arg, at_least, dataclass_parser, folder, in_range
+from flags import arg, at_least, dataclass_parser, folder, in_range, names_from, non_empty
 from hardware import DEVICES, accumulate_gradients, copy_weights
 from metrics import group_map, group_samples, step_metrics, summarise_run
 from model import PROMPT_FORMATS, Rollout, real_tokens, replace_groups, trim_padding
-from processes import (StoppedWhileScoring, all_sum, exits_cleanly, gather_groups, init_processes,
-                       sum_gradients)
+from processes import (StoppedWhileScoring, all_sum, bad_input_is_one_line, exits_cleanly, gather_groups,
+                       init_processes, sum_gradients)
 from run import Run, after_step, check_inputs, fast_or_plain, first_eval, sample_and_score, start_run
-from run_folder import folder_problem, save_checkpoint, start_logs, stopped_line
+from run_folder import folder_problem, owned_out, save_checkpoint, start_logs, stopped_line
 from verifier import REWARD_TIMEOUT, RewardError, reward_range
-from written import Folder, owned
+from written import Folder
 
 ALGOS, PRECISIONS = ("grpo", "avspo", "aapo", "dapo"), ("auto", "fp32", "bf16")
 POSITIVE, NON_NEGATIVE = in_range(0, math.inf, low_open=True), in_range(0, math.inf)
@@ -51,8 +50,9 @@ UNIT_OPEN = in_range(0, 1, low_open=True)  # (0, 1]
 @dataclasses.dataclass
 class Args:
     # run
-    algo: str = arg("grpo", "grpo, avspo, aapo, dapo (GRPO + dynamic sampling), or a comma list of them")
-    model: str = arg("smollm2-135m", "alias (smollm2-135m, tiny-qwen2), hub id, local folder or .gguf file")
+    algo: str = arg("grpo", "grpo, avspo, aapo, dapo (GRPO + dynamic sampling), or a comma list of them",
+                    type=names_from(ALGOS))
+    model: str = arg("smollm2-135m", "smollm2-135m, tiny-qwen2, hub id, folder or .gguf file", type=non_empty)
     dataset: str = arg("arith-mul1", "arith-<level> (add1 mul1 add2 mul2 mul3), arith-mix, or a .jsonl")
     eval_dataset: str = arg("", "held-out problems (default: the test split of --dataset)")
     reward: str = arg("verifier", "verifier (verifier.py), math-verify (optional package), module:function")
@@ -111,18 +111,17 @@ def parse_args(argv: list[str] | None = None) -> Args:
     """One flag per Args field; bad values stop here, before any model loads."""
     parser = dataclass_parser(Args, __doc__.split("\n")[0])
     args = Args(**vars(parser.parse_args(argv)))
-    if unknown := set(args.algo.split(",")) - set(ALGOS):
-        parser.error(f"--algo: unknown {', '.join(sorted(unknown))}; choose from {', '.join(ALGOS)}")
-    if args.prompts_per_step % int(os.environ.get("WORLD_SIZE", 1)):
+    if args.prompts_per_step % (world := int(os.environ.get("WORLD_SIZE", 1))):
         parser.error(f"--prompts-per-step {args.prompts_per_step} must be a multiple of the process count")
+    low, high = -((2**63 + 1_000) // 1_000_003), (2**64 - args.steps * 1_000 - world) // 1_000_003
+    if not low <= args.seed <= high:  # torch.manual_seed's range [-2**63, 2**64), as train_step seeds it
+        parser.error(f"--seed must be in [{low}, {high}] (with --steps {args.steps}), got {args.seed}")
     if args.virtual_delta > args.reward_range[1] - args.reward_range[0]:
         parser.error(f"--virtual-delta {args.virtual_delta} is wider than --reward-range {args.reward_range}")
     if args.resume and args.overwrite:
         parser.error("--resume continues the runs in --out, --overwrite replaces them: choose one")
-    try:  # the data, the reward, the tokenizer before any model: a bad line fails in a second
+    with bad_input_is_one_line(parser.error):  # data, reward, tokenizer before any model: a bad line at once
         check_inputs(args)
-    except (FileNotFoundError, ValueError, ImportError) as e:
-        parser.error(str(e))
     return args
 
 
@@ -333,16 +332,16 @@ def train(args: Args, files: Folder | None, stop_requested: Sequence = ()) -> di
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
-    args = parse_args(argv)
-    owner = owned(Path(args.out), "runs") if int(os.environ.get("RANK", 0)) == 0 else contextlib.nullcontext()
-    with exits_cleanly() as stop_requested, owner as out:  # Ctrl-C: the loop stops after its step, saved
-        if out and (problem := folder_problem(args, out)):  # the owner judges: nothing changes in between
-            sys.exit(f"error: {problem}")
-        summaries = [train(dataclasses.replace(args, algo=algo), out.subfolder(algo, "run") if out else None,
-                           stop_requested) for algo in args.algo.split(",")]
-        if out:  # process 0, <out>'s one owner, reports; the others wrote nothing
-            from plots import report_runs  # matplotlib only here: `import train` stays light
-            report_runs(out, summaries)
+    with exits_cleanly() as stop_requested:  # Ctrl-C, even while checking the flags: one line, no traceback
+        args = parse_args(argv)
+        with owned_out(args.out) as out:  # Ctrl-C: the loop stops after its step, saved
+            if out and (problem := folder_problem(args, out)):  # the owner judges: nothing changes in between
+                sys.exit(f"error: {problem}")
+            summaries = [train(dataclasses.replace(args, algo=algo), out and out.subfolder(algo, "run"),
+                               stop_requested) for algo in args.algo.split(",")]
+            if out:  # process 0, <out>'s one owner, reports; the others wrote nothing
+                from plots import report_runs  # matplotlib only here: `import train` stays light
+                report_runs(out, summaries)
     return summaries
 
 

@@ -11,8 +11,9 @@ Specs accepted by `load_problems`:
 """
 
 import json
+import math
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 
@@ -23,6 +24,7 @@ class Problem:
     answer: str
     level: str = ""  # the arithmetic level of an arith-mix problem, for accuracy per level
     instruction: str = ""  # the dataset's instruction, which a chat prompt adds (model.format_prompts)
+    where: str = field(default="", compare=False)  # file:line of a JSONL problem, for errors that name it
 
 
 # level: (operator, range of the first operand, range of the second). Ordered from easy to hard for
@@ -94,24 +96,33 @@ def read_jsonl(path: Path) -> list[Problem]:
                 continue
             try:
                 row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{where}: not valid JSON ({e.msg})") from None
+            except ValueError as e:  # JSONDecodeError, or an integer of over 4,300 digits
+                raise ValueError(f"{where}: not valid JSON ({getattr(e, 'msg', e)})") from None
             if not isinstance(row, dict):
                 raise ValueError(f"{where}: expected a JSON object, got {type(row).__name__}")
-            if "problem" in row and "answer" in row:  # MATH form: the answer field is the gold itself
-                question, answer = row["problem"], str(row["answer"])
-            elif "question" in row and "answer" in row:  # GSM8K form: a worked solution ending '#### x'
-                if "####" not in str(row["answer"]):
-                    raise ValueError(f"{where}: GSM8K-form 'answer' must end with '#### <final answer>'")
-                question, answer = row["question"], gold_from_gsm8k(str(row["answer"]))
-            else:
+            key = "problem" if "problem" in row else "question"  # MATH form, else GSM8K form
+            if key not in row or "answer" not in row:
                 raise ValueError(
                     f"{where}: expected fields 'question' and 'answer' (GSM8K form) or 'problem' and "
                     f"'answer' (MATH form); got {sorted(row)}"
                 )
-            if not str(question).strip() or not answer.strip():
+            question, answer = row[key], row["answer"]
+            if not isinstance(question, str):
+                raise ValueError(f"{where}: '{key}' must be a string, got {json.dumps(question)[:40]}")
+            # a number is a gold as it reads (AMC's 27.0); null, true, a list or an object is none: its str(),
+            # 'None' or "{'a': 1}", would be a gold no completion matches; nor is NaN or Infinity
+            number = type(answer) is int or type(answer) is float and math.isfinite(answer)  # not a bool
+            if not (isinstance(answer, str) or number):
+                raise ValueError(f"{where}: 'answer' must be a string or a number, got "
+                                 f"{json.dumps(answer)[:40]}")
+            answer = str(answer)
+            if key == "question":  # GSM8K form: a worked solution ending '#### x'
+                if "####" not in answer:
+                    raise ValueError(f"{where}: GSM8K-form 'answer' must end with '#### <final answer>'")
+                answer = gold_from_gsm8k(answer)
+            if not question.strip() or not answer.strip():
                 raise ValueError(f"{where}: empty question or answer")
-            problems.append(Problem(str(question), answer, instruction=BOXED_INSTRUCTION))
+            problems.append(Problem(question, answer, instruction=BOXED_INSTRUCTION, where=where))
     if not problems:
         raise ValueError(f"{path}: dataset is empty")
     return problems

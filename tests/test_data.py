@@ -49,9 +49,12 @@ def test_gsm8k_and_math_forms(tmp_path):
                                         "answer": "2 + 1000\n#### 1,002"}), "",
                             json.dumps({"problem": "Half of 1?", "answer": "\\frac{1}{2}", "level": 2}),
                             # the last ####
-                            json.dumps({"question": "Twice?", "answer": "#### 3 is wrong\n#### 4"})])
+                            json.dumps({"question": "Twice?", "answer": "#### 3 is wrong\n#### 4"}),
+                            json.dumps({"problem": "AMC's?", "answer": 27.0}),  # a number: as it reads
+                            json.dumps({"problem": "Int?", "answer": 42})])
     problems = load_problems(str(path), "all")
-    assert [p.answer for p in problems] == ["1002", "\\frac{1}{2}", "4"]
+    assert [p.answer for p in problems] == ["1002", "\\frac{1}{2}", "4", "27.0", "42"]
+    assert [p.where for p in problems] == [f"{path}:{line}" for line in (1, 3, 4, 5, 6)]
     assert problems[0].question == "2 apples and 1,000 more?"  # the prompt format adds the instruction
     assert {p.instruction for p in problems} == {"Put the final answer in \\boxed{}."}
     assert load_eval_problems(str(path)) == problems  # a JSONL evaluation set is the whole file
@@ -70,6 +73,15 @@ def test_jsonl_train_test_split_is_disjoint(tmp_path):
     (['[1, 2]'], ":1: expected a JSON object"),
     (['{"problem": "", "answer": "1"}'], ":1: empty question"),
     (['', '  '], "dataset is empty"),
+    # not a string or a number: str() would make a gold no completion matches ('None', "{'a': 1}", "3']")
+    (['{"problem": "ok", "answer": "1"}', '{"problem": "q", "answer": null}'],
+     ":2: 'answer' must be a string or a number, got null$"),
+    (['{"problem": "q", "answer": {"a": 1}}'], ":1: 'answer' must be a string or a number, got {\"a\": 1}$"),
+    (['{"problem": "q", "answer": true}'], ":1: 'answer' must be a string or a number, got true$"),
+    (['{"problem": "q", "answer": NaN}'], ":1: 'answer' must be a string or a number, got NaN$"),
+    (['{"question": "q", "answer": ["#### 3"]}'], ":1: 'answer' must be a string or a number, got \\[\"#"),
+    (['{"question": null, "answer": "#### 3"}'], ":1: 'question' must be a string, got null$"),
+    (['{"problem": "q", "answer": 1' + "0" * 5000 + '}'], ":1: not valid JSON \\(Exceeds the limit"),
 ])
 def test_bad_jsonl_names_file_and_line(tmp_path, lines, message):
     path = write(tmp_path, lines)

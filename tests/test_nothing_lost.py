@@ -477,9 +477,11 @@ def test_an_interrupt_on_an_evaluation_step_still_logs_its_groups(tmp_path, monk
 
 
 def test_a_run_warns_once_when_a_prompt_exceeds_the_context(tmp_path, capsys):
+    """A prompt of 1,013 tokens and 16 new ones pass tiny-qwen2's 1,024 (a longer prompt: one line, refused,
+    tests/test_train.py)."""
     data = tmp_path / "long.jsonl"
-    data.write_text("".join(json.dumps({"problem": q, "answer": "1"}) + "\n" for q in ("7 " * 1500, "1?")))
-    train.main(["--model", "tiny-qwen2", "--max-new-tokens", "2", "--group-size", "2", "--eval-size", "1",
+    data.write_text("".join(json.dumps({"problem": q, "answer": "1"}) + "\n" for q in ("7 " * 480, "1?")))
+    train.main(["--model", "tiny-qwen2", "--max-new-tokens", "16", "--group-size", "2", "--eval-size", "1",
                 "--steps", "1", "--prompts-per-step", "1", "--save-every", "0", "--dataset", str(data),
                 "--out", str(tmp_path / "run")])
     warnings = [line for line in capsys.readouterr().out.splitlines() if "context" in line]

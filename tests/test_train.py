@@ -3,6 +3,7 @@ end."""
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -457,6 +458,71 @@ def test_ctrl_c_while_loading_starts_no_step(tmp_path, monkeypatch, capsys):
     assert not (tmp_path / "grpo" / "metrics.jsonl").read_text() and not (tmp_path / "avspo").exists()
 
 
+def test_ctrl_c_while_the_data_loads_is_one_line_and_130(tmp_path, monkeypatch, capfd):
+    """The flags' checks read the data and the tokenizer: a Ctrl-C there asks to stop, as one while the model
+    loads does, and the run stops before its first step."""
+    real_load, calls = run_module.load_problems, []
+
+    def load_then_ctrl_c(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 1:  # the flags' check (a second Ctrl-C would stop at once)
+            os.kill(os.getpid(), signal.SIGINT)
+        return real_load(*args, **kwargs)
+
+    monkeypatch.setattr(run_module, "load_problems", load_then_ctrl_c)
+    with pytest.raises(BaseException) as ended:  # a KeyboardInterrupt here would end pytest too
+        train.main(TINY + ["--steps", "2", "--out", str(tmp_path)])
+    assert ended.type is SystemExit and ended.value.code == 130
+    err = capfd.readouterr().err
+    assert "Traceback" not in err and err.strip().splitlines()[-1].startswith("Ctrl-C: stopping")
+    assert not (tmp_path / "grpo" / "metrics.jsonl").read_text()
+
+
+def test_a_model_error_of_several_lines_is_one_line(tmp_path, capsys):
+    (tmp_path / "empty").mkdir()  # transformers' error for a folder without a tokenizer has five lines
+    with pytest.raises(SystemExit):
+        train.main(TINY + ["--model", str(tmp_path / "empty"), "--out", str(tmp_path / "run")])
+    assert len(capsys.readouterr().err.strip().splitlines()) == 1
+
+
+def test_the_seed_range_is_what_torch_manual_seed_takes_at_every_step(tmp_path, capsys):
+    """train_step seeds torch with seed * 1_000_003 + step * 1_000 + rank, which torch takes in
+    [-2**63, 2**64): the range refused is exactly the one outside it at some step, and both its ends train."""
+    flags = TINY + ["--steps", "2", "--eval-every", "0", "--save-every", "0", "--eval-size", "1"]
+    with pytest.raises(SystemExit):
+        train.parse_args(flags + ["--seed", str(10**14), "--out", str(tmp_path)])
+    refusal = re.search(r"--seed must be in \[(-\d+), (\d+)\]", capsys.readouterr().err)
+    low, high = int(refusal[1]), int(refusal[2])
+    assert (low, high) == (-((2**63 + 1_000) // 1_000_003), (2**64 - 1 - 2 * 1_000) // 1_000_003)
+    for seed in (low, high):
+        train.main(flags + ["--seed", str(seed), "--out", str(tmp_path / str(seed))])
+    for seed in (low - 1, high + 1):
+        with pytest.raises(SystemExit):
+            train.parse_args(flags + ["--seed", str(seed), "--out", str(tmp_path)])
+
+
+def test_held_out_prompts_count_for_the_context_and_the_memory_estimate(tmp_path, monkeypatch):
+    """Every 10th line of a JSONL file is held out. Its prompt counts as the training prompts do: before, a
+    10 MB held-out line passed unseen, and the evaluation before training then ran out of memory."""
+    prompt_lens, real_estimate = [], run_module.estimate_memory
+    monkeypatch.setattr(run_module, "estimate_memory",
+                        lambda *a, **k: prompt_lens.append(k["prompt_len"]) or real_estimate(*a, **k))
+    rows = [{"problem": f"{i} + 1?", "answer": str(i + 1)} for i in range(10)]
+    data = tmp_path / "data.jsonl"
+    for held_out in (600, 2_000):  # tiny-qwen2: one token a byte, a context of 1,024
+        rows[9]["problem"] = "x" * held_out
+        data.write_text("\n".join(json.dumps(row) for row in rows) + "\n")
+        flags = TINY + ["--dataset", str(data), "--steps", "1", "--eval-every", "0", "--save-every", "0"]
+        if held_out < 1_024:
+            train.main(flags + ["--out", str(tmp_path / "fits")])
+            assert prompt_lens[-1] > held_out
+            continue
+        with pytest.raises(SystemExit) as exit_info:
+            train.main(flags + ["--out", str(tmp_path / "too_long")])
+        assert str(exit_info.value.code).startswith(f"error: {data}:10: a prompt of ")
+        assert "longer than the model's context of 1024" in str(exit_info.value.code)
+
+
 def test_a_second_ctrl_c_stops_at_once_without_saving_half_a_step(tmp_path, monkeypatch):
     monkeypatch.setattr(train, "update_policy", ctrl_c_during_update(presses=2))
     with pytest.raises(SystemExit) as exit_info:
@@ -474,7 +540,9 @@ def test_a_second_ctrl_c_stops_at_once_without_saving_half_a_step(tmp_path, monk
                                          ("--beta", "-0.1"), ("--epsilon", "1"),
                                          ("--max-grad-norm", "0"), ("--acr-threshold", "2"),
                                          ("--virtual-delta", "0"), ("--virtual-delta", "1.5"),
-                                         ("--delta-low", "-1"), ("--eval-size", "0"), ("--alpha", "nan")])
+                                         ("--delta-low", "-1"), ("--eval-size", "0"), ("--alpha", "nan"),
+                                         ("--algo", "grpo,grpo"), ("--model", ""),
+                                         ("--seed", "100000000000000")])
 def test_bad_flags_are_rejected_before_anything_runs(flag, value, tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(run_module, "load_model", lambda *a, **k: pytest.fail("a model loaded too soon"))
     with pytest.raises(SystemExit):
