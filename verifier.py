@@ -67,6 +67,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 import traceback
 import weakref
@@ -1160,7 +1161,8 @@ def _batch_reward(spec: str) -> tuple[Reward, bool]:
         raise ValueError(f"reward spec {spec!r}: expected 'verifier', 'math-verify' or "
                          "'module:function'")
     try:
-        module = importlib.import_module(module_name)
+        with _interruptible():
+            module = importlib.import_module(module_name)
     except ImportError as err:
         raise ValueError(f"reward spec {spec!r}: no module {module_name!r} ({err})") from err
     except KeyboardInterrupt as err:  # Ctrl-C while it hangs: comes before the scripts' own handlers
@@ -1188,6 +1190,20 @@ def _batch_reward(spec: str) -> tuple[Reward, bool]:
         raise ValueError(f"reward spec {spec!r}: {attr}{signature} is neither f(completion, gold) -> float "
                          "nor TRL's f(prompts, completions, **kwargs) -> list[float]") from None
     return per_completion(fn, spec), True
+
+
+@contextlib.contextmanager
+def _interruptible():
+    """Inside the block a first Ctrl-C raises KeyboardInterrupt, whatever handler the script set: train.py's
+    only asks its loop to stop, which an import that never returns would never reach."""
+    if threading.current_thread() is not threading.main_thread():  # only the main thread gets signals
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def _where(err: BaseException) -> str:

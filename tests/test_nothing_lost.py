@@ -5,20 +5,22 @@ by its owner, and a --resume that never starts over (issue 50)."""
 import errno
 import json
 import os
-import select
 import signal
 import subprocess
 import sys
 import time
 from collections import Counter
 from contextlib import contextmanager
+from multiprocessing.connection import Connection
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
 import eval as evaluation
 import experiments
 import train
+import verifier
 from data import prepare
 from run_folder import find_checkpoint, read_jsonl
 from verifier import load_reward
@@ -196,9 +198,10 @@ def hangs(tmp_path, monkeypatch):
 
 def test_a_reward_call_past_its_time_limit_scores_0_and_is_counted(hangs, capfd, monkeypatch):
     """Each call waits at most the time limit (the waits are recorded, not timed: no machine is too slow)."""
-    counts, waits, wait = Counter(), [], select.select
-    monkeypatch.setattr(select, "select", lambda *fds_and_timeout: waits.append(fds_and_timeout[3])
-                        or wait(*fds_and_timeout))
+    counts, waits, poll = Counter(), [], Connection.poll
+    monkeypatch.setattr(verifier, "time", SimpleNamespace(monotonic=lambda: 0.0))  # a still clock: the waits
+    monkeypatch.setattr(Connection, "poll", lambda channel, timeout=0.0: waits.append(timeout)  # are exact
+                        or poll(channel, timeout))
     reward = load_reward("hanging_rewards:stuck", time_limit=1.0, counts=counts)
     with fails_after(60):  # a hang guard: the calls take about 3 s here
         assert reward(["q"] * 5, ["5", "loop", "regex", "sleep", "5"], ["5"] * 5) == [1.0, 0.0, 0.0, 0.0, 1.0]
