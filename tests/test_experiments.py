@@ -248,9 +248,10 @@ def test_git_keeps_the_experiments_logs_but_not_weights_or_scratch_runs():
     if not (root / ".git").exists():
         pytest.skip("not a git checkout")
     run = "runs/experiments/compare/seed0-grpo/grpo"
-    paths = [f"{run}/metrics.jsonl", f"{run}/final_eval.jsonl", f"{run}/summary.json",
+    paths = [f"{run}/metrics.jsonl", f"{run}/summary.json", f"{run}/.written.json",
+             "runs/experiments/compare/seed0-grpo/final_eval.jsonl",
              f"{run}/checkpoint/model/model.safetensors", f"{run}/checkpoint.old/optimizer.pt",
              "runs/default/grpo/metrics.jsonl", "runs/quick/compare/seed0-grpo/grpo/metrics.jsonl"]
     ignored = subprocess.run(["git", "check-ignore", "--no-index", *paths], cwd=root, capture_output=True,
                              text=True).stdout.split()
-    assert ignored == paths[3:]
+    assert ignored == paths[4:]
