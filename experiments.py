@@ -1,6 +1,8 @@
-"""Evidence that can tell the methods apart, at small scale: figures and docs/results.json.
+"""Evidence that can tell the methods apart, at small scale: figures and results.json (docs/ holds those the
+README quotes).
 
     python experiments.py                  # difficulty, compare, scatter (--dry-run: the time estimate)
+    python experiments.py --figures docs   # the same, rewriting docs/results.json and docs/*.png
     python experiments.py --only compare   # one or more parts: difficulty, compare, scatter, precision
     python experiments.py --quick          # tiny model, 2 steps: the whole pipeline in ~1 min (a CI test)
 

@@ -3,8 +3,11 @@ pipeline on the tiny model: every part runs and writes its numbers and figures."
 
 import json
 import math
+import multiprocessing
 import operator
 import os
+import random
+import shutil
 import subprocess
 import time
 from pathlib import Path
@@ -15,6 +18,7 @@ import torch
 
 import experiments
 import run_folder
+from written import owned
 
 LEVELS = np.array(["easy"] * 20 + ["hard"] * 30)
 
@@ -255,3 +259,162 @@ def test_git_keeps_the_experiments_logs_but_not_weights_or_scratch_runs():
     ignored = subprocess.run(["git", "check-ignore", "--no-index", *paths], cwd=root, capture_output=True,
                              text=True).stdout.split()
     assert ignored == paths[4:]
+
+
+# ------------------------------------------------------------------ issue 54: what experiments.py may touch
+# The smallest runs experiments.py makes: one GRPO run of 2 steps on the tiny model, without --quick (whose
+# defaults the flags below would otherwise have to beat).
+TINY = ["--model", "tiny-qwen2", "--max-new-tokens", "8", "--resamples", "50", "--jobs", "1"]
+SCATTER = [*TINY, "--only", "scatter", "--scatter-levels", "add1", "--scatter-g", "2", "--scatter-seeds",
+           "0", "--scatter-steps", "2", "--scatter-prompts", "2", "--scatter-eval-size", "4"]
+COMPARE = [*TINY, "--only", "compare", "--methods", "grpo", "--seeds", "0", "--steps", "2",
+           "--prompts-per-step", "2", "--group-size", "4", "--eval-size", "4", "--eval-every", "1",
+           "--per-level", "2"]
+
+
+def tree(folder: Path) -> dict[str, bytes]:
+    """Every file under `folder` and its bytes."""
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def one_line(exit_info, capsys) -> str:
+    """The message experiments.py stopped with: one line, no traceback."""
+    message = str(exit_info.value.code)
+    assert message.startswith("error: ") and "\n" not in message
+    assert "Traceback" not in capsys.readouterr().err
+    return message
+
+
+def timeless(value):
+    """`value` without its wall-clock numbers (seconds), which no two runs share."""
+    if isinstance(value, dict):
+        return {k: timeless(v) for k, v in value.items() if k not in ("seconds", "compare_table", "scale")}
+    return [timeless(v) for v in value] if isinstance(value, list) else value
+
+
+@pytest.fixture(scope="module")
+def scatter_run(tmp_path_factory):
+    """A finished scatter of one run, with the checkout's docs/ as it was before and after it."""
+    out = tmp_path_factory.mktemp("scatter") / "out"
+    docs = Path(experiments.__file__).resolve().parent / "docs"
+    before = tree(docs)
+    results = experiments.main([*SCATTER, "--out", str(out)])
+    return out, results, before, tree(docs)
+
+
+@pytest.fixture(scope="module")
+def compare_run(tmp_path_factory):
+    """A finished comparison of one run, uninterrupted: the reference a resumed one must equal."""
+    out = tmp_path_factory.mktemp("compare") / "out"
+    return out, experiments.main([*COMPARE, "--out", str(out)])
+
+
+def test_out_holds_the_results_and_figures_and_the_checkout_is_left_alone(scatter_run):
+    out, results, docs_before, docs_after = scatter_run
+    assert docs_after == docs_before  # not docs/results.json, not docs/*.png
+    written = json.loads((out / "figures" / "results.json").read_text())
+    assert written["scatter"]["runs"] == results["scatter"]["runs"] and len(written["scatter"]["runs"]) == 1
+    assert (out / "figures" / "early_acr_vs_accuracy.png").stat().st_size > 5_000
+
+
+def test_a_finished_run_is_reused_only_with_the_flags_it_was_trained_with(scatter_run, tmp_path, capsys):
+    """More --scatter-steps, or a run of another level at a scatter point: one line naming the run and the
+    flag, before any run starts, and the runs stay as they were."""
+    out = tmp_path / "out"
+    shutil.copytree(scatter_run[0], out)
+    before = tree(out)
+    with pytest.raises(SystemExit) as exit_info:
+        experiments.main([*SCATTER, "--out", str(out), "--scatter-steps", "4"])
+    assert "add1-g2-seed0/grpo was trained with --steps 2 (asked: 4)" in one_line(exit_info, capsys)
+    (out / "scatter" / "add1-g2-seed0").rename(out / "scatter" / "mul1-g2-seed0")
+    with pytest.raises(SystemExit) as exit_info:
+        experiments.main([*SCATTER, "--out", str(out), "--scatter-levels", "mul1"])
+    assert "--dataset arith-add1 (asked: arith-mul1)" in one_line(exit_info, capsys)
+    assert tree(out) == {name.replace("add1-g2", "mul1-g2"): data for name, data in before.items()}
+
+
+@pytest.mark.parametrize("flags", [["--seeds", "0,0"], ["--methods", "grpo,avspo,grpo"],
+                                   ["--scatter-g", "2,2"], ["--only", "compare,compare"]], ids=" ".join)
+def test_an_item_given_twice_is_refused_at_parse_time(flags, capsys):
+    """--seeds 0,0 would count one run twice in the bootstrap."""
+    with pytest.raises(SystemExit):
+        experiments.parse_args(["--dry-run", *flags])
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and f"{flags[0]} {flags[1]}: " in err and "given twice" in err
+
+
+def test_a_damaged_summary_is_redone_from_the_checkpoint_or_named_in_one_line(scatter_run, compare_run,
+                                                                             tmp_path, capsys):
+    """A 0-byte summary.json: a compare run (checkpointed) is finished again from its checkpoint, the same
+    numbers; a scatter run (--save-every 0: no checkpoint) is named in one line and left as it is."""
+    out = tmp_path / "compare"
+    shutil.copytree(compare_run[0], out)
+    summary = experiments.run_dir(out / "compare", "grpo", 0) / "summary.json"
+    whole = json.loads(summary.read_text())
+    summary.write_text("")
+    assert timeless(experiments.main([*COMPARE, "--out", str(out)])) == timeless(compare_run[1])
+    assert {k: v for k, v in json.loads(summary.read_text()).items() if "seconds" not in k} == {
+        k: v for k, v in whole.items() if "seconds" not in k}
+    out = tmp_path / "scatter"
+    shutil.copytree(scatter_run[0], out)
+    summary = out / "scatter" / "add1-g2-seed0" / "grpo" / "summary.json"
+    summary.write_text("")
+    with pytest.raises(SystemExit) as exit_info:
+        experiments.main([*SCATTER, "--out", str(out)])
+    assert f"{summary} is damaged" in one_line(exit_info, capsys)
+    assert summary.read_bytes() == b""
+
+
+def test_a_results_json_that_is_not_json_is_one_line_before_any_run(tmp_path, capsys):
+    figures = tmp_path / "figures"
+    with owned(figures, "experiments") as folder:  # as experiments.py wrote it, then damaged
+        folder.write("results.json", '{"scatter": ')
+    with pytest.raises(SystemExit) as exit_info:
+        experiments.main([*SCATTER, "--out", str(tmp_path / "out"), "--figures", str(figures)])
+    assert f"{figures / 'results.json'} is not JSON" in one_line(exit_info, capsys)
+    assert not (tmp_path / "out" / "scatter").exists()  # no run started
+
+
+def test_figures_in_a_users_folder_are_refused_and_the_users_files_left_as_they_are(tmp_path, capsys):
+    """--figures F where F holds the user's own results.json and compare.png (no record of experiments.py's):
+    one line, before any run; nothing there changes."""
+    figures = tmp_path / "mine"
+    figures.mkdir()
+    (figures / "results.json").write_text('{"mine": 1}')
+    (figures / "early_acr_vs_accuracy.png").write_bytes(b"my figure")
+    with pytest.raises(SystemExit) as exit_info:
+        experiments.main([*SCATTER, "--out", str(tmp_path / "out"), "--figures", str(figures)])
+    assert str(figures) in one_line(exit_info, capsys)
+    assert tree(figures) == {"results.json": b'{"mine": 1}', "early_acr_vs_accuracy.png": b"my figure"}
+    assert not (tmp_path / "out" / "scatter").exists()
+
+
+def test_killed_at_20_random_moments_it_continues_exactly_and_the_users_files_stay(compare_run, tmp_path):
+    """SIGKILL experiments.py 20 times at random moments (forked from a process that imported it, so each
+    start costs no import): each rerun goes on from what the last left, the user's files in its folders are
+    as they were, and the run that is let finish gives the uninterrupted run's numbers (or refuses in one
+    line)."""
+    out, rng = tmp_path / "out", random.Random(0)
+    argv = [*COMPARE, "--out", str(out)]
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(["experiments"])
+    users = {out / "notes.txt": b"the user's notes", out / "compare" / "draft.md": b"the user's draft"}
+    for kill in range(20):
+        child = context.Process(target=experiments.main, args=(argv,))
+        child.start()
+        deadline = time.monotonic() + 60
+        while not (out / "compare").exists() and time.monotonic() < deadline:
+            time.sleep(0.01)  # started: then a random moment
+        time.sleep(rng.uniform(0, 3))
+        child.kill()
+        child.join()
+        for path, data in users.items():
+            if kill == 0:
+                path.write_bytes(data)
+            assert path.read_bytes() == data, f"kill {kill}"
+    try:
+        results = experiments.main(argv)
+    except SystemExit as e:  # none of the kills leaves anything it cannot go on from
+        pytest.fail(f"refused after the kills: {e.code}")
+    assert timeless(results) == timeless(compare_run[1])
+    assert all(path.read_bytes() == data for path, data in users.items())
