@@ -376,8 +376,8 @@ def test_a_results_json_that_is_not_json_is_one_line_before_any_run(tmp_path, ca
 
 
 def test_figures_in_a_users_folder_are_refused_and_the_users_files_left_as_they_are(tmp_path, capsys):
-    """--figures F where F holds the user's own results.json and compare.png (no record of experiments.py's):
-    one line, before any run; nothing there changes."""
+    """--figures F where F holds the user's own results.json and figure (no record of experiments.py's), or
+    F is experiments.py's but the figure is the user's: one line, before any run; nothing there changes."""
     figures = tmp_path / "mine"
     figures.mkdir()
     (figures / "results.json").write_text('{"mine": 1}')
@@ -387,6 +387,13 @@ def test_figures_in_a_users_folder_are_refused_and_the_users_files_left_as_they_
     assert str(figures) in one_line(exit_info, capsys)
     assert tree(figures) == {"results.json": b'{"mine": 1}', "early_acr_vs_accuracy.png": b"my figure"}
     assert not (tmp_path / "out" / "scatter").exists()
+    with owned(tmp_path / "ours", "experiments") as folder:  # experiments.py's folder, the figure the user's
+        (folder.path / "early_acr_vs_accuracy.png").write_bytes(b"my figure")
+    with pytest.raises(SystemExit) as exit_info:
+        experiments.main([*SCATTER, "--out", str(tmp_path / "out"), "--figures", str(tmp_path / "ours")])
+    assert "early_acr_vs_accuracy.png is not written here" in one_line(exit_info, capsys)
+    assert (tmp_path / "ours" / "early_acr_vs_accuracy.png").read_bytes() == b"my figure"
+    assert not (tmp_path / "out" / "scatter").exists()  # refused before any run
 
 
 def test_killed_at_20_random_moments_it_continues_exactly_and_the_users_files_stay(compare_run, tmp_path):
