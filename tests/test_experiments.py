@@ -398,14 +398,16 @@ def test_figures_in_a_users_folder_are_refused_and_the_users_files_left_as_they_
 
 def test_killed_at_20_random_moments_it_continues_exactly_and_the_users_files_stay(compare_run, tmp_path):
     """SIGKILL experiments.py 20 times at random moments (forked from a process that imported it, so each
-    start costs no import): each rerun goes on from what the last left, the user's files in its folders are
-    as they were, and the run that is let finish gives the uninterrupted run's numbers (or refuses in one
-    line)."""
+    start costs no import): each rerun goes on from what the last left, the user's files in its folders and
+    the checkout's docs/ are as they were, and the run that is let finish gives the uninterrupted run's
+    numbers (the issue allows a refusal in one line; none of these kills leaves cause for one)."""
     out, rng = tmp_path / "out", random.Random(0)
     argv = [*COMPARE, "--out", str(out)]
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(["experiments"])
     users = {out / "notes.txt": b"the user's notes", out / "compare" / "draft.md": b"the user's draft"}
+    docs = Path(experiments.__file__).resolve().parent / "docs"  # the checkout's: no run of --out U's
+    committed = tree(docs)
     for kill in range(20):
         child = context.Process(target=experiments.main, args=(argv,))
         child.start()
@@ -419,9 +421,10 @@ def test_killed_at_20_random_moments_it_continues_exactly_and_the_users_files_st
             if kill == 0:
                 path.write_bytes(data)
             assert path.read_bytes() == data, f"kill {kill}"
+        assert tree(docs) == committed, f"kill {kill}"
     try:
         results = experiments.main(argv)
     except SystemExit as e:  # none of the kills leaves anything it cannot go on from
         pytest.fail(f"refused after the kills: {e.code}")
     assert timeless(results) == timeless(compare_run[1])
-    assert all(path.read_bytes() == data for path, data in users.items())
+    assert all(path.read_bytes() == data for path, data in users.items()) and tree(docs) == committed
