@@ -11,6 +11,7 @@ and the unbiased pass@k estimator 1 - C(n - c, k) / C(n, k) (Chen et al. 2021, E
 import argparse
 import json
 import math
+import os
 import re
 import sys
 from math import comb
@@ -28,8 +29,8 @@ from flags import FlagParser, at_least, folder, in_range
 from hardware import DEVICES, pick_device, where, working_copy
 from model import (PROMPT_FORMATS, context_warning, format_prompts, load_model, load_tokenizer,
                    longest_prompt, sample, sample_with_generate, stop_token_ids)
-from run_folder import write_whole
 from verifier import REWARD_TIMEOUT, Reward, extract_answer, load_reward, per_completion, reward_range, verify
+from written import NotWritten, owned
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -114,17 +115,31 @@ def print_table(results: dict, dataset: str, problems: int, temperature: float, 
                   + "".join(f"  {r['pass_at_k'][k]:28.3f}" for r in results.values()))
 
 
+def result_files(models: list[str]) -> list[str]:
+    """The files --out receives: each model's completions, one JSON line each, and summary.json, last."""
+    return [f"samples-{slug(name)}.jsonl" for name in models] + ["summary.json"]
+
+
+def check_out(args: argparse.Namespace) -> None:
+    """--out, before any model loads: a folder eval.py may write (not a run folder, not a user's), where each
+    of `result_files` is absent or eval.py's own; else NotWritten, naming it. A new folder is made at the end
+    (`write_results`)."""
+    if args.out and os.path.lexists(args.out):
+        with owned(Path(args.out), "eval") as out:
+            for name in result_files(args.model):
+                out.now(name)
+
+
 def write_results(out: Path, summary: dict, results: dict, dataset: str, temperature: float) -> None:
-    """summary.json, and each model's completions, one JSON line each: each file written whole or not at all
-    (`run_folder.write_whole`), summary.json last."""
-    files = {out / f"samples-{slug(name)}.jsonl": "".join(json.dumps(rec) + "\n" for rec in r["records"])
-             for name, r in results.items()}
-    files[out / "summary.json"] = json.dumps({"dataset": dataset, "temperature": temperature,
-                                              "models": summary}, indent=2)
+    """`result_files`, each written whole or not at all (`written.Folder.write`), summary.json last."""
+    texts = ["".join(json.dumps(rec) + "\n" for rec in r["records"]) for r in results.values()]
+    texts.append(json.dumps({"dataset": dataset, "temperature": temperature, "models": summary}, indent=2))
     try:
-        out.mkdir(parents=True, exist_ok=True)
-        for path, text in files.items():
-            write_whole(path, text)
+        with owned(out, "eval") as folder:
+            for name, text in zip(result_files(list(results)), texts):
+                folder.write(name, text)
+    except NotWritten as e:  # changed since `check_out`
+        sys.exit(f"error: {e}")
     except OSError as e:  # a full disk, a read-only folder: the table above is the result
         sys.exit(f"error: the results could not be written to {out} ({e.strerror or e}); the table above "
                  "holds them")
@@ -176,6 +191,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     try:
+        check_out(args)
         device = pick_device(args.device)  # --device cuda where CUDA is unusable: one line, before any model
         reward_fn = load_reward(args.reward, args.reward_range, args.reward_timeout)
         problems = load_eval_problems(args.dataset)
@@ -200,7 +216,7 @@ def main(argv: list[str] | None = None) -> dict:
                                      else sample_with_generate,  # as run.fast_or_plain chooses
                                      prompt_format=args.prompt_format, system=args.system,
                                      stop_ids=stop_token_ids(model, tokenizer))
-    except (FileNotFoundError, ValueError, ImportError) as e:
+    except (FileNotFoundError, ValueError, ImportError, NotWritten) as e:
         sys.exit(f"error: {e}")
     except KeyboardInterrupt:  # nothing is written until every model is evaluated
         print("\neval.py: interrupted, nothing written", file=sys.stderr)

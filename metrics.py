@@ -14,6 +14,7 @@ from data.tasks import Problem
 from model import Rollout
 from processes import all_sum
 from run_folder import read_jsonl
+from written import Folder
 
 EARLY_FRACTION, EARLY_MAX_STEPS = 0.2, 100  # ours: the first 20% of the steps; the paper reads its first 100
 COLLAPSED_SETUP = 0.75  # ours: an early ACR this high means three groups in four teach nothing
@@ -83,10 +84,10 @@ def step_metrics(rewards, advantages, rollout: Rollout, costs: dict, device) -> 
 
 
 
-def summarise_run(run_dir: Path, algo: str) -> dict:
+def summarise_run(folder: Folder, algo: str) -> dict:
     """Means over a finished run's steps, the steps that trained no row, and its early collapse
     (`early_collapse`), into summary.json."""
-    rows, evals = read_jsonl(run_dir / "metrics.jsonl"), read_jsonl(run_dir / "evals.jsonl")
+    rows, evals = read_jsonl(folder.path / "metrics.jsonl"), read_jsonl(folder.path / "evals.jsonl")
     mean = lambda key: sum(r[key] for r in rows) / len(rows)  # noqa: E731
     seconds = sum(r["time_generate"] + r["time_score"] + r["time_train"] for r in rows)
     summary = {"algo": algo, "acc_before": evals[0]["eval_accuracy"], "acc_after": evals[-1]["eval_accuracy"],
@@ -94,7 +95,7 @@ def summarise_run(run_dir: Path, algo: str) -> dict:
                "reward_mean": mean("reward_mean"), "seconds_per_step": seconds / len(rows),
                "steps_without_signal": sum(r["rows_trained"] == 0 for r in rows),
                **early_collapse(rows[: early_steps(len(rows))])}
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    folder.write("summary.json", json.dumps(summary, indent=2))
     return summary
 
 

@@ -1,5 +1,6 @@
 """Plots of training runs: raw and effective ACR, reward, held-out accuracy and length over steps."""
 
+import io
 import textwrap
 from pathlib import Path
 
@@ -9,19 +10,23 @@ matplotlib.use("Agg")  # files only, no screen needed
 import matplotlib.pyplot as plt
 import numpy as np
 
-from run_folder import read_jsonl
+from run_folder import PLOT, read_jsonl
+from written import Folder
 
 COLORS = {"grpo": "tab:blue", "avspo": "tab:orange", "aapo": "tab:green", "dapo": "tab:red"}
 
 
-def save_figure(fig, path: Path, dpi: int = 90, title: str | None = None) -> None:
-    """Lay out, write and close a figure (closing frees it: experiments draw many). A long title is wrapped to
-    the figure's width (about 9 characters an inch at the default font)."""
+def save_figure(fig, folder: Folder, name: str, dpi: int = 90, title: str | None = None) -> Path:
+    """Lay out, write and close a figure (closing frees it: experiments draw many); returns its path. Drawn
+    in memory, then written whole (`Folder.write`). A long title is wrapped to the figure's width (about 9
+    characters an inch at the default font)."""
     if title:
         fig.suptitle(textwrap.fill(title, width=int(9 * fig.get_figwidth())))
     fig.tight_layout()
-    fig.savefig(path, dpi=dpi)
+    png = io.BytesIO()
+    fig.savefig(png, dpi=dpi, format="png")
     plt.close(fig)
+    return folder.write(name, png.getvalue())
 
 
 def smooth(values: list[float], window: int = 5) -> np.ndarray:
@@ -30,12 +35,14 @@ def smooth(values: list[float], window: int = 5) -> np.ndarray:
     return np.array([values[max(0, i - window + 1) : i + 1].mean() for i in range(len(values))])
 
 
-def plot_training_curves(out_dir: Path, algos: list[str], path: Path | None = None) -> Path:
-    """One figure comparing the algorithms run under out_dir/<algo>/ (metrics.jsonl, evals.jsonl)."""
+def plot_training_curves(out: Folder, algos: list[str], name: str = PLOT) -> Path:
+    """One figure comparing the algorithms run under <out>/<algo>/ (metrics.jsonl, evals.jsonl), written to
+    <out>/`name`."""
     fig, axes = plt.subplots(2, 2, figsize=(11, 7), sharex=True)
     (ax_acr, ax_reward), (ax_eval, ax_len) = axes
     for algo in algos:
-        rows, evals = read_jsonl(out_dir / algo / "metrics.jsonl"), read_jsonl(out_dir / algo / "evals.jsonl")
+        run_dir = out.path / algo
+        rows, evals = read_jsonl(run_dir / "metrics.jsonl"), read_jsonl(run_dir / "evals.jsonl")
         steps, color = [r["step"] for r in rows], COLORS.get(algo)
         ax_acr.plot(steps, smooth([r["acr"] for r in rows]), color=color, label=f"{algo} raw ACR")
         ax_acr.plot(steps, smooth([r["acr_effective"] for r in rows]), color=color, ls="--",
@@ -51,19 +58,17 @@ def plot_training_curves(out_dir: Path, algos: list[str], path: Path | None = No
     for ax in axes.flat:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-    path = path or out_dir / "curves.png"
-    save_figure(fig, path)
-    return path
+    return save_figure(fig, out, name)
 
 
-def report_runs(out_dir: Path, summaries: list[dict]) -> None:
+def report_runs(out: Folder, summaries: list[dict]) -> None:
     """The closing table of train.py (one row per algorithm) and its comparison plot."""
     print(f"\n{'algo':6} {'acc before':>10} {'acc after':>10} {'ACR':>6} {'eff. ACR':>9} {'s/step':>7}")
     for s in summaries:
         print(f"{s['algo']:6} {s['acc_before']:10.3f} {s['acc_after']:10.3f} {s['acr_mean']:6.2f} "
               f"{s['acr_effective_mean']:9.2f} {s['seconds_per_step']:7.1f}")
-    plot = plot_training_curves(out_dir, [s["algo"] for s in summaries])
-    print(f"run folder: {out_dir.resolve()}\nplot: {plot.resolve()}")
+    plot = plot_training_curves(out, [s["algo"] for s in summaries])
+    print(f"run folder: {out.path.resolve()}\nplot: {plot.resolve()}")
 
 
 # ------------------------------------------------------------------------------ experiments.py figures
@@ -74,7 +79,7 @@ def style(name: str) -> dict:
     return {"color": COLORS.get(name.split("-")[0]), "ls": "--" if "-" in name else "-"}
 
 
-def plot_difficulty(result: dict, path: Path, subtitle: str) -> None:
+def plot_difficulty(result: dict, folder: Folder, name: str, subtitle: str) -> None:
     """Stacked all-wrong / all-correct group fractions per level, with the sampled accuracy on top."""
     levels = list(result)
     wrong = [result[lv]["all_wrong_frac"] for lv in levels]
@@ -86,10 +91,10 @@ def plot_difficulty(result: dict, path: Path, subtitle: str) -> None:
     ax.set(title=f"ACR before training ({subtitle})", xlabel="level (easy to hard; mix: all pooled)",
            ylabel="fraction of groups", ylim=(0, 1.05))
     ax.legend(fontsize=8)
-    save_figure(fig, path)
+    save_figure(fig, folder, name)
 
 
-def plot_compare_curves(runs: dict[str, list[Path]], path: Path, title: str) -> None:
+def plot_compare_curves(runs: dict[str, list[Path]], folder: Folder, name: str, title: str) -> None:
     """Raw ACR, effective ACR and reward, mean over seeds, against steps (top) and tokens (bottom)."""
     panels = [("acr", "raw ACR"), ("acr_effective", "effective ACR"), ("reward_mean", "batch reward")]
     fig, axes = plt.subplots(2, 3, figsize=(14, 7))
@@ -105,10 +110,10 @@ def plot_compare_curves(runs: dict[str, list[Path]], path: Path, title: str) -> 
     for ax in axes.flat:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
-    save_figure(fig, path, dpi=80, title=title)
+    save_figure(fig, folder, name, dpi=80, title=title)
 
 
-def plot_precision_curves(runs: dict[str, list[Path]], path: Path, title: str) -> None:
+def plot_precision_curves(runs: dict[str, list[Path]], folder: Folder, name: str, title: str) -> None:
     """Held-out accuracy, batch reward and seconds per step against steps for each precision: every seed thin,
     the mean over seeds thick."""
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
@@ -133,10 +138,10 @@ def plot_precision_curves(runs: dict[str, list[Path]], path: Path, title: str) -
     axes[0].set_ylim(-0.05, 1.05)
     axes[1].set_ylim(-0.05, 1.05)
     axes[2].set_ylim(bottom=0)
-    save_figure(fig, path, title=title)
+    save_figure(fig, folder, name, title=title)
 
 
-def plot_accuracy_vs_compute(table: dict, path: Path, title: str) -> None:
+def plot_accuracy_vs_compute(table: dict, folder: Folder, name: str, title: str) -> None:
     """Final accuracy against total generated tokens; Δ vs GRPO; accuracy per level: all with 95% CIs."""
     fig, (ax_cost, ax_delta, ax_level) = plt.subplots(1, 3, figsize=(16, 4.2))
     names = list(table)
@@ -167,10 +172,10 @@ def plot_accuracy_vs_compute(table: dict, path: Path, title: str) -> None:
         ax.grid(alpha=0.3)
     ax_cost.legend(fontsize=8)
     ax_level.legend(fontsize=7)
-    save_figure(fig, path, dpi=80, title=title)
+    save_figure(fig, folder, name, dpi=80, title=title)
 
 
-def plot_early_acr_scatter(result: dict, path: Path) -> None:
+def plot_early_acr_scatter(result: dict, folder: Folder, name: str) -> None:
     """The AVSPO paper's Figure 1 at small scale: colour = level, marker = group size, the fitted line."""
     markers = dict(zip(sorted({r["group_size"] for r in result["runs"]}), "ov^sDP*X"))
     levels = list(dict.fromkeys(r["level"] for r in result["runs"]))
@@ -196,10 +201,10 @@ def plot_early_acr_scatter(result: dict, path: Path) -> None:
     ax.title.set_fontsize(9)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7, ncol=2)
-    save_figure(fig, path)
+    save_figure(fig, folder, name)
 
 
-def plot_accuracy_vs_tokens(table: dict, path: Path, title: str) -> None:
+def plot_accuracy_vs_tokens(table: dict, folder: Folder, name: str, title: str) -> None:
     """Held-out accuracy at each of train.py's evaluations against the tokens generated by then: learning per
     unit of compute. Line: the mean over seeds; band: the lowest to the highest seed."""
     fig, ax = plt.subplots(figsize=(7.5, 4.6))
@@ -212,13 +217,13 @@ def plot_accuracy_vs_tokens(table: dict, path: Path, title: str) -> None:
            ylabel="held-out accuracy (greedy)")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    save_figure(fig, path, title=title)
+    save_figure(fig, folder, name, title=title)
 
 
 KIND_COLORS = {"C": "tab:green", "W": "tab:red", "=": "gold", "M": "0.85"}  # group_map's kinds
 
 
-def plot_collapse_map(runs: dict[str, Path], path: Path, title: str) -> None:
+def plot_collapse_map(runs: dict[str, Path], folder: Folder, name: str, title: str) -> None:
     """Steps x groups of one run per method, each group coloured by how it was first sampled (all-correct,
     all-wrong, mixed); a dot where a collapsed group still got a non-zero advantage (AVSPO's virtual rewards,
     AAPO's margin), a square where dynamic sampling replaced its prompt (DAPO)."""
@@ -248,4 +253,4 @@ def plot_collapse_map(runs: dict[str, Path], path: Path, title: str) -> None:
                plt.Line2D([], [], color="k", marker="o", ls="", ms=4, label="collapsed, given signal"),
                plt.Line2D([], [], color="k", marker="s", ls="", ms=4, mfc="none", label="prompt replaced")]
     axes[0, 0].legend(handles=handles, fontsize=7, ncol=5, loc="lower left", bbox_to_anchor=(0, 1.02))
-    save_figure(fig, path, title=title)
+    save_figure(fig, folder, name, title=title)

@@ -14,6 +14,7 @@ import torch.distributed as dist
 from hardware import pick_device
 from run_folder import RunFolderError
 from verifier import RewardError
+from written import NotWritten
 
 
 def init_processes(device_name: str = "auto") -> tuple[int, int, torch.device]:
@@ -135,14 +136,14 @@ def stops_at_once():
 def exits_cleanly():
     """train.py's way out: Ctrl-C or SIGTERM ends the step under way, then exits with code 128 + the signal
     (130, 143) once it is saved (`ctrl_c_stops_after_the_step` yields the stop requests); an unknown model, a
-    missing file, a damaged run folder or a bad reward exits with one line, not a traceback; the processes of
-    torchrun are closed whichever way it ends. A filesystem failure (a full disk, a read-only folder) is one
+    missing file, a damaged run folder, a file that is not the run's (written.py) or a bad reward exits with
+    one line, not a traceback; the processes of torchrun are closed whichever way it ends. A filesystem failure (a full disk, a read-only folder) is one
     line too: what was saved before it stays whole."""
     requested: list[int] = []
     try:
         with ctrl_c_stops_after_the_step() as requested:
             yield requested
-    except (OSError, RunFolderError, RewardError) as e:
+    except (OSError, RunFolderError, RewardError, NotWritten) as e:
         sys.exit(f"error: {e}")
     except KeyboardInterrupt as e:  # the checkpoint is saved and said so (or a second signal); no traceback
         sys.exit(128 + (requested[0] if requested else getattr(e, "signum", signal.SIGINT)))

@@ -30,6 +30,7 @@ from processes import gather_groups, stops_at_once
 from run_folder import (append_jsonl, checkpoint_damage, find_checkpoint, log_eval, log_step, read_jsonl,
                         restore_checkpoint, save_checkpoint)
 from verifier import RewardError, load_reward
+from written import Folder
 
 
 class Paths(NamedTuple):
@@ -148,13 +149,13 @@ def where_it_runs(args, master, policy, reference, tokenizer, problems: list[Pro
     return f"{where(master, policy, args.precision)}; {describe_estimate(terms)}"
 
 
-def run_eval(args, run: Run, run_dir: Path, step: int) -> float:
+def run_eval(args, run: Run, folder: Folder, step: int) -> float:
     """Greedy held-out accuracy, logged to evals.jsonl and eval_records.jsonl."""
     result = evaluate(run.policy, run.tokenizer, run.eval_problems, reward_fn=run.reward_fn,
                       max_new_tokens=args.max_new_tokens, prompt_format=args.prompt_format,
                       system=args.system, stop_ids=run.stop_ids,
                       sample_completions=fast_or_plain(args.fast, run.policy.device).sample_completions)
-    return log_eval(run_dir, step, result)
+    return log_eval(folder, step, result)
 
 
 def eval_due(args, step: int) -> bool:
@@ -162,35 +163,35 @@ def eval_due(args, step: int) -> bool:
     return bool(args.eval_every) and step % args.eval_every == 0 or step == args.steps
 
 
-def first_eval(args, run: Run, run_dir: Path) -> None:
+def first_eval(args, run: Run, folder: Folder) -> None:
     """Before training; or, resumed, the checkpoint's evaluation if the run stopped between saving and it
     (Ctrl-C on an evaluation step skips it)."""
     if not run.done:
-        print(f"[{args.algo}] held-out accuracy before training: {run_eval(args, run, run_dir, 0):.3f} "
+        print(f"[{args.algo}] held-out accuracy before training: {run_eval(args, run, folder, 0):.3f} "
               f"({len(run.eval_problems)} problems)")
         return
-    evaluated = [e["step"] for e in read_jsonl(run_dir / "evals.jsonl")]
+    evaluated = [e["step"] for e in read_jsonl(folder.path / "evals.jsonl")]
     if eval_due(args, run.done) and run.done not in evaluated:
-        run_eval(args, run, run_dir, run.done)
+        run_eval(args, run, folder, run.done)
 
 
-def after_step(args, run: Run, run_dir: Path, record: dict, totals: dict, stop: bool,
+def after_step(args, run: Run, folder: Folder, record: dict, totals: dict, stop: bool,
                samples: list[dict]) -> dict:
     """Process 0, after each step: log it and (--log-samples) its groups, warn once if the early ACR says the
     setup wastes its samples, save, evaluate and show one group. Returns the run's totals so far
     (`log_step`)."""
-    totals = log_step(run_dir, record, totals)
+    totals = log_step(folder, record, totals)
     step = record["step"]
     evaluating = eval_due(args, step) and (not stop or step == args.steps)  # Ctrl-C skips it (`first_eval`)
     if args.log_samples == "every" or args.log_samples == "evals" and eval_due(args, step):
         for sample in samples:
-            append_jsonl(run_dir / "samples.jsonl", sample)
-    if step == early_steps(args.steps) and (warning := collapse_warning(run_dir, args.group_size)):
+            append_jsonl(folder, "samples.jsonl", sample)
+    if step == early_steps(args.steps) and (warning := collapse_warning(folder.path, args.group_size)):
         tqdm.write(f"[{args.algo}] {warning}")  # the paper's early-ACR diagnostic
     if args.save_every and (step % args.save_every == 0 or step == args.steps or stop):
-        save_checkpoint(run_dir, run.master, run.tokenizer, run.optimizer, step, run.state)
+        save_checkpoint(folder, run.master, run.tokenizer, run.optimizer, step, run.state)
     if evaluating:
-        accuracy = run_eval(args, run, run_dir, step)
+        accuracy = run_eval(args, run, folder, step)
         if args.show_group:
             show_group(args.algo, step, accuracy, samples)
     return totals

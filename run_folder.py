@@ -1,24 +1,24 @@
-"""A run folder, <out>/<algo>: its one owner (a lock), whether a new run may start there or an old one resume,
-checkpoints, and the logs (JSON lines).
+"""A run folder, <out>/<algo>: whether a new run may start there or an old one resume, checkpoints, and the
+logs (JSON lines).
 
-A run folder holds only what a run wrote (RUN_FILES): a fresh run removes those names and nothing else, so a
-file of the user's in it is never deleted (and the folder is used at all only with --overwrite).
+Every file of a run is written through written.py: the run folder's record knows what a run wrote there, so
+--overwrite removes that and nothing else (`written.Folder.clear`), and a folder holding a file no run wrote
+(a user's, or one changed since) is refused in one line, with or without --overwrite.
 """
 
 import dataclasses
-import fcntl
 import itertools
 import json
 import os
 import pickle
-import shutil
 import struct
 import sys
 import zipfile
-from contextlib import contextmanager
 from pathlib import Path
 
 import torch
+
+from written import Folder, NotWritten
 
 
 class RunFolderError(Exception):
@@ -26,42 +26,15 @@ class RunFolderError(Exception):
     it, and nothing is written."""
 
 
-@contextmanager
-def one_owner(folder: Path):
-    """The run folder has one owner: an exclusive lock on <folder>/.lock, with the owner's process id in it,
-    released when the process ends however it ends (fcntl.flock). A second run into the folder stops at once
-    with one line naming the folder and the owner, before it writes anything."""
-    folder.mkdir(parents=True, exist_ok=True)
-    with open(folder / ".lock", "a+") as lock:
-        try:
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            lock.seek(0)
-            sys.exit(f"error: {folder} is in use by process {lock.read().strip() or '?'} (another run): wait "
-                     "for it to end, or choose another --out")
-        lock.seek(0)
-        lock.truncate()
-        lock.write(f"{os.getpid()}\n")
-        lock.flush()
-        yield
-
-
 RESUMABLE = ("resume", "overwrite", "out", "save_every", "eval_every", "micro_batch", "grad_checkpointing",
              "log_samples", "show_group")
+CHECKPOINTS = ("checkpoint", "checkpoint.old")  # the newest whole one, and the one before while a save ends
+PLOT = "curves.png"  # in <out>, beside the run folders
 
 
-# What a run writes in its folder <out>/<algo> (experiments.py: final_eval.jsonl), with the temporary files
-# of its atomic writes; in <out>: the lock and the plot of its runs.
-LOGS = ("metrics.jsonl", "evals.jsonl", "samples.jsonl", "eval_records.jsonl", "final_eval.jsonl")
-RUN_FILES = ("config.json", *LOGS, "summary.json", "checkpoint", "checkpoint.old", "checkpoint.tmp",
-             *(f"{name}.tmp" for name in LOGS))
-PLOT = "curves.png"
-
-
-def holds_a_run(run_dir: Path) -> bool:
-    """Whether run_dir holds (part of) a run: its config, its metrics or a checkpoint."""
-    return any((run_dir / name).exists() for name in ("config.json", "metrics.jsonl", "checkpoint",
-                                                     "checkpoint.old"))
+def holds_a_run(folder: Folder) -> bool:
+    """Whether the run folder holds (part of) a run: its record names a config, metrics or a checkpoint."""
+    return any(name in folder.files for name in ("config.json", "metrics.jsonl", *CHECKPOINTS))
 
 
 def free_out(out: str) -> str:
@@ -75,26 +48,23 @@ def logged_steps(run_dir: Path) -> int:
     return len(metrics.read_text(errors="replace").splitlines()) if metrics.exists() else 0
 
 
-def earlier_run(run_dir: Path, out: str) -> str | None:
-    """Why a fresh run may not start in run_dir (<out>/<algo>): one line saying what to type when it holds an
-    earlier run, which the fresh run's logs would replace; None when it holds none."""
-    if not holds_a_run(run_dir):
+def earlier_run(folder: Folder, out: str) -> str | None:
+    """Why a fresh run may not start in a run folder (<out>/<algo>): one line saying what to type when it
+    holds an earlier run, which the fresh run's logs would replace; None when it holds none."""
+    if not holds_a_run(folder):
         return None
+    run_dir = folder.path
     return (f"{run_dir} holds an earlier run (steps logged: {logged_steps(run_dir)}): add --resume to "
             f"continue it, --out {free_out(out)} to keep it and start another, or --overwrite to replace it")
 
 
-def others_files(run_dir: Path) -> list[str]:
-    """The names in run_dir that no run wrote (a user's own files), sorted."""
-    return sorted(p.name for p in run_dir.iterdir() if p.name not in RUN_FILES) if run_dir.is_dir() else []
-
-
-def no_whole_checkpoint(run_dir: Path) -> str | None:
-    """Why --resume may not continue the run in run_dir, in one line saying what is there and what to type:
-    it holds logs or a config but no whole checkpoint; None when it may (or when it holds no run)."""
-    if not holds_a_run(run_dir) or find_checkpoint(run_dir):
+def no_whole_checkpoint(folder: Folder) -> str | None:
+    """Why --resume may not continue the run in a run folder, in one line saying what is there and what to
+    type: it holds logs or a config but no whole checkpoint; None when it may (or when it holds no run)."""
+    run_dir = folder.path
+    if not holds_a_run(folder) or find_checkpoint(run_dir):
         return None
-    checkpoints = [run_dir / name for name in ("checkpoint", "checkpoint.old") if (run_dir / name).exists()]
+    checkpoints = [run_dir / name for name in CHECKPOINTS if (run_dir / name).exists()]
     why = (checkpoint_damage(checkpoints[0]) if checkpoints
            else "it was run with --save-every 0" if saved_config(run_dir).get("save_every") == 0
            else "no checkpoint/ was saved")
@@ -103,32 +73,45 @@ def no_whole_checkpoint(run_dir: Path) -> str | None:
             f"weights, or --out {free_out(str(run_dir.parent))} starts another beside it")
 
 
-def folder_problem(args) -> str | None:
-    """Why the run folders of train.Args `args` may not be used, in one line saying what to type; None when
-    they may. Asked by the owner of --out (`one_owner`), so that no other run changes them in between: a
-    fresh run takes no folder that holds an earlier run (without --overwrite) or another's files (even with
-    it, they stay), --resume takes no run it cannot continue (`no_whole_checkpoint`) or that ran with other
-    flags (`resume_conflicts`), and no run replaces a plot at <out> that no run wrote."""
-    out = Path(args.out)
+def not_the_runs(folder: Folder) -> str | None:
+    """Why no run may use this run folder, with or without --overwrite: one line naming a file in it that no
+    run wrote (`Folder.foreign`: a user's, or a run's file changed since, a symlink in its place), which is
+    left as it is; None when every file is the run's."""
+    others = folder.foreign()
+    try:
+        for name in others[:1]:
+            folder.now(name)
+    except NotWritten as e:  # it says what the file is: not written here, changed since, a symlink
+        also = f" (also: {', '.join(others[1:3])}{', ...' * bool(others[3:])})" if others[1:] else ""
+        return f"{e}{also}"
+    return None
+
+
+def folder_problem(args, out: Folder) -> str | None:
+    """Why the run folders of train.Args `args` in `out` (<out>, owned by this process: no other run changes
+    them in between) may not be used, in one line saying what to type; None when they may. --resume takes no
+    run it cannot continue (`no_whole_checkpoint`) or that ran with other flags (`resume_conflicts`); a fresh
+    run no folder that holds an earlier run (without --overwrite); no run a folder holding a file that no run
+    wrote there (`not_the_runs`), even with --overwrite; and no run replaces a plot at <out> that no run
+    wrote."""
     for algo in args.algo.split(","):
-        run_dir = out / algo
-        if run_dir.exists() and not run_dir.is_dir():
-            return f"{run_dir} is a file, not a run folder: move it, or choose another --out"
-        if args.resume and holds_a_run(run_dir):
-            problem = (no_whole_checkpoint(run_dir)
-                       or resume_conflicts(run_dir, dataclasses.replace(args, algo=algo)))
-        elif others := others_files(run_dir):
-            named = ", ".join(others[:3]) + (", ..." if others[3:] else "")
-            problem = None if args.overwrite else (
-                f"{run_dir} holds files no run wrote ({named}): move them, choose another --out, or "
-                "--overwrite to replace only what a run wrote there")
+        if not os.path.lexists(out.path / algo):
+            continue
+        try:
+            folder = out.subfolder(algo, "run")
+        except NotWritten as e:  # a file or a symlink in its place, a folder of someone else's
+            return str(e)
+        if args.resume and holds_a_run(folder):
+            problem = (no_whole_checkpoint(folder)
+                       or resume_conflicts(folder.path, dataclasses.replace(args, algo=algo)))
         else:
-            problem = None if args.overwrite else earlier_run(run_dir, args.out)
-        if problem:
+            problem = None if args.overwrite else earlier_run(folder, args.out)
+        if problem := problem or not_the_runs(folder):
             return problem
-    if (out / PLOT).exists() and not any(holds_a_run(p) for p in out.iterdir() if p.is_dir()):
-        return (f"{out / PLOT} was not written by train.py (no run beside it): move it, or choose another "
-                "--out")
+    try:
+        out.now(PLOT)
+    except NotWritten as e:
+        return str(e)
     return None
 
 
@@ -180,31 +163,30 @@ def stopped_line(args, run_dir: Path, step: int, while_scoring: bool = False) ->
     return f"[{args.algo}] interrupted{dropped}: step {last} saved in {run_dir}; continue with --resume"
 
 
-def save_checkpoint(run_dir: Path, model, tokenizer, optimizer, step: int, algo_state: dict) -> None:
-    """HF folder + optimizer + step + method state (a dict of dataclasses), written to a temp folder then
-    renamed into place. A failed write (a full disk, a read-only folder) is a RunFolderError in one line,
-    and the last whole checkpoint stays as it was."""
-    tmp, final, old = run_dir / "checkpoint.tmp", run_dir / "checkpoint", run_dir / "checkpoint.old"
+def save_checkpoint(folder: Folder, model, tokenizer, optimizer, step: int, algo_state: dict) -> None:
+    """HF folder + optimizer + step + method state (a dict of dataclasses) into checkpoint/, through a folder
+    filled beside it (`Folder.filling`); the one it replaces is kept as checkpoint.old until the new one is
+    in place. A failed write (a full disk, a read-only folder) is a RunFolderError in one line, and the last
+    whole checkpoint stays as it was."""
     try:
-        remove(tmp)
-        model.save_pretrained(tmp / "model")
-        tokenizer.save_pretrained(tmp / "model")
-        torch.save({"step": step, "optimizer": optimizer.state_dict(),
-                    "algo_state": {key: dataclasses.asdict(value) for key, value in algo_state.items()}},
-                   tmp / "state.pt")
-        if final.exists() and old.exists():  # a kill between the renames or while removing old, or damage:
-            remove(old if find_checkpoint(run_dir) == final else final)  # keep the whole one of the two
-        if final.exists():
-            final.rename(old)
-        tmp.rename(final)
+        with folder.filling("checkpoint") as tmp:
+            model.save_pretrained(tmp / "model")
+            tokenizer.save_pretrained(tmp / "model")
+            torch.save({"step": step, "optimizer": optimizer.state_dict(),
+                        "algo_state": {key: dataclasses.asdict(value) for key, value in algo_state.items()}},
+                       tmp / "state.pt")
+            if all(name in folder.files for name in CHECKPOINTS):  # a kill between the renames, or damage:
+                keep = find_checkpoint(folder.path)  # keep the whole one of the two
+                folder.remove("checkpoint.old" if keep == folder.path / "checkpoint" else "checkpoint")
+            if "checkpoint" in folder.files:
+                folder.rename("checkpoint", "checkpoint.old")
     except (OSError, RuntimeError) as e:  # torch.save reports a full disk as a RuntimeError
-        shutil.rmtree(tmp, ignore_errors=True)  # what fits; the next start clears the rest
-        kept = find_checkpoint(run_dir)
-        raise RunFolderError(f"the checkpoint of step {step} could not be saved in {run_dir} "
+        kept = find_checkpoint(folder.path)
+        raise RunFolderError(f"the checkpoint of step {step} could not be saved in {folder.path} "
                              f"({getattr(e, 'strerror', None) or str(e).splitlines()[0]}); "
                              + (f"{kept} stays whole: --resume goes on from it" if kept else
                                 "there is no earlier one") + " once there is room") from None
-    shutil.rmtree(old, ignore_errors=True)
+    folder.remove("checkpoint.old")
 
 
 def whole_safetensors(path: Path) -> bool:
@@ -283,73 +265,49 @@ def read_jsonl(path: Path) -> list[dict]:
     return records
 
 
-def append_jsonl(path: Path, record: dict) -> None:
-    with path.open("a") as f:
-        f.write(json.dumps(record) + "\n")
+def append_jsonl(folder: Folder, name: str, record: dict) -> None:
+    folder.append(name, json.dumps(record) + "\n")
 
 
-def write_whole(path: Path, text: str) -> None:
-    """`text` into `path`, whole or not at all: written to <path>.tmp, then renamed into place (a temporary
-    file a failed write leaves is removed)."""
-    tmp = path.with_name(path.name + ".tmp")
-    try:
-        tmp.write_text(text)
-        tmp.replace(path)
-    finally:
-        tmp.unlink(missing_ok=True)
-
-
-def write_jsonl(path: Path, records: list[dict]) -> None:
-    """Written whole or not at all (`write_whole`): a run killed while a resume rewrites its metrics.jsonl
+def write_jsonl(folder: Folder, name: str, records: list[dict]) -> None:
+    """Written whole or not at all (`Folder.write`): a run killed while a resume rewrites its metrics.jsonl
     keeps every logged step."""
-    write_whole(path, "".join(json.dumps(r) + "\n" for r in records))
+    folder.write(name, "".join(json.dumps(r) + "\n" for r in records))
 
 
 TOTALS = ("gen_tokens", "train_tokens")  # summed over a run's steps in metrics.jsonl, as <name>_total
 
 
-def remove(path: Path) -> None:
-    """A file or a folder, whichever `path` is, if it is there."""
-    if path.is_dir():
-        shutil.rmtree(path)
-    else:
-        path.unlink(missing_ok=True)
-
-
-def clear_run(run_dir: Path) -> None:
-    """Remove what a run wrote in run_dir (RUN_FILES), and nothing else."""
-    for name in RUN_FILES:
-        remove(run_dir / name)
-
-
-def start_logs(run_dir: Path, config: dict, last_step: int) -> dict:
-    """A fresh run (last_step 0): config.json first, then empty logs, nothing an earlier run left in run_dir
-    (`folder_problem` lets one be replaced only with --overwrite; another's files stay). A resumed one: drop
-    what was logged after its checkpoint, and what a save stopped part-way left. Returns the TOTALS of the
-    last record kept."""
+def start_logs(folder: Folder, config: dict, last_step: int) -> dict:
+    """A fresh run (last_step 0): nothing an earlier run wrote in the run folder (`Folder.clear`;
+    `folder_problem` lets one be replaced only with --overwrite), then config.json and empty logs. The
+    checkpoints go first and config.json is replaced last: a run killed anywhere in between leaves a config
+    and either all of the earlier run or no checkpoint, which --resume continues exactly or refuses in one
+    line. A resumed run: drop what was logged after its checkpoint. Both: what a write stopped part-way left
+    (`Folder.remove_temporaries`). Returns the TOTALS of the last record kept."""
     if last_step == 0:
-        clear_run(run_dir)  # an old checkpoint must not outlive its logs
-    remove(run_dir / "checkpoint.tmp")
-    run_dir.mkdir(parents=True, exist_ok=True)
+        folder.clear(keep=[name for name in folder.files if name not in CHECKPOINTS])
+        folder.clear(keep=("config.json",))
+    folder.remove_temporaries()
     if last_step == 0:
-        (run_dir / "config.json").write_text(json.dumps(config, indent=2))
+        folder.write("config.json", json.dumps(config, indent=2))
     for name in ("metrics.jsonl", "evals.jsonl", "samples.jsonl"):
-        kept = [r for r in read_jsonl(run_dir / name) if r["step"] <= last_step] if last_step else []
-        write_jsonl(run_dir / name, kept)
-    last = (read_jsonl(run_dir / "metrics.jsonl") or [{}])[-1]
+        kept = [r for r in read_jsonl(folder.path / name) if r["step"] <= last_step] if last_step else []
+        write_jsonl(folder, name, kept)
+    last = (read_jsonl(folder.path / "metrics.jsonl") or [{}])[-1]
     return {key: last.get(f"{key}_total", 0) for key in TOTALS}
 
 
-def log_step(run_dir: Path, record: dict, totals: dict) -> dict:
+def log_step(folder: Folder, record: dict, totals: dict) -> dict:
     """Append a step's record to metrics.jsonl with the run's TOTALS so far (compute spent); returns them."""
     totals = {key: total + record[key] for key, total in totals.items()}
-    append_jsonl(run_dir / "metrics.jsonl", record | {f"{key}_total": value for key, value in totals.items()})
+    append_jsonl(folder, "metrics.jsonl", record | {f"{key}_total": value for key, value in totals.items()})
     return totals
 
 
-def log_eval(run_dir: Path, step: int, result: dict) -> float:
+def log_eval(folder: Folder, step: int, result: dict) -> float:
     """An evaluation's accuracies into evals.jsonl, its records problem by problem into eval_records.jsonl."""
-    append_jsonl(run_dir / "evals.jsonl", {"step": step, "eval_accuracy": result["accuracy"],
-                                           "eval_accuracy_by_level": result["accuracy_by_level"]})
-    write_jsonl(run_dir / "eval_records.jsonl", result["records"])  # the latest evaluation only
+    append_jsonl(folder, "evals.jsonl", {"step": step, "eval_accuracy": result["accuracy"],
+                                         "eval_accuracy_by_level": result["accuracy_by_level"]})
+    write_jsonl(folder, "eval_records.jsonl", result["records"])  # the latest evaluation only
     return result["accuracy"]

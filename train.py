@@ -39,8 +39,9 @@ from model import PROMPT_FORMATS, Rollout, real_tokens, replace_groups, trim_pad
 from processes import (StoppedWhileScoring, all_sum, exits_cleanly, gather_groups, init_processes,
                        sum_gradients)
 from run import Run, after_step, check_inputs, fast_or_plain, first_eval, sample_and_score, start_run
-from run_folder import folder_problem, one_owner, save_checkpoint, start_logs, stopped_line
+from run_folder import folder_problem, save_checkpoint, start_logs, stopped_line
 from verifier import REWARD_TIMEOUT, RewardError, reward_range
+from written import Folder, owned
 
 ALGOS, PRECISIONS = ("grpo", "avspo", "aapo", "dapo"), ("auto", "fp32", "bf16")
 POSITIVE, NON_NEGATIVE = in_range(0, math.inf, low_open=True), in_range(0, math.inf)
@@ -291,17 +292,17 @@ def train_step(args: Args, run: Run, step: int, rank: int, mine: slice, device: 
                                  replaced)
 
 
-def train(args: Args, run_dir: Path, stop_requested: Sequence = ()) -> dict | None:
-    """Train one algorithm; process 0 writes its run folder (logs, evaluations, checkpoint/, summary.json).
-    Once `stop_requested` is non-empty (Ctrl-C), no step starts: KeyboardInterrupt, after saving."""
+def train(args: Args, files: Folder | None, stop_requested: Sequence = ()) -> dict | None:
+    """Train one algorithm into `files`, its run folder (None on processes > 0: they write nothing). Once
+    `stop_requested` is non-empty (Ctrl-C), no step starts: KeyboardInterrupt, after saving."""
     rank, world, device = init_processes(args.device)
-    is_main = rank == 0
+    run_dir, is_main = Path(args.out) / args.algo, rank == 0
     run = start_run(args, run_dir, device, is_main, algo_state(args),
                     with_reference=args.algo == "aapo" or args.beta > 0)  # AAPO's r_ref, the KL
     if is_main:
-        totals = start_logs(run_dir, dataclasses.asdict(args), run.done)  # tokens generated, trained so far
+        totals = start_logs(files, dataclasses.asdict(args), run.done)  # tokens generated, trained so far
         if not stop_requested:
-            first_eval(args, run, run_dir)
+            first_eval(args, run, files)
     mine = slice(rank * args.prompts_per_step // world, (rank + 1) * args.prompts_per_step // world)
     if all_sum([len(stop_requested)], device)[0] > 0:  # Ctrl-C while loading: stop before the first step
         raise KeyboardInterrupt
@@ -313,13 +314,13 @@ def train(args: Args, run_dir: Path, stop_requested: Sequence = ()) -> dict | No
             record, samples = train_step(args, run, step, rank, mine, device)
         except (RewardError, StoppedWhileScoring) as e:  # before the update: save the steps before it
             if is_main and args.save_every and step - 1 > run.done:
-                save_checkpoint(run_dir, run.master, run.tokenizer, run.optimizer, step - 1, run.state)
+                save_checkpoint(files, run.master, run.tokenizer, run.optimizer, step - 1, run.state)
             if is_main and isinstance(e, StoppedWhileScoring):  # `processes.stops_at_once`
                 print("\n" + stopped_line(args, run_dir, step, while_scoring=True))
             raise
         stop = all_sum([len(stop_requested)], device)[0] > 0  # every process stops after the same step
         if is_main:
-            totals = after_step(args, run, run_dir, record, totals, stop, samples)
+            totals = after_step(args, run, files, record, totals, stop, samples)
             bar.set_postfix_str(" ".join(f"{k} {record[k]:.2f}" for k in ("reward_mean", "acr", "grad_norm")))
         if stop:
             break
@@ -328,21 +329,20 @@ def train(args: Args, run_dir: Path, stop_requested: Sequence = ()) -> dict | No
         if is_main:
             print(stopped_line(args, run_dir, step))
         raise KeyboardInterrupt
-    return summarise_run(run_dir, args.algo) if is_main else None
+    return summarise_run(files, args.algo) if is_main else None
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
     args = parse_args(argv)
-    is_main = int(os.environ.get("RANK", 0)) == 0
-    owner = one_owner(Path(args.out)) if is_main else contextlib.nullcontext()
-    with exits_cleanly() as stop_requested, owner:  # Ctrl-C: the loop stops after its step, saved
-        if is_main and (problem := folder_problem(args)):  # the owner judges: nothing changes in between
+    owner = owned(Path(args.out), "runs") if int(os.environ.get("RANK", 0)) == 0 else contextlib.nullcontext()
+    with exits_cleanly() as stop_requested, owner as out:  # Ctrl-C: the loop stops after its step, saved
+        if out and (problem := folder_problem(args, out)):  # the owner judges: nothing changes in between
             sys.exit(f"error: {problem}")
-        summaries = [train(dataclasses.replace(args, algo=algo), Path(args.out) / algo, stop_requested)
-                     for algo in args.algo.split(",")]
-    if summaries[0] is not None:  # process 0 reports; the others wrote nothing
-        from plots import report_runs  # matplotlib only here: `import train` stays light
-        report_runs(Path(args.out), summaries)
+        summaries = [train(dataclasses.replace(args, algo=algo), out.subfolder(algo, "run") if out else None,
+                           stop_requested) for algo in args.algo.split(",")]
+        if out:  # process 0, <out>'s one owner, reports; the others wrote nothing
+            from plots import report_runs  # matplotlib only here: `import train` stays light
+            report_runs(out, summaries)
     return summaries
 
 

@@ -130,7 +130,7 @@ class Folder:
                              f"{KINDS[kind]}: choose another folder")
 
     def save(self) -> None:
-        """The record, whole (a temporary of a random name, then renamed); names removed as planned dropped."""
+        """The record, whole (a random temporary, renamed into place); names removed as planned, dropped."""
         self.files = {name: states for name, states in self.files.items()
                       if not (states[-1] is None and not os.path.lexists(self.path / name))}
         tmp = self.path / f"{RECORD}.{secrets.token_hex(4)}.tmp"
@@ -144,6 +144,9 @@ class Folder:
         NotWritten. A name that was never recorded and is not there is this folder's to create."""
         path, states = self.path / name, self.files.get(name, [None])
         now = state(path, states)
+        for i, then in enumerate(states):
+            if isinstance(then, dict) and same(now, then):
+                states[i] = now  # the same content, maybe under a new inode or mtime (a copy): not read again
         if not any(same(now, then) for then in states):
             whose = (describe(path, now) + " since a script wrote it" if name in self.files
                      else "not written here")
@@ -183,10 +186,14 @@ class Folder:
         """`name` whole, or left as it was: a reserved temporary, then renamed into place."""
         self.now(name)
         tmp = self.reserve(name)
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
-        with os.fdopen(fd, "wb") as f:
-            f.write(data.encode() if isinstance(data, str) else data)
-        return self.rename(tmp.name, name)
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+            with os.fdopen(fd, "wb") as f:
+                f.write(data.encode() if isinstance(data, str) else data)
+            return self.rename(tmp.name, name)
+        except Exception:  # a full disk: the temporary goes, `name` stays as it was
+            self.remove(tmp.name)
+            raise
 
     def append(self, name: str, text: str) -> None:
         """`text` at the end of `name` (made if absent), recorded first as the file it will then be."""
@@ -265,8 +272,12 @@ def owned(path: Path, kind: str, wait: bool = False):
     exclusive lock on the folder itself (flock, released however the process ends). Another owner means
     NotWritten naming its process, or, with `wait`, waiting for it (the model cache's conversions)."""
     path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError as e:  # a file where the folder should be, a read-only place
+        raise NotWritten(f"{path}: not a folder this script can write ({e.strerror}): choose another "
+                         "folder") from None
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))

@@ -8,7 +8,8 @@ They are written in the forms data/tasks.py lists; git ignores the folder. Train
 Sources, both MIT-licensed: GSM8K (Cobbe et al., arXiv 2110.14168) from openai/grade-school-math; MATH
 (Hendrycks et al., arXiv 2103.03874) as split in openai/prm800k (Lightman et al., arXiv 2305.20050), whose
 test split is MATH-500 and whose training split holds the other 12,000 problems, so the two never share one.
-A file already there is kept (delete it to fetch it again).
+A file already there is kept (delete it to fetch it again). Every file is written through written.py: a file
+in --out that prepare.py did not write (a user's, a symlink) is left as it is, and stops it in one line.
 """
 
 import json
@@ -22,6 +23,7 @@ sys.path.insert(0, str(ROOT))  # `python data/prepare.py` puts data/, not the re
 
 from data.tasks import read_jsonl  # noqa: E402
 from flags import FlagParser, folder  # noqa: E402
+from written import Folder, NotWritten, owned  # noqa: E402
 
 DOWNLOADS = ROOT / "data" / "downloads"
 GSM8K = "https://raw.githubusercontent.com/openai/grade-school-math/master/grade_school_math/data/"
@@ -48,19 +50,19 @@ SOURCES: dict[str, dict[str, tuple[str, Callable[[Path], list]]]] = {
 }
 
 
-def fetch(url: str, path: Path, check: Callable[[Path], list]) -> int:
-    """`url` into `path`; the number of rows. Through a temporary file that must pass `check` (a problem file
-    must load as `--dataset` loads it; an HTML page or a git LFS pointer does not): a failed or interrupted
-    download leaves nothing behind that looks fetched."""
-    part = path.with_name(path.name + ".part")
+def fetch(url: str, out: Folder, file: str, check: Callable[[Path], list]) -> int:
+    """`url` into `out`/`file`; the number of rows. Through <file>.part, which must pass `check` (a problem
+    file must load as `--dataset` loads it; an HTML page or a git LFS pointer does not): a failed or
+    interrupted download leaves nothing behind that looks fetched."""
+    part = f"{file}.part"
     try:
         with urllib.request.urlopen(url, timeout=60) as response:
-            part.write_bytes(response.read())
-        rows = len(check(part))
+            out.write(part, response.read())
+        rows = len(check(out.path / part))
     except (OSError, ValueError) as e:  # urllib's errors are OSErrors
-        part.unlink(missing_ok=True)
-        raise SystemExit(f"prepare: {url} gave no {path.name}: {e}") from None
-    part.replace(path)
+        out.remove(part)
+        raise SystemExit(f"prepare: {url} gave no {file}: {e}") from None
+    out.rename(part, file)
     return rows
 
 
@@ -71,18 +73,18 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if unknown := [name for name in args.names if name not in SOURCES]:  # argparse's choices refuse nargs="*"
         parser.error(f"unknown {', '.join(unknown)}; choose from {', '.join(SOURCES)}")
-    out = Path(args.out)
     try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as e:  # a read-only place
-        parser.error(f"--out {out}: cannot make the folder ({e.strerror})")
-    for name in args.names or SOURCES:
-        for file, (url, check) in SOURCES[name].items():
-            path = out / file
-            if path.exists():
-                print(f"{path}: already there, kept")
-                continue
-            print(f"{path}: {fetch(url, path, check):,} rows from {url}")
+        with owned(Path(args.out), "downloads") as out:
+            out.remove_temporaries()  # what a write stopped part-way left
+            for name in args.names or SOURCES:
+                for file, (url, check) in SOURCES[name].items():
+                    out.now(f"{file}.part")  # a file that prepare.py did not write, here or at its .part:
+                    if out.now(file):  # NotWritten, and left as it is
+                        print(f"{out.path / file}: already there, kept")
+                        continue
+                    print(f"{out.path / file}: {fetch(url, out, file, check):,} rows from {url}")
+    except NotWritten as e:  # a read-only place, a file of someone else's
+        sys.exit(f"prepare: {e}")
     return 0
 
 

@@ -7,6 +7,7 @@ import pytest
 
 from data.tasks import LEVELS, load_eval_problems, load_problems
 from verifier import verify
+from written import RECORD, owned
 
 SHARED = Path(__file__).resolve().parent.parent.parent / "shared" / "data"
 
@@ -134,7 +135,7 @@ def test_prepare_writes_files_that_load_as_datasets(sources, tmp_path, capsys):
     prepare, _ = sources
     out = tmp_path / "downloads"
     assert prepare.main(["gsm8k", "math", "--out", str(out)]) == 0
-    assert sorted(p.name for p in out.iterdir()) == ["gsm8k_test.jsonl", "gsm8k_train.jsonl",
+    assert sorted(p.name for p in out.iterdir()) == [RECORD, "gsm8k_test.jsonl", "gsm8k_train.jsonl",
                                                      "math500_test.jsonl", "math_train.jsonl"]
     assert load_problems(str(out / "gsm8k_test.jsonl"), "all")[0].answer == "1001"
     assert load_eval_problems(str(out / "math_train.jsonl"))[0].answer == "\\frac{1}{2}"
@@ -160,7 +161,7 @@ def test_prepare_refuses_what_is_no_dataset_in_one_line_and_leaves_nothing(sourc
     message = str(refused.value)
     assert message.startswith("prepare: file://") and "math500_test.jsonl" in message and says in message
     assert "\n" not in message
-    assert sorted(p.name for p in out.iterdir()) == ["math_train.jsonl"]  # fetched before; no part left
+    assert sorted(p.name for p in out.iterdir()) == [RECORD, "math_train.jsonl"]  # no part left
 
 
 def test_an_interrupted_prepare_leaves_no_file_that_looks_fetched(sources, tmp_path, monkeypatch):
@@ -176,3 +177,34 @@ def test_an_interrupted_prepare_leaves_no_file_that_looks_fetched(sources, tmp_p
     with pytest.raises(KeyboardInterrupt):
         prepare.main(["math", "--out", str(out)])
     assert not (out / "math500_test.jsonl").exists()
+
+
+def test_prepare_never_touches_a_part_file_it_did_not_write(sources, tmp_path):
+    """Issue 54: before, prepare.py replaced, then deleted, a user's gsm8k_test.jsonl.part."""
+    prepare, _ = sources
+    out = tmp_path / "downloads"
+    out.mkdir()
+    (out / "gsm8k_test.jsonl.part").write_text("the user's")
+    with pytest.raises(SystemExit) as refused:
+        prepare.main(["gsm8k", "--out", str(out)])
+    assert str(refused.value).startswith(f"prepare: {out} holds files and no record")
+    assert sorted(p.name for p in out.iterdir()) == ["gsm8k_test.jsonl.part"]
+    assert (out / "gsm8k_test.jsonl.part").read_text() == "the user's"
+
+
+@pytest.mark.parametrize("name", ["gsm8k_train.jsonl", "gsm8k_test.jsonl", "gsm8k_train.jsonl.part",
+                                  "gsm8k_test.jsonl.part"])
+def test_a_symlink_at_a_file_prepare_writes_stops_it_in_one_line_and_its_target_stays(sources, tmp_path,
+                                                                                     name):
+    prepare, _ = sources
+    out = tmp_path / "downloads"
+    with owned(out, "downloads"):  # a folder prepare.py writes, as it leaves one
+        pass
+    target = tmp_path / "target"
+    target.write_text("the user's")
+    (out / name).symlink_to(target)
+    with pytest.raises(SystemExit) as refused:
+        prepare.main(["gsm8k", "--out", str(out)])
+    line = str(refused.value)
+    assert line.startswith(f"prepare: {out / name} is not written here") and "\n" not in line
+    assert target.read_text() == "the user's" and (out / name).is_symlink()

@@ -2,6 +2,7 @@
 
 import json
 from math import comb
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,6 +13,7 @@ from data.tasks import Problem
 from eval import evaluate, pass_at_k
 from model import Rollout
 from verifier import per_completion
+from written import RECORD, owned
 
 
 @pytest.mark.parametrize("n, c, k, expected", [
@@ -110,3 +112,65 @@ def test_cli_takes_the_reward_flag(tmp_path, monkeypatch):
     assert summary["tiny-qwen2"]["accuracy"] == 1.0
     # levels interleaved
     assert summary["tiny-qwen2"]["accuracy_by_level"] == {"add1": 1.0, "mul1": 1.0, "add2": 1.0}
+
+
+# ---------------------------------------------------------------- --out: only what eval.py wrote (issue 54)
+
+EVAL = ["--model", "tiny-qwen2", "--dataset", "arith-add1", "--limit", "1", "--max-new-tokens", "2"]
+
+
+def files_under(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def refused_before_any_model(monkeypatch, argv: list[str]) -> str:
+    monkeypatch.setattr(evaluation, "load_model", lambda *a, **k: pytest.fail("a model loaded"))
+    with pytest.raises(SystemExit) as info:
+        evaluation.main(argv)
+    line = str(info.value.code)
+    assert line.startswith("error: ") and "\n" not in line
+    return line
+
+
+def test_eval_out_at_a_run_folder_is_refused_and_its_summary_kept(tmp_path, monkeypatch):
+    """Before issue 54, `eval.py --out <run>/grpo` replaced the training run's summary.json."""
+    with owned(tmp_path / "runs", "runs") as runs:
+        runs.subfolder("grpo", "run").write("summary.json", '{"algo": "grpo"}')
+    before = files_under(tmp_path / "runs")
+    line = refused_before_any_model(monkeypatch, EVAL + ["--out", str(tmp_path / "runs" / "grpo")])
+    assert f"{tmp_path / 'runs' / 'grpo'} holds a run of train.py" in line
+    assert files_under(tmp_path / "runs") == before
+
+
+def test_eval_out_at_a_users_folder_touches_none_of_its_files(tmp_path, monkeypatch):
+    """Before issue 54, eval.py replaced a user's summary.json and samples-*.jsonl there and deleted the
+    same-named .tmp files."""
+    out = tmp_path / "mine"
+    out.mkdir()
+    for name in ("summary.json", "samples-tiny-qwen2.jsonl", "summary.json.tmp",
+                 "samples-tiny-qwen2.jsonl.tmp"):
+        (out / name).write_text(f"the user's {name}")
+    before = files_under(out)
+    line = refused_before_any_model(monkeypatch, EVAL + ["--out", str(out)])
+    assert f"{out} holds files and no record" in line
+    assert files_under(out) == before
+
+
+@pytest.mark.parametrize("name", ["summary.json", "samples-tiny-qwen2.jsonl"])
+def test_a_symlink_at_a_file_eval_writes_stops_it_in_one_line_and_its_target_stays(tmp_path, monkeypatch,
+                                                                                  name):
+    with owned(tmp_path / "out", "eval"):  # a folder eval.py writes, as a finished evaluation leaves it
+        pass
+    target = tmp_path / "target"
+    target.write_text("the user's")
+    (tmp_path / "out" / name).symlink_to(target)
+    line = refused_before_any_model(monkeypatch, EVAL + ["--out", str(tmp_path / "out")])
+    assert line.startswith(f"error: {tmp_path / 'out' / name} is not written here")
+    assert target.read_text() == "the user's" and (tmp_path / "out" / name).is_symlink()
+
+
+def test_eval_writes_its_own_folder_again(tmp_path):
+    for seed in ("0", "1"):  # the second replaces the first's files: its own
+        evaluation.main(EVAL + ["--out", str(tmp_path / "out"), "--seed", seed])
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [RECORD, "samples-tiny-qwen2.jsonl",
+                                                                    "summary.json"]

@@ -25,6 +25,7 @@ from eval import main as eval_main
 from model import load_model
 from run_folder import read_jsonl
 from verifier import RewardError, checked, load_reward
+from written import RECORD
 
 TINY = ["--model", "tiny-qwen2", "--max-new-tokens", "8", "--group-size", "4", "--eval-size", "4"]
 ROOT = Path(__file__).resolve().parent.parent
@@ -110,18 +111,19 @@ def test_train_py_stops_on_a_bad_reward_in_one_line(rewards, name, tmp_path, cap
 def test_a_bad_reward_mid_run_loses_no_finished_step(rewards, tmp_path, monkeypatch):
     """--save-every 10, the reward breaks in step 3: steps 1 and 2 are saved, and --resume with the reward
     fixed goes on from step 3, each step logged once."""
+    out = tmp_path / "out"  # not tmp_path, which holds user_rewards.py: a folder no run may use (issue 54)
     flags = TINY + ["--steps", "4", "--eval-every", "0", "--reward", "user_rewards:breaks_later", "--out",
-                    str(tmp_path)]
+                    str(out)]
     # the reward's process reads its limit: the evaluation before training (4 problems), then 2 steps of 2
     # prompts x 4
     monkeypatch.setenv("BREAK_AFTER", str(4 + 2 * 8))
     with pytest.raises(SystemExit) as exit_info:
         train.main(flags)
     assert "returned nan" in str(exit_info.value.code)
-    assert torch.load(tmp_path / "grpo" / "checkpoint" / "state.pt", weights_only=False)["step"] == 2
+    assert torch.load(out / "grpo" / "checkpoint" / "state.pt", weights_only=False)["step"] == 2
     monkeypatch.delenv("BREAK_AFTER")
     train.main(flags + ["--resume"])
-    assert [r["step"] for r in read_jsonl(tmp_path / "grpo" / "metrics.jsonl")] == [1, 2, 3, 4]
+    assert [r["step"] for r in read_jsonl(out / "grpo" / "metrics.jsonl")] == [1, 2, 3, 4]
 
 
 def test_virtual_rewards_follow_the_declared_range():
@@ -140,8 +142,8 @@ def test_virtual_rewards_follow_the_declared_range():
 
 def hold_the_folder(folder: Path) -> subprocess.Popen:
     """Another process that owns `folder` until killed."""
-    code = ("import sys, time; from pathlib import Path; from run_folder import one_owner\n"
-            f"with one_owner(Path({str(folder)!r})):\n    print('held', flush=True); time.sleep(120)")
+    code = ("import sys, time; from pathlib import Path; from written import owned\n"
+            f"with owned(Path({str(folder)!r}), 'runs'):\n    print('held', flush=True); time.sleep(120)")
     holder = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stdout=subprocess.PIPE, text=True)
     assert holder.stdout.readline().strip() == "held"
     return holder
@@ -157,8 +159,8 @@ def test_a_second_run_into_a_folder_in_use_is_refused(tmp_path, monkeypatch):
         holder.kill()
         holder.wait()
     assert exit_info.value.code == (f"error: {tmp_path / 'run'} is in use by process {holder.pid} (another "
-                                    "run): wait for it to end, or choose another --out")
-    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == [".lock"]  # nothing written
+                                    "run): wait for it to end, or choose another folder")
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == [RECORD]  # the holder's: nothing written
     monkeypatch.undo()
     train.main(TINY + ["--steps", "1", "--out", str(tmp_path / "run")])  # the lock died with its process
 
@@ -255,26 +257,33 @@ def test_a_second_run_into_a_run_folder_is_refused_saying_what_to_type(tmp_path,
     assert json.loads((out / "grpo" / "config.json").read_text())["seed"] == 1
 
 
-def test_a_torn_last_log_line_is_dropped_and_its_step_redone(tmp_path, capsys):
-    """Killed while appending step 2 (its checkpoint comes after its log line): --resume warns, redoes it."""
+@pytest.mark.parametrize("torn", ["last", "first"])
+def test_a_log_line_torn_by_hand_is_one_line_and_left_as_it_is(tmp_path, torn):
+    """A log a run wrote, changed since (before issue 54, a torn last line was dropped and its step redone,
+    a bad line before it named): the file is no longer the run's, and --resume refuses it in one line."""
     flags = TINY + ["--lr-decay", "0", "--save-every", "1", "--eval-every", "0", "--out", str(tmp_path)]
     train.main(flags + ["--steps", "1"])
     metrics = tmp_path / "grpo" / "metrics.jsonl"
-    with metrics.open("a") as f:
-        f.write('{"step": 2, "reward_me')
-    train.main(flags + ["--steps", "2", "--resume"])
-    assert [r["step"] for r in read_jsonl(metrics)] == [1, 2]
-    assert f"warning: {metrics}:2: a torn last line, dropped" in capsys.readouterr().err
-
-
-def test_a_bad_log_line_before_the_last_is_one_line(tmp_path):
-    flags = TINY + ["--steps", "2", "--lr-decay", "0", "--eval-every", "0", "--out", str(tmp_path)]
-    train.main(flags)
-    metrics = tmp_path / "grpo" / "metrics.jsonl"
-    metrics.write_text("{torn\n" + metrics.read_text())
+    if torn == "last":
+        with metrics.open("a") as f:
+            f.write('{"step": 2, "reward_me')
+    else:
+        metrics.write_text("{torn\n" + metrics.read_text())
+    changed = metrics.read_text()
     with pytest.raises(SystemExit) as exit_info:
-        train.main(flags + ["--resume"])
-    assert str(exit_info.value.code).startswith(f"error: {metrics}:1: not a JSON record")
+        train.main(flags + ["--steps", "2", "--resume"])
+    assert str(exit_info.value.code).startswith(f"error: {metrics} is changed since a script wrote it")
+    assert metrics.read_text() == changed
+
+
+def test_read_jsonl_drops_a_torn_last_line_and_names_a_bad_one_before_it(tmp_path, capsys):
+    log = tmp_path / "metrics.jsonl"
+    log.write_text('{"step": 1}\n{"step": 2, "reward_me')
+    assert read_jsonl(log) == [{"step": 1}]
+    assert f"warning: {log}:2: a torn last line, dropped" in capsys.readouterr().err
+    log.write_text('{torn\n{"step": 1}\n')
+    with pytest.raises(run_folder.RunFolderError, match=f"{log}:1: not a JSON record"):
+        read_jsonl(log)
 
 
 def damage(path: Path) -> None:
@@ -304,10 +313,13 @@ def test_a_planted_pickle_in_state_pt_is_refused_and_runs_nothing(tmp_path):
     train.main(flags)
     state, ran = tmp_path / "grpo" / "checkpoint" / "state.pt", tmp_path / "the-planted-code-ran"
     torch.save({"step": 1, "optimizer": Planted(str(ran)), "algo_state": {}}, state)
-    with pytest.raises(SystemExit) as exit_info:
+    with pytest.raises(SystemExit) as exit_info:  # a changed checkpoint is not the run's (issue 54)
         train.main(flags + ["--resume"])
-    assert exit_info.value.code == (f"error: {state}: refused, it holds objects other than tensors and plain "
-                                    "data, which could run code (train.py never saves such a file)")
+    assert exit_info.value.code.startswith(f"error: {state.parent} is changed since a script wrote it")
+    with pytest.raises(run_folder.RunFolderError) as refused:  # and loading it never runs its code
+        run_folder.restore_checkpoint(state.parent, torch.optim.SGD([torch.zeros(1)], lr=1), {})
+    assert str(refused.value) == (f"{state}: refused, it holds objects other than tensors and plain data, "
+                                  "which could run code (train.py never saves such a file)")
     assert not ran.exists()
 
 

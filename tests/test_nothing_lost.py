@@ -21,6 +21,7 @@ import train
 from data import prepare
 from run_folder import find_checkpoint, read_jsonl
 from verifier import load_reward
+from written import ANY_DIR, RECORD, owned
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -126,14 +127,14 @@ def test_eval_results_are_written_whole_or_not_at_all(tmp_path, monkeypatch, cap
     evaluation.main(flags)
     before = {p.name: p.read_text() for p in tmp_path.iterdir()}
     assert f"wrote {tmp_path / 'summary.json'}" in capsys.readouterr().out
-    real_replace = Path.replace
+    real_replace = os.replace
 
-    def disk_full(self, target):
-        if Path(target).name == "summary.json":
+    def disk_full(src, dst):  # where written.py renames summary.json's temporary into place
+        if Path(dst).name == "summary.json":
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-        return real_replace(self, target)
+        return real_replace(src, dst)
 
-    monkeypatch.setattr(Path, "replace", disk_full)
+    monkeypatch.setattr(os, "replace", disk_full)
     with pytest.raises(SystemExit) as exit_info:
         evaluation.main(flags + ["--seed", "1"])
     line = str(exit_info.value.code)
@@ -235,33 +236,45 @@ def test_train_refuses_a_bad_flag_in_one_line_before_any_model(flags, monkeypatc
     assert exit_info.value.code == 2 and flags[0] in line and "--help" in line
 
 
+def runs_folder(out: Path) -> Path:
+    """<out> as train.py leaves it: a folder of runs, with its record (written.py)."""
+    with owned(out, "runs"):
+        return out
+
+
 def test_a_fresh_run_deletes_nothing_it_did_not_write(tmp_path, monkeypatch):
-    """<out>/grpo holding a thesis: refused in one line; with --overwrite the run goes on beside it."""
-    run_dir = tmp_path / "grpo"
+    """<out>/grpo holding a thesis: refused in one line, with or without --overwrite (issue 54: a folder
+    holding files that no run wrote is never used; before, --overwrite went on beside them)."""
+    run_dir = runs_folder(tmp_path / "out") / "grpo"
     (run_dir / "chapters").mkdir(parents=True)
     (run_dir / "thesis.tex").write_text("months of work")
     (run_dir / "chapters" / "one.tex").write_text("more")
     mine = files_under(run_dir)
-    with pytest.raises(SystemExit) as exit_info:
-        train.main(TINY + ["--steps", "1", "--out", str(tmp_path)])
-    assert str(exit_info.value.code) == (f"error: {run_dir} holds files no run wrote (chapters, thesis.tex): "
-                                         "move them, choose another --out, or --overwrite to replace only "
-                                         "what a run wrote there")
-    assert files_under(run_dir) == mine
-    for _ in range(2):  # the second --overwrite replaces the first run, and only it
-        train.main(TINY + ["--steps", "1", "--out", str(tmp_path), "--overwrite"])
-        assert {k: v for k, v in files_under(run_dir).items() if k in mine} == mine
-        assert len(read_jsonl(run_dir / "metrics.jsonl")) == 1
-
-
-def test_a_plot_at_out_that_no_run_wrote_is_never_replaced(tmp_path, monkeypatch):
-    (tmp_path / "curves.png").write_bytes(b"my own figure")
     no_model_in_a_run(monkeypatch)
     for extra in ([], ["--overwrite"]):
         with pytest.raises(SystemExit) as exit_info:
-            train.main(TINY + ["--steps", "1", "--out", str(tmp_path), *extra])
-        assert "curves.png was not written by train.py" in str(exit_info.value.code)
-    assert (tmp_path / "curves.png").read_bytes() == b"my own figure" and not (tmp_path / "grpo").exists()
+            train.main(TINY + ["--steps", "1", "--out", str(run_dir.parent), *extra])
+        assert str(exit_info.value.code) == (f"error: {run_dir} holds files and no record of what a script "
+                                             "wrote there (chapters, thesis.tex): move them, or choose "
+                                             "another folder")
+        assert files_under(run_dir) == mine
+
+
+@pytest.mark.parametrize("out_as", ["no record", "no record, a config beside", "recorded"])
+def test_a_plot_at_out_that_no_run_wrote_is_never_replaced(tmp_path, monkeypatch, out_as):
+    """Issue 54: before, a user's curves.png was replaced once any sub-folder held a config.json."""
+    out = runs_folder(tmp_path / "out") if out_as == "recorded" else tmp_path / "out"
+    (out / "grpo").mkdir(parents=True)
+    if out_as == "no record, a config beside":
+        (out / "grpo" / "config.json").write_text("{}")
+    (out / "curves.png").write_bytes(b"my own figure")
+    mine = {k: v for k, v in files_under(out).items() if RECORD not in k}
+    for extra in ([], ["--overwrite"]):
+        with pytest.raises(SystemExit) as exit_info:
+            train.main(TINY + ["--steps", "1", "--out", str(out), *extra])
+        line = str(exit_info.value.code)
+        assert line.startswith(f"error: {out}") and "curves.png" in line and "\n" not in line
+        assert {k: v for k, v in files_under(out).items() if RECORD not in k} == mine
 
 
 FINISHED = TINY + ["--steps", "2", "--save-every", "1", "--lr-decay", "0"]  # --steps may grow on --resume
@@ -317,18 +330,15 @@ def test_resume_never_starts_over_a_run_it_cannot_continue(finished_run, tmp_pat
     assert "--overwrite starts it again" in line and files_under(out) == before
 
 
-def test_a_damaged_checkpoint_beside_a_whole_older_one_resumes_from_the_older(finished_run, tmp_path,
-                                                                               capsys):
+def test_a_save_stopped_between_its_renames_resumes_from_the_whole_older_one(finished_run, tmp_path):
+    """checkpoint/ renamed to checkpoint.old, the new one not yet in place (written.py's record says so).
+    Before issue 54 this test damaged checkpoint/ by hand: a checkpoint changed since a run wrote it is now
+    refused (`test_a_symlink_or_a_changed_file_at_a_run_file_stops_the_run`)."""
     out = copy_of(finished_run, tmp_path)
     run_dir = out / "grpo"
-    import shutil
-    shutil.copytree(run_dir / "checkpoint", run_dir / "checkpoint.old")  # as a save that stopped at its end
-    state = run_dir / "checkpoint" / "state.pt"
-    state.write_bytes(state.read_bytes()[:5000])
+    with owned(out, "runs") as runs:
+        runs.subfolder("grpo", "run").rename("checkpoint", "checkpoint.old")
     train.main(FINISHED + ["--steps", "3", "--out", str(out), "--resume"])
-    said = capsys.readouterr().out
-    assert (f"warning: {run_dir / 'checkpoint' / 'state.pt'} is damaged (truncated, or not torch.save's): "
-            f"resuming from the whole checkpoint before it, {run_dir / 'checkpoint.old'}") in said
     assert [r["step"] for r in read_jsonl(run_dir / "metrics.jsonl")] == [1, 2, 3]
     assert not (run_dir / "checkpoint.old").exists() and find_checkpoint(run_dir) == run_dir / "checkpoint"
 
@@ -356,13 +366,14 @@ def test_a_bad_metrics_line_met_by_a_fresh_run_is_the_earlier_run_line(finished_
 
 
 def test_a_run_folder_that_is_a_file_is_one_line_before_any_model(tmp_path, monkeypatch):
-    (tmp_path / "grpo").write_text("mine")
+    out = runs_folder(tmp_path / "out")
+    (out / "grpo").write_text("mine")
     no_model_in_a_run(monkeypatch)
     with pytest.raises(SystemExit) as exit_info:
-        train.main(TINY + ["--steps", "1", "--out", str(tmp_path), "--overwrite"])
-    assert str(exit_info.value.code) == (f"error: {tmp_path / 'grpo'} is a file, not a run folder: move it, "
-                                         "or choose another --out")
-    assert (tmp_path / "grpo").read_text() == "mine"
+        train.main(TINY + ["--steps", "1", "--out", str(out), "--overwrite"])
+    assert str(exit_info.value.code) == (f"error: {out / 'grpo'} is a file, not a folder a script wrote: it "
+                                         "is left as it is; move it, or choose another folder")
+    assert (out / "grpo").read_text() == "mine"
 
 
 @pytest.mark.parametrize("code", [errno.ENOSPC, errno.EROFS], ids=["disk full", "read-only"])
@@ -386,7 +397,7 @@ def test_a_save_that_fails_is_one_line_and_loses_nothing(tmp_path, monkeypatch, 
     assert line == (f"error: the checkpoint of step 2 could not be saved in {tmp_path / 'grpo'} "
                     f"({os.strerror(code)}); {tmp_path / 'grpo' / 'checkpoint'} stays whole: --resume goes "
                     "on from it once there is room")
-    assert not (tmp_path / "grpo" / "checkpoint.tmp").exists()
+    assert not [p for p in (tmp_path / "grpo").iterdir() if p.name.endswith(".tmp")]  # nothing half-written
     monkeypatch.undo()
     assert torch.load(tmp_path / "grpo" / "checkpoint" / "state.pt", weights_only=True)["step"] == 1
     train.main(flags + ["--resume"])
@@ -400,10 +411,10 @@ def test_a_log_line_that_cannot_be_written_is_one_line_and_loses_nothing(tmp_pat
     import torch
     real_append = run_folder.append_jsonl
 
-    def full_disk(path, record):
-        if path.name == "metrics.jsonl" and record["step"] == 2:
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
-        real_append(path, record)
+    def full_disk(folder, name, record):
+        if name == "metrics.jsonl" and record["step"] == 2:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(folder.path / name))
+        real_append(folder, name, record)
 
     monkeypatch.setattr(run_folder, "append_jsonl", full_disk)
     flags = TINY + ["--steps", "3", "--save-every", "1", "--out", str(tmp_path)]
@@ -419,25 +430,30 @@ def test_a_log_line_that_cannot_be_written_is_one_line_and_loses_nothing(tmp_pat
     assert [r["step"] for r in read_jsonl(metrics)] == [1, 2, 3]
 
 
-def test_a_file_where_a_save_writes_is_cleared(tmp_path, monkeypatch):
-    """checkpoint.tmp as a file (a path that is a file where the save makes a folder)."""
+def test_a_file_planted_where_a_save_wrote_is_left_and_the_save_goes_on(tmp_path, monkeypatch):
+    """checkpoint.tmp as a file, planted mid-run (where the save wrote before issue 54, which removed it): the
+    save fills a temporary of its own, and the file stays as it is."""
     real_start = train.start_logs
 
-    def plant(run_dir, config, last_step):
-        totals = real_start(run_dir, config, last_step)
-        (run_dir / "checkpoint.tmp").write_text("in the way")
+    def plant(folder, config, last_step):
+        totals = real_start(folder, config, last_step)
+        (folder.path / "checkpoint.tmp").write_text("in the way")
         return totals
 
     monkeypatch.setattr(train, "start_logs", plant)
     train.main(TINY + ["--steps", "1", "--save-every", "1", "--out", str(tmp_path)])
-    assert find_checkpoint(tmp_path / "grpo") and not (tmp_path / "grpo" / "checkpoint.tmp").exists()
+    assert find_checkpoint(tmp_path / "grpo")
+    assert (tmp_path / "grpo" / "checkpoint.tmp").read_text() == "in the way"
 
 
-def test_a_leftover_checkpoint_tmp_is_cleared_on_the_next_start(finished_run, tmp_path):
+def test_a_leftover_temporary_is_cleared_on_the_next_start(finished_run, tmp_path):
+    """A save killed while it filled its folder: the record names the temporary, the next start removes it."""
     out = copy_of(finished_run, tmp_path)
-    (out / "grpo" / "checkpoint.tmp" / "model").mkdir(parents=True)
+    with owned(out, "runs") as runs:
+        leftover = runs.subfolder("grpo", "run").reserve("checkpoint", ANY_DIR)
+    (leftover / "model").mkdir(parents=True)
     train.main(FINISHED + ["--out", str(out), "--resume"])
-    assert not (out / "grpo" / "checkpoint.tmp").exists()
+    assert not leftover.exists()
 
 
 def test_an_interrupt_on_an_evaluation_step_still_logs_its_groups(tmp_path, monkeypatch):
@@ -452,8 +468,8 @@ def test_an_interrupt_on_an_evaluation_step_still_logs_its_groups(tmp_path, monk
 
     monkeypatch.setattr(train, "train_step", step_then_ctrl_c)
     args = train.parse_args(TINY + ["--steps", "4", "--eval-every", "2", "--out", str(tmp_path)])
-    with pytest.raises(KeyboardInterrupt):
-        train.train(args, tmp_path / "grpo", stop)
+    with pytest.raises(KeyboardInterrupt), owned(tmp_path, "runs") as out:
+        train.train(args, out.subfolder("grpo", "run"), stop)
     assert sorted({r["step"] for r in read_jsonl(tmp_path / "grpo" / "samples.jsonl")}) == [2]
 
 
@@ -465,6 +481,171 @@ def test_a_run_warns_once_when_a_prompt_exceeds_the_context(tmp_path, capsys):
                 "--out", str(tmp_path / "run")])
     warnings = [line for line in capsys.readouterr().out.splitlines() if "context" in line]
     assert len(warnings) == 1 and "exceeds the model's context of 1024 tokens" in warnings[0]
+
+
+# ---------------------------------------------------------------- written.py's rule: only what a script wrote
+
+
+def test_a_folder_of_run_file_names_no_run_wrote_is_refused_and_kept(tmp_path):
+    """Issue 54: <out>/grpo holding a user's summary.json, evals.jsonl, samples.jsonl and checkpoint.tmp/:
+    before, a fresh run deleted all four (they carry run files' names), exit 0."""
+    run_dir = runs_folder(tmp_path / "out") / "grpo"
+    (run_dir / "checkpoint.tmp").mkdir(parents=True)
+    for name in ("summary.json", "evals.jsonl", "samples.jsonl", "checkpoint.tmp/notes.txt"):
+        (run_dir / name).write_text(f"the user's {name}")
+    mine = files_under(run_dir)
+    for extra in ([], ["--overwrite"]):
+        with pytest.raises(SystemExit) as exit_info:
+            train.main(TINY + ["--steps", "1", "--out", str(run_dir.parent), *extra])
+        line = str(exit_info.value.code)
+        assert line.startswith(f"error: {run_dir} holds files and no record") and "\n" not in line
+        assert files_under(run_dir) == mine
+
+
+@pytest.mark.parametrize("lock", ["file", "symlink"])
+def test_a_users_lock_file_at_out_is_never_written(finished_run, tmp_path, monkeypatch, lock):
+    """Issue 54: before, <out>/.lock was truncated to a pid by any run that reached the lock, a refused one
+    too, and a symlink's target with it. The lock is now the folder itself (`written.owned`)."""
+    out = copy_of(finished_run, tmp_path)
+    target = tmp_path / "mine.txt"
+    target.write_text("the user's")
+    if lock == "file":
+        target.rename(out / ".lock")
+        target = out / ".lock"
+    else:
+        (out / ".lock").symlink_to(target)
+    no_model_in_a_run(monkeypatch)
+    with pytest.raises(SystemExit) as exit_info:  # refused: the run is there
+        train.main(FINISHED + ["--out", str(out)])
+    assert "holds an earlier run" in str(exit_info.value.code)
+    assert target.read_text() == "the user's"
+
+
+RUN_FILES = ["config.json", "metrics.jsonl", "evals.jsonl", "samples.jsonl", "eval_records.jsonl",
+             "summary.json", "checkpoint", "checkpoint.old", "curves.png"]  # all train.py writes, by name
+
+
+@pytest.mark.parametrize("how", ["--resume", "--overwrite"])
+@pytest.mark.parametrize("name", RUN_FILES)
+def test_a_symlink_at_a_run_file_stops_the_run_in_one_line_and_its_target_stays(finished_run, tmp_path,
+                                                                               monkeypatch, name, how):
+    """A symlink in place of a file train.py writes, in a finished run (issue 54: before, --resume wrote
+    summary.json through it): the run stops before any model in one line naming the path; the target is
+    untouched."""
+    out = copy_of(finished_run, tmp_path)
+    path = out / name if name == "curves.png" else out / "grpo" / name
+    target = tmp_path / "target"
+    if name.startswith("checkpoint"):
+        target.mkdir()
+        (target / "state.pt").write_text("the user's")
+    else:
+        target.write_text("the user's")
+    if os.path.lexists(path):
+        os.rename(path, tmp_path / "moved away")
+    path.symlink_to(target)
+    kept = files_under(target) if target.is_dir() else target.read_text()
+    no_model_in_a_run(monkeypatch)
+    with pytest.raises(SystemExit) as exit_info:
+        train.main(FINISHED + ["--out", str(out), how, *(["--steps", "3"] if how == "--resume" else [])])
+    line = str(exit_info.value.code)
+    assert str(path) in line and "\n" not in line, line
+    assert (files_under(target) if target.is_dir() else target.read_text()) == kept
+
+
+def test_a_changed_run_file_is_refused_even_with_overwrite(finished_run, tmp_path, monkeypatch):
+    """A user's edit of summary.json makes it theirs: --overwrite leaves it, and the run, as they are."""
+    out = copy_of(finished_run, tmp_path)
+    (out / "grpo" / "summary.json").write_text("{'my': 'notes'}")
+    before = files_under(out)
+    no_model_in_a_run(monkeypatch)
+    with pytest.raises(SystemExit) as exit_info:
+        train.main(FINISHED + ["--out", str(out), "--overwrite"])
+    assert str(exit_info.value.code).startswith(f"error: {out / 'grpo' / 'summary.json'} is changed since a "
+                                                "script wrote it")
+    assert files_under(out) == before
+
+
+KILLER = """
+import os, random, shutil, signal, sys
+sys.path.insert(0, {root!r})
+import train
+
+ops = [0]  # the filesystem changes the run makes from the start of its logs: killed before the k-th
+real = {{name: getattr(os, name) for name in ("replace", "rename", "unlink", "rmdir")}}
+KILL_AT = None
+
+def counted(name):
+    def op(*args, **kwargs):
+        ops[0] += 1
+        if ops[0] == KILL_AT:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return real[name](*args, **kwargs)
+    return op
+
+real_start, real_first_eval = train.start_logs, train.first_eval
+
+def start_logs(*args):  # the run's start: what --overwrite removes and what it writes first
+    for name in real:
+        setattr(os, name, counted(name))
+    return real_start(*args)
+
+def first_eval(*args):  # the start done: killed here if not before
+    real_first_eval(*args)
+    open({count!r}, "w").write(str(ops[0]))
+    os.kill(os.getpid(), signal.SIGKILL)
+
+train.start_logs, train.first_eval = start_logs, first_eval
+
+def start(out, kill_at):  # a child process (no torch op has run here: fork is safe), killed in its start
+    global KILL_AT
+    if os.fork() == 0:
+        KILL_AT = kill_at
+        train.main({flags!r} + ["--out", out, "--overwrite"])
+        os._exit(0)
+    os.wait()
+
+shutil.copytree({finished!r}, {tmp!r} + "/count")
+start({tmp!r} + "/count", None)  # counts the changes
+rng = random.Random(0)
+total = int(open({count!r}).read())
+for i in range(20):
+    out = {tmp!r} + f"/out-{{i}}"
+    shutil.copytree({finished!r}, out)
+    start(out, rng.randint(1, total))
+"""
+
+
+def test_sigkilled_20_times_in_overwrite_nothing_is_lost_and_resume_continues_or_refuses(finished_run, tmp_path,
+                                                                                        monkeypatch):
+    """--overwrite over a finished run, SIGKILLed before a random one of the filesystem changes of its start
+    (removing the run, then its config, logs and first evaluation): the user's notes.txt beside the run
+    stays, and --resume either refuses in one line or finds the finished run whole, to continue exactly."""
+    notes = finished_run / "notes.txt"
+    notes.write_text("the user's")
+    try:
+        killer = subprocess.run([sys.executable, "-c", KILLER.format(
+            root=str(ROOT), flags=FINISHED, tmp=str(tmp_path), count=str(tmp_path / "ops"),
+            finished=str(finished_run))], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    finally:
+        notes.unlink()
+    assert killer.returncode == 0, killer.stderr[-3000:]
+    whole = {k: v for k, v in files_under(finished_run / "grpo").items() if not k.startswith(RECORD)}
+    no_model_in_a_run(monkeypatch)
+    outcomes = Counter()
+    for i in range(20):
+        out = tmp_path / f"out-{i}"
+        assert (out / "notes.txt").read_text() == "the user's"
+        with pytest.raises((SystemExit, AssertionError)) as stopped:  # AssertionError: it went on to the model
+            train.main(FINISHED + ["--out", str(out), "--resume"])
+        if stopped.type is SystemExit:
+            line = str(stopped.value.code)
+            assert line.startswith("error: --resume: ") and "\n" not in line, (i, line)
+            outcomes["refused"] += 1
+        else:
+            assert {k: v for k, v in files_under(out / "grpo").items()
+                    if not k.startswith(RECORD) and ".tmp" not in k.split("/")[0]} == whole, i
+            outcomes["continues"] += 1
+    print(dict(outcomes), "of 20 kills among", (tmp_path / "ops").read_text(), "filesystem changes")
 
 
 # ---------------------------------------------------------------- one owner; a reward that hangs in a run

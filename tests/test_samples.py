@@ -13,6 +13,7 @@ from advantage import advantage_collapse_rate, avspo_advantages, grpo_advantages
 from data.tasks import Problem
 from metrics import SAMPLE_CHARS, SAMPLE_GROUPS, group_samples, show_group
 from run_folder import read_jsonl, resume_conflicts, start_logs, write_jsonl
+from written import owned
 
 TINY = ["--model", "tiny-qwen2", "--max-new-tokens", "8", "--group-size", "4", "--eval-size", "4"]
 # even golds: every completion right (a collapsed group); odd golds: right by the completion's length (mixed)
@@ -124,9 +125,10 @@ def test_by_default_only_evaluation_steps_are_logged_and_a_flag_quiets_the_termi
 
 
 def test_a_resumed_run_keeps_the_samples_its_checkpoint_covers_and_may_log_otherwise(tmp_path):
-    write_jsonl(tmp_path / "samples.jsonl", [{"step": s, "group": 0} for s in (10, 20, 30)])
-    (tmp_path / "config.json").write_text(json.dumps(dataclasses.asdict(train.Args())))
-    start_logs(tmp_path, {}, 20)
+    with owned(tmp_path, "run") as folder:
+        write_jsonl(folder, "samples.jsonl", [{"step": s, "group": 0} for s in (10, 20, 30)])
+        folder.write("config.json", json.dumps(dataclasses.asdict(train.Args())))
+        start_logs(folder, {}, 20)
     assert [r["step"] for r in read_jsonl(tmp_path / "samples.jsonl")] == [10, 20]
     # what is logged and shown leaves the steps as they were: --resume may change it
     assert resume_conflicts(tmp_path, train.Args(log_samples="every", show_group=False)) is None

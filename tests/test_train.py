@@ -22,6 +22,7 @@ from hardware import working_copy
 from metrics import collapse_warning, early_steps, group_map, step_metrics, summarise_run
 from model import completion_logprobs, completion_mask_from_eos, load_model, sample
 from run_folder import find_checkpoint, read_jsonl, start_logs, write_jsonl
+from written import owned
 
 TINY = ["--model", "tiny-qwen2", "--max-new-tokens", "8", "--group-size", "4", "--eval-size", "4"]
 ROOT = Path(__file__).resolve().parent.parent
@@ -342,10 +343,11 @@ def test_logs_keep_what_the_checkpoint_covers_and_a_fresh_run_keeps_nothing(tmp_
                                                                              kept_steps):
     """A fresh run in the folder of an earlier one must not inherit its step-0 evaluation: the summary's
     accuracy before training is the first record of evals.jsonl."""
-    write_jsonl(tmp_path / "evals.jsonl", [{"step": s, "eval_accuracy": 0.5} for s in (0, 2, 4)])
-    write_jsonl(tmp_path / "metrics.jsonl", [{"step": s, "gen_tokens_total": 10 * s, "train_tokens_total": s}
-                                             for s in (1, 2, 3, 4)])
-    totals = start_logs(tmp_path, {"seed": 1}, last_step)
+    with owned(tmp_path, "run") as folder:
+        write_jsonl(folder, "evals.jsonl", [{"step": s, "eval_accuracy": 0.5} for s in (0, 2, 4)])
+        write_jsonl(folder, "metrics.jsonl", [{"step": s, "gen_tokens_total": 10 * s, "train_tokens_total": s}
+                                              for s in (1, 2, 3, 4)])
+        totals = start_logs(folder, {"seed": 1}, last_step)
     assert [r["step"] for r in read_jsonl(tmp_path / "evals.jsonl")] == kept_evals
     assert [r["step"] for r in read_jsonl(tmp_path / "metrics.jsonl")] == kept_steps
     # where the resumed run goes on
@@ -656,11 +658,11 @@ def test_a_collapsed_start_prints_one_line_naming_its_end(tmp_path, monkeypatch,
     monkeypatch.syspath_prepend(str(tmp_path))
     flags = ["--reward", f"early_acr_rewards:{reward}"] if reward else []
     train.main(TINY + flags + ["--steps", "5", "--eval-every", "0", "--save-every", "0",
-                               "--out", str(tmp_path)])
+                               "--out", str(tmp_path / "out")])
     warnings = [line for line in capsys.readouterr().out.split("\n") if "early ACR" in line]
     assert len(warnings) == 1 and end in warnings[0] and "--algo avspo or dapo" in warnings[0]
     assert "over the first 1 steps" in warnings[0]
-    summary = json.loads((tmp_path / "grpo" / "summary.json").read_text())
+    summary = json.loads((tmp_path / "out" / "grpo" / "summary.json").read_text())
     assert (summary["early_steps"], summary["early_acr"]) == (1, 1.0)
     assert summary["early_all_wrong_frac" if not reward else "early_all_correct_frac"] == 1.0
     assert summary["steps_without_signal"] == 5  # every group collapsed in every step
@@ -669,9 +671,10 @@ def test_a_collapsed_start_prints_one_line_naming_its_end(tmp_path, monkeypatch,
 def test_summary_counts_the_steps_that_trained_no_row(tmp_path):
     step = {"time_generate": 1.0, "time_score": 0.0, "time_train": 1.0, "acr": 0.5, "acr_effective": 0.5,
             "reward_mean": 0.5, "all_wrong_frac": 0.5, "all_correct_frac": 0.0}
-    write_jsonl(tmp_path / "metrics.jsonl", [{**step, "rows_trained": n} for n in (8, 0, 3, 0, 0)])
-    write_jsonl(tmp_path / "evals.jsonl", [{"eval_accuracy": 0.25}, {"eval_accuracy": 0.5}])
-    assert summarise_run(tmp_path, "grpo")["steps_without_signal"] == 3
+    with owned(tmp_path, "run") as folder:
+        write_jsonl(folder, "metrics.jsonl", [{**step, "rows_trained": n} for n in (8, 0, 3, 0, 0)])
+        write_jsonl(folder, "evals.jsonl", [{"eval_accuracy": 0.25}, {"eval_accuracy": 0.5}])
+        assert summarise_run(folder, "grpo")["steps_without_signal"] == 3
 
 
 def test_a_step_that_trains_no_row_still_moves_the_weights_by_adams_momentum(tiny, rollout):
@@ -691,10 +694,11 @@ def test_a_step_that_trains_no_row_still_moves_the_weights_by_adams_momentum(tin
 
 def test_collapse_warning_stays_quiet_below_three_groups_in_four(tmp_path):
     records = [{"acr": acr, "all_wrong_frac": acr, "all_correct_frac": 0.0} for acr in (1.0, 0.5, 0.5, 1.0)]
-    write_jsonl(tmp_path / "metrics.jsonl", records)  # mean ACR 0.75: warned
-    assert "early ACR 0.75" in collapse_warning(tmp_path, 8)
-    write_jsonl(tmp_path / "metrics.jsonl", records[1:])  # mean 0.67
-    assert collapse_warning(tmp_path, 8) is None
+    with owned(tmp_path, "run") as folder:
+        write_jsonl(folder, "metrics.jsonl", records)  # mean ACR 0.75: warned
+        assert "early ACR 0.75" in collapse_warning(tmp_path, 8)
+        write_jsonl(folder, "metrics.jsonl", records[1:])  # mean 0.67
+        assert collapse_warning(tmp_path, 8) is None
     assert [early_steps(n) for n in (1, 5, 40, 100, 1000)] == [1, 1, 8, 20, 100]
 
 

@@ -199,3 +199,32 @@ def test_killed_at_random_moments_the_record_still_knows_every_file_and_the_user
             again.clear()
         assert sorted(p.name for p in folder.iterdir() if not p.name.startswith(RECORD)) == ["user.txt"]
         (folder / "user.txt").unlink()
+
+
+def test_a_file_or_a_read_only_place_where_the_folder_should_be_is_one_line(tmp_path):
+    (tmp_path / "file").write_text("the user's")
+    with pytest.raises(NotWritten, match="file: not a folder this script can write"):
+        with owned(tmp_path / "file", "run"):
+            pass
+    assert (tmp_path / "file").read_text() == "the user's"
+    with pytest.raises(NotWritten, match="not a folder this script can write"):
+        with owned(tmp_path / "file" / "below", "run"):
+            pass
+
+
+def test_a_write_that_fails_leaves_no_temporary_and_the_file_as_it_was(tmp_path, monkeypatch):
+    with owned(tmp_path / "f", "eval") as folder:
+        folder.write("summary.json", "old")
+
+        real_replace = os.replace
+
+        def disk_full(src, dst):  # at the rename into place; the record is still written
+            if Path(dst).name == "summary.json":
+                raise OSError(28, "No space left on device")
+            real_replace(src, dst)
+
+        monkeypatch.setattr(os, "replace", disk_full)
+        with pytest.raises(OSError, match="No space left"):
+            folder.write("summary.json", "new")
+        assert sorted(os.listdir(folder.path)) == [RECORD, "summary.json"]
+        assert (folder.path / "summary.json").read_text() == "old" and folder.foreign() == []
