@@ -45,7 +45,6 @@ Time: steps x step_seconds x (B*G / 64) + evaluations x eval_seconds, summed ove
 
 import argparse
 import dataclasses
-import io
 import json
 import math
 import multiprocessing
@@ -145,13 +144,12 @@ HOW_RUN = ("out", "resume", "overwrite", "save_every", "micro_batch", "grad_chec
 def check_run(run: Path, seed: int, flags: list[str]) -> None:
     """A RunFolderError, in one line saying what to type, when the run <out>/<algo> may not be reused or
     continued for train.py `flags` on `seed`: its config.json records other flags (another level at a
-    scatter point, fewer steps), or its summary.json is damaged and no checkpoint can redo it."""
+    scatter point, fewer steps), or its summary.json is damaged."""
     summary = run / "summary.json"
+    if summary.exists() and not finished(run):  # train.py writes it whole: damaged since, by someone else
+        raise RunFolderError(f"{summary} is damaged (not a run's summary): restore it (git checkout, for a "
+                             f"committed run), or move {run} away to train the run again")
     if not (finished(run) or find_checkpoint(run)):
-        if summary.exists():
-            raise RunFolderError(f"{summary} is damaged and {run} holds no checkpoint to redo it from: "
-                                 "restore it (git checkout, for a committed run), or move the run away to "
-                                 "train it again")
         return  # absent, or stopped before its first checkpoint: trained afresh
     saved = saved_config(run)
     argv = flags + ["--algo", run.name, "--seed", str(seed)]
@@ -653,13 +651,6 @@ FIGURES = {"difficulty": ("acr_vs_difficulty.png",),  # what each part draws, in
 RESULTS = "results.json"  # every number the README quotes (docs/results.json)
 
 
-def draw(figures: Folder, name: str, plot: Callable, data, *title: str) -> None:
-    """The figure `plot` draws of `data`, written whole through the folder's record (`written.Folder`)."""
-    png = io.BytesIO()
-    plot(data, png, *title)  # matplotlib writes a PNG to a file object
-    figures.write(name, png.getvalue())
-
-
 def compare_part(args: argparse.Namespace, folder: Path, methods: list[str], figures: Folder | None) -> dict:
     """compare (and readings, in its own folder): the training runs and the table; with `figures`, the
     curves, accuracy against cost and tokens, and the collapse map of the first seed."""
@@ -673,13 +664,13 @@ def compare_part(args: argparse.Namespace, folder: Path, methods: list[str], fig
     if figures:
         runs_by_method = {m: [run_dir(folder, m, s) for s in seeds] for m in methods}
         title = f"{args.model} on arith-mix, B={args.prompts_per_step}, G={args.group_size}, seeds {seeds}"
-        draw(figures, "compare.png", plot_compare_curves, runs_by_method, title)
-        draw(figures, "compare_accuracy.png", plot_accuracy_vs_compute, table, title)
-        draw(figures, "compare_learning.png", plot_accuracy_vs_tokens, table,
-             f"{title}: {args.eval_size} held-out problems, mean and range of the seeds")
-        draw(figures, "collapse_map.png", plot_collapse_map,
-             {m: runs[0] for m, runs in runs_by_method.items()},
-             f"{args.model} on arith-mix, B={args.prompts_per_step}, G={args.group_size}, seed {seeds[0]}")
+        plot_compare_curves(runs_by_method, figures, "compare.png", title)
+        plot_accuracy_vs_compute(table, figures, "compare_accuracy.png", title)
+        plot_accuracy_vs_tokens(table, figures, "compare_learning.png",
+                                f"{title}: {args.eval_size} held-out problems, mean and range of the seeds")
+        plot_collapse_map({m: runs[0] for m, runs in runs_by_method.items()}, figures, "collapse_map.png",
+                          f"{args.model} on arith-mix, B={args.prompts_per_step}, G={args.group_size}, "
+                          f"seed {seeds[0]}")
     return table
 
 
@@ -690,7 +681,7 @@ def scatter_part(args: argparse.Namespace, folder: Path, figures: Folder) -> dic
              str(args.scatter_steps), "--eval-size", str(args.scatter_eval_size), "--save-every", "0"]
     result = scatter(folder, args.scatter_levels.split(","), [int(g) for g in args.scatter_g.split(",")],
                      [int(s) for s in args.scatter_seeds.split(",")], flags, args.resamples, args.jobs)
-    draw(figures, "early_acr_vs_accuracy.png", plot_early_acr_scatter, result)
+    plot_early_acr_scatter(result, figures, "early_acr_vs_accuracy.png")
     return result
 
 
@@ -700,9 +691,8 @@ def precision_part(args: argparse.Namespace, folder: Path, figures: Folder) -> d
              str(args.precision_steps), "--save-every", "0"]  # otherwise the default run's own settings
     seeds = [int(s) for s in args.precision_seeds.split(",")]
     result = precision(folder, seeds, flags, args.jobs)
-    draw(figures, "precision.png", plot_precision_curves,
-         {name: [Path(run) for run in result[name]["runs"]] for name in PRECISIONS},
-         f"{args.model}, the default run, seeds {seeds}")
+    plot_precision_curves({name: [Path(run) for run in result[name]["runs"]] for name in PRECISIONS}, figures,
+                          "precision.png", f"{args.model}, the default run, seeds {seeds}")
     return result
 
 
@@ -758,8 +748,7 @@ def run_parts(args: argparse.Namespace, parts: list[str], out: Folder, figures: 
     results["scale"] = {k: v for k, v in vars(args).items() if k not in ("out", "figures", "only")}
     if "difficulty" in parts:
         results["difficulty"] = acr_by_difficulty(args.model, args.difficulty_prompts, 8, args.max_new_tokens)
-        draw(figures, "acr_vs_difficulty.png", plot_difficulty, results["difficulty"],
-             f"{args.model}, G=8, T=1")
+        plot_difficulty(results["difficulty"], figures, "acr_vs_difficulty.png", f"{args.model}, G=8, T=1")
     for part, methods, drawn in (("compare", args.methods, figures), ("readings", args.readings, None)):
         if part in parts:  # readings: GRPO rerun beside AVSPO's readings, on this machine (the docstring)
             folder = out.subfolder(part, "experiments").path
