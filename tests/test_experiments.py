@@ -23,6 +23,11 @@ from written import owned
 LEVELS = np.array(["easy"] * 20 + ["hard"] * 30)
 
 
+def write_jsonl(path: Path, records: list[dict]) -> None:
+    """A log as train.py leaves it, for the functions that only read logs."""
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+
+
 def synthetic_correct(rng: np.random.Generator, methods: int, seeds: int, p_easy: float = 0.8,
                       p_hard: float = 0.3) -> np.ndarray:
     """correct [M, S, N]: independent 0/1 answers, easy problems right with p_easy, hard ones with p_hard."""
@@ -177,15 +182,14 @@ def test_accuracy_curves_average_seeds_by_step_and_name_a_run_with_a_missing_eva
     runs = [tmp_path / "seed0", tmp_path / "seed1"]
     for run, (accuracy, tokens) in zip(runs, [((0.2, 0.4, 0.6), 10), ((0.4, 0.6, 1.0), 30)]):
         run.mkdir()
-        run_folder.write_jsonl(run / "evals.jsonl", [{"step": s, "eval_accuracy": a}
-                                                 for s, a in zip((0, 2, 4), accuracy)])
-        run_folder.write_jsonl(run / "metrics.jsonl", [{"step": s, "gen_tokens_total": tokens * s}
-                                                   for s in (1, 2, 3, 4)])
+        write_jsonl(run / "evals.jsonl", [{"step": s, "eval_accuracy": a}
+                                          for s, a in zip((0, 2, 4), accuracy)])
+        write_jsonl(run / "metrics.jsonl", [{"step": s, "gen_tokens_total": tokens * s} for s in (1, 2, 3, 4)])
     curve = experiments.accuracy_curves(runs)
     assert curve["steps"] == [0, 2, 4] and curve["gen_tokens"] == [0, 40, 80]
     assert curve["accuracy"] == pytest.approx([0.3, 0.5, 0.8])
     assert curve["accuracy_low"] == [0.2, 0.4, 0.6] and curve["accuracy_high"] == [0.4, 0.6, 1.0]
-    run_folder.write_jsonl(runs[1] / "evals.jsonl", [{"step": s, "eval_accuracy": 0.5} for s in (0, 4)])
+    write_jsonl(runs[1] / "evals.jsonl", [{"step": s, "eval_accuracy": 0.5} for s in (0, 4)])
     with pytest.raises(SystemExit, match=r"seed1/evals.jsonl: evaluated at steps \[0, 4\], not \[0, 2, 4\]"):
         experiments.accuracy_curves(runs)
 
@@ -197,7 +201,7 @@ def test_collapse_counts_the_steps_whose_gradient_norm_was_clipped(tmp_path):
     for run, (max_norm, norms) in zip(runs, [(1.0, [0.5, 1.0, 1.5, 3.0]), (2.0, [0.0, 1.5, 2.5, 0.1])]):
         run.mkdir()
         (run / "config.json").write_text(json.dumps({"max_grad_norm": max_norm}))
-        run_folder.write_jsonl(run / "metrics.jsonl", [
+        write_jsonl(run / "metrics.jsonl", [
             {"step": s, "grad_norm": n, "acr": 0.5, "acr_effective": 0.5, "all_correct_frac": 0.25,
              "all_wrong_frac": 0.25} for s, n in enumerate(norms, 1)])
     clipped = experiments.collapse(runs)["clipped"]
@@ -210,7 +214,7 @@ def test_seed_cpus_reads_each_runs_machines(tmp_path):
     for method, cpus in (("grpo", ["Xeon"]), ("avspo", ["Xeon", "EPYC"]), ("aapo", [])):
         folder = experiments.run_dir(tmp_path, method, 0).parent
         folder.mkdir(parents=True)
-        run_folder.write_jsonl(folder / "machines.jsonl", [{"cpu": cpu} for cpu in cpus])
+        write_jsonl(folder / "machines.jsonl", [{"cpu": cpu} for cpu in cpus])
     assert experiments.seed_cpus(tmp_path, ["grpo", "aapo"], 0) == {"Xeon"}
     assert experiments.seed_cpus(tmp_path, ["grpo", "avspo"], 0) == {"Xeon", "EPYC"}
 
