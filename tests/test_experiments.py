@@ -184,7 +184,8 @@ def test_accuracy_curves_average_seeds_by_step_and_name_a_run_with_a_missing_eva
         run.mkdir()
         write_jsonl(run / "evals.jsonl", [{"step": s, "eval_accuracy": a}
                                           for s, a in zip((0, 2, 4), accuracy)])
-        write_jsonl(run / "metrics.jsonl", [{"step": s, "gen_tokens_total": tokens * s} for s in (1, 2, 3, 4)])
+        write_jsonl(run / "metrics.jsonl", [{"step": s, "gen_tokens_total": tokens * s}
+                                            for s in (1, 2, 3, 4)])
     curve = experiments.accuracy_curves(runs)
     assert curve["steps"] == [0, 2, 4] and curve["gen_tokens"] == [0, 40, 80]
     assert curve["accuracy"] == pytest.approx([0.3, 0.5, 0.8])
