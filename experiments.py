@@ -1,6 +1,8 @@
-"""Evidence that can tell the methods apart, at small scale: figures and docs/results.json.
+"""Evidence that can tell the methods apart, at small scale: figures and results.json (docs/ holds those the
+README quotes).
 
     python experiments.py                  # difficulty, compare, scatter (--dry-run: the time estimate)
+    python experiments.py --figures docs   # the same, rewriting docs/results.json and docs/*.png
     python experiments.py --only compare   # one or more parts: difficulty, compare, scatter, precision
     python experiments.py --quick          # tiny model, 2 steps: the whole pipeline in ~1 min (a CI test)
 
@@ -31,13 +33,18 @@
    well as fp32? Held-out accuracy, batch reward and seconds per step against steps. Only with
    --only precision: where bf16 is emulated (a CPU with AVX2 alone) its runs take many times longer.
 
-Runs whose summary.json exists are skipped and unfinished ones resume from their last checkpoint, so a rerun
-(after Ctrl-C, in another session, or with more --seeds) only fills gaps.
+Finished runs are reused and unfinished ones resume from their last checkpoint, so a rerun (after Ctrl-C, in
+another session, or with more --seeds) only fills gaps; a run is reused or resumed only when its config.json
+holds the flags asked for (else one line names the run and the flag: `check_run`). Everything goes through
+written.py's records: the runs, results.json and the figures under --out (<out>/figures), or the figures and
+results.json in --figures (`--figures docs` rewrites the committed ones: a folder experiments.py wrote, or a
+new one).
 Time: steps x step_seconds x (B*G / 64) + evaluations x eval_seconds, summed over runs
 (`estimate`, printed first).
 """
 
 import argparse
+import dataclasses
 import json
 import math
 import multiprocessing
@@ -46,6 +53,7 @@ import platform
 import signal
 import sys
 from concurrent.futures import FIRST_EXCEPTION, ProcessPoolExecutor, wait
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Callable
 
@@ -58,15 +66,15 @@ from advantage import advantage_collapse_rate
 from data.tasks import LEVELS, load_problems
 from decoding import decode
 from eval import evaluate, score_groups
-from flags import FlagParser, at_least, folder, in_range
+from flags import FlagParser, at_least, dataclass_parser, folder, in_range
 from hardware import cpu_features, pick_device, resolve_precision, working_copy
 from model import load_model, sample
 from plots import (plot_accuracy_vs_compute, plot_accuracy_vs_tokens, plot_collapse_map, plot_compare_curves,
                    plot_difficulty, plot_early_acr_scatter, plot_precision_curves)
-from run_folder import append_jsonl, find_checkpoint, holds_a_run, read_jsonl
+from run_folder import RunFolderError, find_checkpoint, read_jsonl, saved_config
 from verifier import load_reward
+from written import Folder, NotWritten, owned
 
-DOCS = Path(__file__).resolve().parent / "docs"
 COMPARE = ("grpo", "avspo", "avspo-always", "aapo", "dapo")
 READINGS = ("grpo", "avspo", "avspo-fixed", "avspo-k1", "avspo-wrong", "avspo-correct")
 METHODS = {"grpo": ("grpo", []), "avspo": ("avspo", []),  # name: (train.py --algo, extra flags)
@@ -107,19 +115,52 @@ def acr_by_difficulty(model_name: str, prompts: int, group_size: int, max_new_to
     return result
 
 
-def run_training(out: Path, seed: int, algos: list[str], flags: list[str]) -> None:
-    """One train.py invocation for the algorithms of `algos` that have no summary.json yet (same prompts);
-    one that stopped part-way goes on from its checkpoint (--resume; steps depend on seed and step alone)."""
-    missing = [a for a in algos if not (out / a / "summary.json").exists()]
-    if missing:
-        out.mkdir(parents=True, exist_ok=True)
-        append_jsonl(out / "machines.jsonl", {"algos": missing, **machine()})  # one line per (re)start
-        # one stopped before its first checkpoint (or with --save-every 0) starts again: --resume refuses it
-        again = [a for a in missing if holds_a_run(out / a) and not find_checkpoint(out / a)]
-        for algos_now, how in ((again, "--overwrite"), ([a for a in missing if a not in again], "--resume")):
-            if algos_now:
-                train.main(flags + ["--algo", ",".join(algos_now), "--seed", str(seed), "--out", str(out),
-                                    how])
+def run_training(out: Path, seed: int, algo: str, flags: list[str]) -> None:
+    """train.py's run <out>/<algo> (`check_run` allowed it), unless it is finished: one that stopped part-way
+    goes on from its checkpoint (--resume; steps depend on seed and step alone), one stopped before its first
+    checkpoint (or with --save-every 0) starts again (--overwrite: --resume refuses it)."""
+    if finished(out / algo):
+        return
+    with owned(out, "runs") as runs:  # released before train.py takes it
+        runs.remove_temporaries()
+        runs.append("machines.jsonl", json.dumps({"algos": [algo], **machine()}) + "\n")  # one per (re)start
+    train.main(flags + ["--algo", algo, "--seed", str(seed), "--out", str(out),
+                        "--resume" if find_checkpoint(out / algo) else "--overwrite"])
+
+
+def finished(run: Path) -> bool:
+    """Whether train.py finished the run: its summary.json is whole (a run killed while writing it is not)."""
+    try:
+        return isinstance(json.loads((run / "summary.json").read_text()), dict)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return False
+
+
+# where a run went and how it was started or logged: not what it computed
+HOW_RUN = ("out", "resume", "overwrite", "save_every", "micro_batch", "grad_checkpointing", "log_samples",
+           "show_group")
+
+
+def check_run(run: Path, seed: int, flags: list[str]) -> None:
+    """A RunFolderError, in one line saying what to type, when the run <out>/<algo> may not be reused or
+    continued for train.py `flags` on `seed`: its config.json records other flags (another level at a
+    scatter point, fewer steps), or its summary.json is damaged."""
+    summary = run / "summary.json"
+    if summary.exists() and not finished(run):  # train.py writes it whole: damaged since, by someone else
+        raise RunFolderError(f"{summary} is damaged (not a run's summary): restore it (git checkout, for a "
+                             f"committed run), or move {run} away to train the run again")
+    if not (finished(run) or find_checkpoint(run)):
+        return  # absent, or stopped before its first checkpoint: trained afresh
+    saved = saved_config(run)
+    argv = flags + ["--algo", run.name, "--seed", str(seed)]
+    asked = vars(dataclass_parser(train.Args, "").parse_args(argv))  # as train.py parses them, unchecked
+    asked, default = (json.loads(json.dumps(config)) for config in  # as config.json holds them
+                      (asked, {f.name: f.default for f in dataclasses.fields(train.Args)}))
+    if changed := [f"--{key.replace('_', '-')} {saved.get(key, default[key])} (asked: {value})"
+                   for key, value in asked.items()
+                   if key not in HOW_RUN and saved.get(key, default[key]) != value]:  # newer flag: default
+        raise RunFolderError(f"{run} was trained with {', '.join(changed)} (its config.json): ask for the "
+                             "flags it was trained with, or choose another --out")
 
 
 def machine() -> dict:
@@ -178,7 +219,7 @@ def train_and_score(folder: Path, method: str, seed: int, flags: list[str], prob
                     max_new_tokens: int) -> list[dict]:
     """Train one method on one seed, then its final model's per-problem records on `problems`."""
     run = run_dir(folder, method, seed)
-    run_training(run.parent, seed, [METHODS[method][0]], flags + METHODS[method][1])
+    run_training(run.parent, seed, run.name, flags + METHODS[method][1])
     return final_records(run, problems, max_new_tokens)
 
 
@@ -193,18 +234,21 @@ def held_out(seed: int, per_level: int | None) -> list:
 
 def final_records(run: Path, problems: list, max_new_tokens: int) -> list[dict]:
     """Per-problem correctness of the run's final model (greedy, deterministic): train.py's last evaluation
-    when it covered these problems (--eval-size 336), else the final checkpoint evaluated once and cached next
-    to the run."""
+    when it covered these problems (--eval-size 336), else the final checkpoint evaluated once and cached
+    beside the run, in <out>/final_eval.jsonl (train.py's --out, which holds this run alone)."""
     if [r["question"] for r in read_jsonl(run / "eval_records.jsonl")] == [p.question for p in problems]:
         return read_jsonl(run / "eval_records.jsonl")
-    cache = run / "final_eval.jsonl"
+    cache = run.parent / "final_eval.jsonl"
     # absent, or other problems
     if [r["question"] for r in read_jsonl(cache)] != [p.question for p in problems]:
         model, tokenizer = load_model(str(run / "checkpoint"))
         net = working_copy(model)  # the network train.py evaluates: the same greedy answers
         result = evaluate(net, tokenizer, problems, max_new_tokens=max_new_tokens, sample_completions=decode)
         keep = ("question", "level", "gold", "extracted", "correct")
-        cache.write_text("".join(json.dumps({k: r[k] for k in keep}) + "\n" for r in result["records"]))
+        with owned(run.parent, "runs") as runs:
+            runs.remove_temporaries()
+            runs.write(cache.name, "".join(json.dumps({k: r[k] for k in keep}) + "\n"
+                                           for r in result["records"]))
     return read_jsonl(cache)
 
 
@@ -340,6 +384,8 @@ def compare(folder: Path, methods: list[str], seeds: list[int], flags: list[str]
     """Train every method on every seed into `folder`, evaluate each final checkpoint per problem,
     bootstrap, account costs."""
     order = [(m, s) for s in seeds for m in methods]  # seed by seed: a partial sweep is whole for its seeds
+    for m, s in order:  # before any run starts
+        check_run(run_dir(folder, m, s), s, flags + METHODS[m][1])
     tasks = [(train_and_score, folder, m, s, flags, held_out(s, per_level), max_new_tokens)
              for m, s in order]
     records = dict(zip(order, run_all(tasks, jobs)))
@@ -422,10 +468,12 @@ def scatter(out: Path, levels: list[str], group_sizes: list[int], seeds: list[in
     """Short GRPO runs over levels x G x seeds; each run's early raw ACR (`metrics.early_steps`) and final
     held-out accuracy, from its summary.json."""
     grid = [(level, g, seed) for g in sorted(group_sizes, reverse=True) for level in levels for seed in seeds]
-    folder = lambda level, g, seed: out / "scatter" / f"{level}-g{g}-seed{seed}"  # noqa: E731
-    run_all([(run_training, folder(*cell), cell[2], ["grpo"],
-              flags + ["--dataset", f"arith-{cell[0]}", "--group-size", str(cell[1])])
-             for cell in grid], jobs)
+    folder = lambda level, g, seed: out / f"{level}-g{g}-seed{seed}"  # noqa: E731
+    tasks = [(run_training, folder(*cell), cell[2], "grpo",
+              flags + ["--dataset", f"arith-{cell[0]}", "--group-size", str(cell[1])]) for cell in grid]
+    for _, train_out, seed, algo, run_flags in tasks:  # before any run starts
+        check_run(train_out / algo, seed, run_flags)
+    run_all(tasks, jobs)
     runs = []
     for level, g, seed in sorted(grid, key=lambda cell: (levels.index(cell[0]), cell[1], cell[2])):
         summary = json.loads((folder(level, g, seed) / "grpo" / "summary.json").read_text())
@@ -440,10 +488,13 @@ def precision(out: Path, seeds: list[int], flags: list[str], jobs: int) -> dict:
     if resolve_precision("auto", pick_device()) != "bf16":
         print("warning: this machine has no native bf16 (avx512_bf16, amx_bf16 or CUDA): "
               "the bf16 runs are emulated")
-    folder = lambda name, seed: out / "precision" / f"seed{seed}-{name}"  # noqa: E731
+    folder = lambda name, seed: out / f"seed{seed}-{name}"  # noqa: E731
     # fp32, the slower, first: balances the jobs
-    run_all([(run_training, folder(name, seed), seed, ["grpo"], flags + ["--precision", name])
-             for name in reversed(PRECISIONS) for seed in seeds], jobs)
+    tasks = [(run_training, folder(name, seed), seed, "grpo", flags + ["--precision", name])
+             for name in reversed(PRECISIONS) for seed in seeds]
+    for _, train_out, seed, algo, run_flags in tasks:  # before any run starts
+        check_run(train_out / algo, seed, run_flags)
+    run_all(tasks, jobs)
     result = {}
     for name in PRECISIONS:
         runs = [folder(name, seed) / "grpo" for seed in seeds]
@@ -494,7 +545,8 @@ def make_parser() -> argparse.ArgumentParser:
                    help="the runs; git keeps their logs, not their checkpoints (.gitignore)")
     p.add_argument("--only", default="difficulty,compare,readings,scatter", help="parts to run, comma list")
     p.add_argument("--figures", type=folder, default="",
-                   help="where the PNGs go (default: docs/, or <out>/figures with --quick)")
+                   help="where results.json and the PNGs go (default: <out>/figures); `--figures docs` "
+                   "rewrites the committed ones")
     p.add_argument("--quick", action="store_true", help="tiny model, tiny sizes: checks the whole pipeline")
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--methods", default=",".join(COMPARE),
@@ -551,6 +603,10 @@ def list_problem(args: argparse.Namespace) -> str | None:
         items = getattr(args, name).split(",")
         if not all(x.strip().lstrip("-").isdigit() and int(x) >= least for x in items):
             return f"{flag(name)} {getattr(args, name)}: need a comma list of integers >= {least}"
+    for name in [*CHOICES, *INTEGERS]:  # a seed twice would count one run twice in the bootstrap
+        items = [int(x) if name in INTEGERS else x for x in getattr(args, name).split(",")]
+        if twice := sorted({str(x) for x in items if items.count(x) > 1}):
+            return f"{flag(name)} {getattr(args, name)}: {', '.join(twice)} given twice"
     return None
 
 
@@ -589,7 +645,13 @@ def print_estimate(args: argparse.Namespace, parts: list[str]) -> None:
               "or with fewer --steps, --seeds, --scatter-steps or a smaller --scatter-g grid")
 
 
-def compare_part(args: argparse.Namespace, folder: Path, methods: list[str], figures: Path | None) -> dict:
+FIGURES = {"difficulty": ("acr_vs_difficulty.png",),  # what each part draws, in the figures folder
+           "compare": ("compare.png", "compare_accuracy.png", "compare_learning.png", "collapse_map.png"),
+           "scatter": ("early_acr_vs_accuracy.png",), "precision": ("precision.png",)}
+RESULTS = "results.json"  # every number the README quotes (docs/results.json)
+
+
+def compare_part(args: argparse.Namespace, folder: Path, methods: list[str], figures: Folder | None) -> dict:
     """compare (and readings, in its own folder): the training runs and the table; with `figures`, the
     curves, accuracy against cost and tokens, and the collapse map of the first seed."""
     seeds = [int(s) for s in args.seeds.split(",")]
@@ -602,35 +664,35 @@ def compare_part(args: argparse.Namespace, folder: Path, methods: list[str], fig
     if figures:
         runs_by_method = {m: [run_dir(folder, m, s) for s in seeds] for m in methods}
         title = f"{args.model} on arith-mix, B={args.prompts_per_step}, G={args.group_size}, seeds {seeds}"
-        plot_compare_curves(runs_by_method, figures / "compare.png", title)
-        plot_accuracy_vs_compute(table, figures / "compare_accuracy.png", title)
-        plot_accuracy_vs_tokens(table, figures / "compare_learning.png",
+        plot_compare_curves(runs_by_method, figures, "compare.png", title)
+        plot_accuracy_vs_compute(table, figures, "compare_accuracy.png", title)
+        plot_accuracy_vs_tokens(table, figures, "compare_learning.png",
                                 f"{title}: {args.eval_size} held-out problems, mean and range of the seeds")
-        plot_collapse_map({m: runs[0] for m, runs in runs_by_method.items()}, figures / "collapse_map.png",
+        plot_collapse_map({m: runs[0] for m, runs in runs_by_method.items()}, figures, "collapse_map.png",
                           f"{args.model} on arith-mix, B={args.prompts_per_step}, G={args.group_size}, "
                           f"seed {seeds[0]}")
     return table
 
 
-def scatter_part(args: argparse.Namespace, out: Path, figures: Path) -> dict:
+def scatter_part(args: argparse.Namespace, folder: Path, figures: Folder) -> dict:
     """The early-ACR scatter's GRPO runs, the fit and its figure."""
     flags = ["--model", args.model, "--max-new-tokens", str(args.max_new_tokens), "--steps",
              str(args.scatter_steps), "--prompts-per-step", str(args.scatter_prompts), "--eval-every",
              str(args.scatter_steps), "--eval-size", str(args.scatter_eval_size), "--save-every", "0"]
-    result = scatter(out, args.scatter_levels.split(","), [int(g) for g in args.scatter_g.split(",")],
+    result = scatter(folder, args.scatter_levels.split(","), [int(g) for g in args.scatter_g.split(",")],
                      [int(s) for s in args.scatter_seeds.split(",")], flags, args.resamples, args.jobs)
-    plot_early_acr_scatter(result, figures / "early_acr_vs_accuracy.png")
+    plot_early_acr_scatter(result, figures, "early_acr_vs_accuracy.png")
     return result
 
 
-def precision_part(args: argparse.Namespace, out: Path, figures: Path) -> dict:
+def precision_part(args: argparse.Namespace, folder: Path, figures: Folder) -> dict:
     """The default run in bf16 and fp32, and its figure."""
     flags = ["--model", args.model, "--max-new-tokens", str(args.max_new_tokens), "--steps",
              str(args.precision_steps), "--save-every", "0"]  # otherwise the default run's own settings
     seeds = [int(s) for s in args.precision_seeds.split(",")]
-    result = precision(out, seeds, flags, args.jobs)
-    plot_precision_curves({name: [Path(run) for run in result[name]["runs"]] for name in PRECISIONS},
-                          figures / "precision.png", f"{args.model}, the default run, seeds {seeds}")
+    result = precision(folder, seeds, flags, args.jobs)
+    plot_precision_curves({name: [Path(run) for run in result[name]["runs"]] for name in PRECISIONS}, figures,
+                          "precision.png", f"{args.model}, the default run, seeds {seeds}")
     return result
 
 
@@ -652,33 +714,53 @@ def print_results(results: dict, parts: list[str]) -> None:
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
-    out, parts = Path(args.out), args.only.split(",")
-    figures = Path(args.figures) if args.figures else (out / "figures" if args.quick else DOCS)
+    parts = args.only.split(",")
     print_estimate(args, parts)
     if args.dry_run:
         return {}
-    figures.mkdir(parents=True, exist_ok=True)
-    out.mkdir(parents=True, exist_ok=True)
-    results_path = figures / "results.json"  # docs/results.json: every number the README quotes
-    results = json.loads(results_path.read_text()) if results_path.exists() else {}
+    try:
+        with owned(Path(args.out), "experiments") as out, ExitStack() as stack:
+            apart = args.figures and Path(args.figures).resolve() != out.path.resolve()
+            figures = (stack.enter_context(owned(Path(args.figures), "experiments")) if apart
+                       else out if args.figures else out.subfolder("figures", "experiments"))
+            return run_parts(args, parts, out, figures)
+    except (NotWritten, RunFolderError) as e:
+        sys.exit(f"error: {e}")
+
+
+def run_parts(args: argparse.Namespace, parts: list[str], out: Folder, figures: Folder) -> dict:
+    """The parts asked for, each in its own folder of `out`; their numbers merged into the figures' folder's
+    results.json. What would be refused there (a user's file, a damaged results.json) is, before any run."""
+    for folder in (out, figures):
+        folder.remove_temporaries()  # what a write killed part-way left
+    for name in [RESULTS, *(f for part in parts for f in FIGURES.get(part, ()))]:
+        figures.now(name)  # NotWritten: not ours
+    results = {}
+    if figures.ours(RESULTS):
+        try:
+            results = json.loads((figures.path / RESULTS).read_text())
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise RunFolderError(f"{figures.path / RESULTS} is not JSON ({e}): restore it, or choose another "
+                                 "--figures") from None
+        if not isinstance(results, dict):
+            raise RunFolderError(f"{figures.path / RESULTS} holds a {type(results).__name__}, not results: "
+                                 "restore it, or choose another --figures")
     results["scale"] = {k: v for k, v in vars(args).items() if k not in ("out", "figures", "only")}
     if "difficulty" in parts:
         results["difficulty"] = acr_by_difficulty(args.model, args.difficulty_prompts, 8, args.max_new_tokens)
-        plot_difficulty(results["difficulty"], figures / "acr_vs_difficulty.png", f"{args.model}, G=8, T=1")
-    if "compare" in parts:
-        results["compare"] = compare_part(args, out / "compare", args.methods.split(","), figures)
-    if "readings" in parts:  # GRPO rerun beside AVSPO's readings, on this machine (see the docstring)
-        results["readings"] = compare_part(args, out / "readings", args.readings.split(","), None)
-    for part in ("compare", "readings"):
-        if part in parts:
+        plot_difficulty(results["difficulty"], figures, "acr_vs_difficulty.png", f"{args.model}, G=8, T=1")
+    for part, methods, drawn in (("compare", args.methods, figures), ("readings", args.readings, None)):
+        if part in parts:  # readings: GRPO rerun beside AVSPO's readings, on this machine (the docstring)
+            folder = out.subfolder(part, "experiments").path
+            results[part] = compare_part(args, folder, methods.split(","), drawn)
             results[f"{part}_table"] = markdown_table(results[part])
     if "scatter" in parts:
-        results["scatter"] = scatter_part(args, out, figures)
+        results["scatter"] = scatter_part(args, out.subfolder("scatter", "experiments").path, figures)
     if "precision" in parts:
-        results["precision"] = precision_part(args, out, figures)
-    results_path.write_text(json.dumps(results, indent=2))
+        results["precision"] = precision_part(args, out.subfolder("precision", "experiments").path, figures)
+    figures.write(RESULTS, json.dumps(results, indent=2))
     print_results(results, parts)
-    print(f"results: {results_path}\nfigures: {figures}")
+    print(f"results: {figures.path / RESULTS}\nfigures: {figures.path}")
     return results
 
 

@@ -34,8 +34,9 @@ from pathlib import Path
 
 RECORD = ".written.json"
 KINDS = {  # what a folder holds: which scripts write it
-    "runs": "train.py's runs (--out: a folder per algorithm and curves.png)",
-    "run": "a run of train.py (its logs, checkpoint/, summary.json; experiments.py adds final_eval.jsonl)",
+    "runs": "train.py's runs (--out: a folder per algorithm and curves.png; experiments.py adds "
+            "machines.jsonl and final_eval.jsonl)",
+    "run": "a run of train.py (its logs, checkpoint/, summary.json)",
     "eval": "eval.py's results",
     "experiments": "experiments.py's runs, results.json and figures",
     "downloads": "data/prepare.py's downloads",

@@ -3,8 +3,11 @@ pipeline on the tiny model: every part runs and writes its numbers and figures."
 
 import json
 import math
+import multiprocessing
 import operator
 import os
+import random
+import shutil
 import subprocess
 import time
 from pathlib import Path
@@ -15,8 +18,14 @@ import torch
 
 import experiments
 import run_folder
+from written import owned
 
 LEVELS = np.array(["easy"] * 20 + ["hard"] * 30)
+
+
+def write_jsonl(path: Path, records: list[dict]) -> None:
+    """A log as train.py leaves it, for the functions that only read logs."""
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
 
 
 def synthetic_correct(rng: np.random.Generator, methods: int, seeds: int, p_easy: float = 0.8,
@@ -173,15 +182,15 @@ def test_accuracy_curves_average_seeds_by_step_and_name_a_run_with_a_missing_eva
     runs = [tmp_path / "seed0", tmp_path / "seed1"]
     for run, (accuracy, tokens) in zip(runs, [((0.2, 0.4, 0.6), 10), ((0.4, 0.6, 1.0), 30)]):
         run.mkdir()
-        run_folder.write_jsonl(run / "evals.jsonl", [{"step": s, "eval_accuracy": a}
-                                                 for s, a in zip((0, 2, 4), accuracy)])
-        run_folder.write_jsonl(run / "metrics.jsonl", [{"step": s, "gen_tokens_total": tokens * s}
-                                                   for s in (1, 2, 3, 4)])
+        write_jsonl(run / "evals.jsonl", [{"step": s, "eval_accuracy": a}
+                                          for s, a in zip((0, 2, 4), accuracy)])
+        write_jsonl(run / "metrics.jsonl", [{"step": s, "gen_tokens_total": tokens * s}
+                                            for s in (1, 2, 3, 4)])
     curve = experiments.accuracy_curves(runs)
     assert curve["steps"] == [0, 2, 4] and curve["gen_tokens"] == [0, 40, 80]
     assert curve["accuracy"] == pytest.approx([0.3, 0.5, 0.8])
     assert curve["accuracy_low"] == [0.2, 0.4, 0.6] and curve["accuracy_high"] == [0.4, 0.6, 1.0]
-    run_folder.write_jsonl(runs[1] / "evals.jsonl", [{"step": s, "eval_accuracy": 0.5} for s in (0, 4)])
+    write_jsonl(runs[1] / "evals.jsonl", [{"step": s, "eval_accuracy": 0.5} for s in (0, 4)])
     with pytest.raises(SystemExit, match=r"seed1/evals.jsonl: evaluated at steps \[0, 4\], not \[0, 2, 4\]"):
         experiments.accuracy_curves(runs)
 
@@ -193,7 +202,7 @@ def test_collapse_counts_the_steps_whose_gradient_norm_was_clipped(tmp_path):
     for run, (max_norm, norms) in zip(runs, [(1.0, [0.5, 1.0, 1.5, 3.0]), (2.0, [0.0, 1.5, 2.5, 0.1])]):
         run.mkdir()
         (run / "config.json").write_text(json.dumps({"max_grad_norm": max_norm}))
-        run_folder.write_jsonl(run / "metrics.jsonl", [
+        write_jsonl(run / "metrics.jsonl", [
             {"step": s, "grad_norm": n, "acr": 0.5, "acr_effective": 0.5, "all_correct_frac": 0.25,
              "all_wrong_frac": 0.25} for s, n in enumerate(norms, 1)])
     clipped = experiments.collapse(runs)["clipped"]
@@ -206,7 +215,7 @@ def test_seed_cpus_reads_each_runs_machines(tmp_path):
     for method, cpus in (("grpo", ["Xeon"]), ("avspo", ["Xeon", "EPYC"]), ("aapo", [])):
         folder = experiments.run_dir(tmp_path, method, 0).parent
         folder.mkdir(parents=True)
-        run_folder.write_jsonl(folder / "machines.jsonl", [{"cpu": cpu} for cpu in cpus])
+        write_jsonl(folder / "machines.jsonl", [{"cpu": cpu} for cpu in cpus])
     assert experiments.seed_cpus(tmp_path, ["grpo", "aapo"], 0) == {"Xeon"}
     assert experiments.seed_cpus(tmp_path, ["grpo", "avspo"], 0) == {"Xeon", "EPYC"}
 
@@ -248,9 +257,172 @@ def test_git_keeps_the_experiments_logs_but_not_weights_or_scratch_runs():
     if not (root / ".git").exists():
         pytest.skip("not a git checkout")
     run = "runs/experiments/compare/seed0-grpo/grpo"
-    paths = [f"{run}/metrics.jsonl", f"{run}/final_eval.jsonl", f"{run}/summary.json",
+    paths = [f"{run}/metrics.jsonl", f"{run}/summary.json", f"{run}/.written.json",
+             "runs/experiments/compare/seed0-grpo/final_eval.jsonl",
              f"{run}/checkpoint/model/model.safetensors", f"{run}/checkpoint.old/optimizer.pt",
              "runs/default/grpo/metrics.jsonl", "runs/quick/compare/seed0-grpo/grpo/metrics.jsonl"]
     ignored = subprocess.run(["git", "check-ignore", "--no-index", *paths], cwd=root, capture_output=True,
                              text=True).stdout.split()
-    assert ignored == paths[3:]
+    assert ignored == paths[4:]
+
+
+# ------------------------------------------------------------------ issue 54: what experiments.py may touch
+# The smallest runs experiments.py makes: one GRPO run of 2 steps on the tiny model, without --quick (whose
+# defaults the flags below would otherwise have to beat).
+TINY = ["--model", "tiny-qwen2", "--max-new-tokens", "8", "--resamples", "50", "--jobs", "1"]
+SCATTER = [*TINY, "--only", "scatter", "--scatter-levels", "add1", "--scatter-g", "2", "--scatter-seeds",
+           "0", "--scatter-steps", "2", "--scatter-prompts", "2", "--scatter-eval-size", "4"]
+COMPARE = [*TINY, "--only", "compare", "--methods", "grpo", "--seeds", "0", "--steps", "2",
+           "--prompts-per-step", "2", "--group-size", "4", "--eval-size", "4", "--eval-every", "1",
+           "--per-level", "2"]
+
+
+def tree(folder: Path) -> dict[str, bytes]:
+    """Every file under `folder` and its bytes."""
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def one_line(exit_info, capsys) -> str:
+    """The message experiments.py stopped with: one line, no traceback."""
+    message = str(exit_info.value.code)
+    assert message.startswith("error: ") and "\n" not in message
+    assert "Traceback" not in capsys.readouterr().err
+    return message
+
+
+def timeless(value):
+    """`value` without its wall-clock numbers (seconds), which no two runs share."""
+    if isinstance(value, dict):
+        return {k: timeless(v) for k, v in value.items() if k not in ("seconds", "compare_table", "scale")}
+    return [timeless(v) for v in value] if isinstance(value, list) else value
+
+
+@pytest.fixture(scope="module")
+def scatter_run(tmp_path_factory):
+    """A finished scatter of one run, with the checkout's docs/ as it was before and after it."""
+    out = tmp_path_factory.mktemp("scatter") / "out"
+    docs = Path(experiments.__file__).resolve().parent / "docs"
+    before = tree(docs)
+    results = experiments.main([*SCATTER, "--out", str(out)])
+    return out, results, before, tree(docs)
+
+
+@pytest.fixture(scope="module")
+def compare_run(tmp_path_factory):
+    """A finished comparison of one run, uninterrupted: the reference a resumed one must equal."""
+    out = tmp_path_factory.mktemp("compare") / "out"
+    return out, experiments.main([*COMPARE, "--out", str(out)])
+
+
+def test_out_holds_the_results_and_figures_and_the_checkout_is_left_alone(scatter_run):
+    out, results, docs_before, docs_after = scatter_run
+    assert docs_after == docs_before  # not docs/results.json, not docs/*.png
+    written = json.loads((out / "figures" / "results.json").read_text())
+    assert written["scatter"]["runs"] == results["scatter"]["runs"] and len(written["scatter"]["runs"]) == 1
+    assert (out / "figures" / "early_acr_vs_accuracy.png").stat().st_size > 5_000
+
+
+def test_a_finished_run_is_reused_only_with_the_flags_it_was_trained_with(scatter_run, tmp_path, capsys):
+    """More --scatter-steps, or a run of another level at a scatter point: one line naming the run and the
+    flag, before any run starts, and the runs stay as they were."""
+    out = tmp_path / "out"
+    shutil.copytree(scatter_run[0], out)
+    before = tree(out)
+    with pytest.raises(SystemExit) as exit_info:
+        experiments.main([*SCATTER, "--out", str(out), "--scatter-steps", "4"])
+    assert "add1-g2-seed0/grpo was trained with --steps 2 (asked: 4)" in one_line(exit_info, capsys)
+    (out / "scatter" / "add1-g2-seed0").rename(out / "scatter" / "mul1-g2-seed0")
+    with pytest.raises(SystemExit) as exit_info:
+        experiments.main([*SCATTER, "--out", str(out), "--scatter-levels", "mul1"])
+    assert "--dataset arith-add1 (asked: arith-mul1)" in one_line(exit_info, capsys)
+    assert tree(out) == {name.replace("add1-g2", "mul1-g2"): data for name, data in before.items()}
+
+
+@pytest.mark.parametrize("flags", [["--seeds", "0,0"], ["--methods", "grpo,avspo,grpo"],
+                                   ["--scatter-g", "2,2"], ["--only", "compare,compare"]], ids=" ".join)
+def test_an_item_given_twice_is_refused_at_parse_time(flags, capsys):
+    """--seeds 0,0 would count one run twice in the bootstrap."""
+    with pytest.raises(SystemExit):
+        experiments.parse_args(["--dry-run", *flags])
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and f"{flags[0]} {flags[1]}: " in err and "given twice" in err
+
+
+def test_a_damaged_summary_is_named_in_one_line_and_left_as_it_is(scatter_run, compare_run, tmp_path, capsys):
+    """A 0-byte summary.json (train.py writes it whole: someone else's damage): one line naming it, before
+    any run, whether the part reads it (scatter) or not (compare), and it stays as it is."""
+    for run, argv in ((compare_run, COMPARE), (scatter_run, SCATTER)):
+        out = tmp_path / argv[argv.index("--only") + 1]
+        shutil.copytree(run[0], out)
+        summary = next(out.rglob("summary.json"))
+        summary.write_text("")
+        before = tree(out)
+        with pytest.raises(SystemExit) as exit_info:
+            experiments.main([*argv, "--out", str(out)])
+        assert f"{summary} is damaged" in one_line(exit_info, capsys)
+        assert tree(out) == before
+
+
+def test_a_results_json_that_is_not_json_is_one_line_before_any_run(tmp_path, capsys):
+    figures = tmp_path / "figures"
+    with owned(figures, "experiments") as folder:  # as experiments.py wrote it, then damaged
+        folder.write("results.json", '{"scatter": ')
+    with pytest.raises(SystemExit) as exit_info:
+        experiments.main([*SCATTER, "--out", str(tmp_path / "out"), "--figures", str(figures)])
+    assert f"{figures / 'results.json'} is not JSON" in one_line(exit_info, capsys)
+    assert not (tmp_path / "out" / "scatter").exists()  # no run started
+
+
+def test_figures_in_a_users_folder_are_refused_and_the_users_files_left_as_they_are(tmp_path, capsys):
+    """--figures F where F holds the user's own results.json and figure (no record of experiments.py's), or
+    F is experiments.py's but the figure is the user's: one line, before any run; nothing there changes."""
+    figures = tmp_path / "mine"
+    figures.mkdir()
+    (figures / "results.json").write_text('{"mine": 1}')
+    (figures / "early_acr_vs_accuracy.png").write_bytes(b"my figure")
+    with pytest.raises(SystemExit) as exit_info:
+        experiments.main([*SCATTER, "--out", str(tmp_path / "out"), "--figures", str(figures)])
+    assert str(figures) in one_line(exit_info, capsys)
+    assert tree(figures) == {"results.json": b'{"mine": 1}', "early_acr_vs_accuracy.png": b"my figure"}
+    assert not (tmp_path / "out" / "scatter").exists()
+    with owned(tmp_path / "ours", "experiments") as folder:  # experiments.py's folder, the figure the user's
+        (folder.path / "early_acr_vs_accuracy.png").write_bytes(b"my figure")
+    with pytest.raises(SystemExit) as exit_info:
+        experiments.main([*SCATTER, "--out", str(tmp_path / "out"), "--figures", str(tmp_path / "ours")])
+    assert "early_acr_vs_accuracy.png is not written here" in one_line(exit_info, capsys)
+    assert (tmp_path / "ours" / "early_acr_vs_accuracy.png").read_bytes() == b"my figure"
+    assert not (tmp_path / "out" / "scatter").exists()  # refused before any run
+
+
+def test_killed_at_20_random_moments_it_continues_exactly_and_the_users_files_stay(compare_run, tmp_path):
+    """SIGKILL experiments.py 20 times at random moments (forked from a process that imported it, so each
+    start costs no import): each rerun goes on from what the last left, the user's files in its folders and
+    the checkout's docs/ are as they were, and the run that is let finish gives the uninterrupted run's
+    numbers (the issue allows a refusal in one line; none of these kills leaves cause for one)."""
+    out, rng = tmp_path / "out", random.Random(0)
+    argv = [*COMPARE, "--out", str(out)]
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(["experiments"])
+    users = {out / "notes.txt": b"the user's notes", out / "compare" / "draft.md": b"the user's draft"}
+    docs = Path(experiments.__file__).resolve().parent / "docs"  # the checkout's: no run of --out U's
+    committed = tree(docs)
+    for kill in range(20):
+        child = context.Process(target=experiments.main, args=(argv,))
+        child.start()
+        deadline = time.monotonic() + 60
+        while not (out / "compare").exists() and time.monotonic() < deadline:
+            time.sleep(0.01)  # started: then a random moment
+        time.sleep(rng.uniform(0, 3))
+        child.kill()
+        child.join()
+        for path, data in users.items():
+            if kill == 0:
+                path.write_bytes(data)
+            assert path.read_bytes() == data, f"kill {kill}"
+        assert tree(docs) == committed, f"kill {kill}"
+    try:
+        results = experiments.main(argv)
+    except SystemExit as e:  # none of the kills leaves anything it cannot go on from
+        pytest.fail(f"refused after the kills: {e.code}")
+    assert timeless(results) == timeless(compare_run[1])
+    assert all(path.read_bytes() == data for path, data in users.items()) and tree(docs) == committed
