@@ -168,7 +168,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch-size", type=at_least(1), default=32, help="prompts per generate call")
     p.add_argument("--out", type=folder, default="",
                    help="folder for summary.json and per-model samples JSONL")
-    p.add_argument("--seed", type=int, default=0, help="sampling seed")
+    p.add_argument("--seed", type=at_least(-2**63, 2**64 - 1), default=0,  # torch.manual_seed's range
+                   help="sampling seed")
     p.add_argument("--precision", default="auto", choices=["auto", "fp32", "bf16"],
                    help="auto: bf16 where the GPU or CPU has it natively (as train.py), else fp32")
     p.add_argument("--prompt-format", default="chat", choices=PROMPT_FORMATS,

@@ -22,11 +22,12 @@ def arg(default, help: str, **argparse_options):
     return dataclasses.field(default=default, metadata={"help": help, **argparse_options})
 
 
-def at_least(minimum: int):
-    """An argparse type: an integer >= minimum, or a one-line error naming the bound."""
+def at_least(minimum: int, most: float = math.inf):
+    """An argparse type: an integer >= minimum (and <= most), or a one-line error naming the bound."""
     def integer(text: str) -> int:  # argparse names it in its message: "invalid integer value: 'x'"
-        if int(text) < minimum:
-            raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {text}")
+        if not minimum <= int(text) <= most:
+            bound = f">= {minimum}" if most == math.inf else f"in [{minimum}, {most}]"
+            raise argparse.ArgumentTypeError(f"must be {bound}, got {text}")
         return int(text)
     return integer
 

@@ -96,6 +96,7 @@ def test_the_stop_set_is_worked_out_once_per_model(monkeypatch):
     (["--model", "no-such-model", "--dataset", "arith-add1"], "unknown model"),
     (["--dataset", "arith-add1", "--samples", "2", "--temperature", "0", "--model", "tiny-qwen2"],
      "temperature"),
+    (["--seed", str(2**64)], "--seed: must be in [-9223372036854775808, 18446744073709551615]"),
 ])
 def test_cli_errors_are_one_line(argv, message, capsys):
     with pytest.raises(SystemExit) as info:
