@@ -142,7 +142,7 @@ def test_gpu_bench_tiny_runs_on_cpu(tmp_path, fast):
     checks = [c["check"] for c in report["smoke"]]
     assert all(c["ok"] for c in report["smoke"]), report["smoke"]
     if smoke:  # the fast paths against the plain ones, the attention kernels, each method in each setting
-        assert sum("fast paths:" in c for c in checks) == 3 and len(checks) == 3 + 2 * 4 + 4 * 5
+        assert sum("fast paths:" in c for c in checks) == 3 and len(checks) == 3 + 2 * 4 + 4 * 5 + 1
         for head_dim in (64, 128):  # the update's and generation's attention, each path: an SDPA kernel named
             kernels = [c["detail"] for c in report["smoke"] if c["check"].endswith(f"head dim {head_dim})")]
             assert len(kernels) == 4 and all(k.startswith("SDPA kernel: ") for k in kernels)
@@ -150,6 +150,7 @@ def test_gpu_bench_tiny_runs_on_cpu(tmp_path, fast):
                    for c in report["smoke"] if c["check"].startswith("train_step"))  # every method trained
         for algo in ("grpo:", "avspo:", "aapo:", "dapo:", "grpo beta 0.04:"):
             assert sum(f"train_step {algo} tiny-qwen2" in c for c in checks) == 4  # fp32, bf16, +- ckpt
+        assert "train_step aapo, every flag opened (gloo): tiny-qwen2 bf16 ckpt" in checks  # 4 on a GPU
     assert "| check | ok |" in out.with_suffix(".md").read_text() if smoke else not checks
     assert report["workload"]["fast"] is (fast == "--fast")
     assert ([(r["size"], r["grad_checkpointing"]) for r in report["results"]]

@@ -1,5 +1,6 @@
 """Device discipline without a GPU: CUDA's rules on which tensors may meet, enforced on CPU tensors around
-one train_step of each method; the choice of device, precision and paths (--device, --precision, --fast)."""
+one train_step of each method, with its defaults and with every flag that makes other tensors meet; the
+choice of device, precision and paths (--device, --precision, --fast)."""
 
 import copy
 import dataclasses
@@ -321,8 +322,11 @@ def test_a_train_step_keeps_cudas_device_rules(tmp_path, monkeypatch, capsys, al
     with CudaDeviceRules() as rules:
         run = run_module.start_run(args, tmp_path, DEVICE, True, train.algo_state(args),
                                    with_reference=algo == "aapo" or args.beta > 0)
-        models = [m for m in (run.master, run.policy, run.reference) if m is not None]
-        assert all(rules.on_device(p) for m in models for p in [*m.parameters(), *m.buffers()])
+        named = {"master": run.master, "policy": run.policy, "reference": run.reference}
+        on_host = [name for name, net in named.items() if net is not None
+                   and not all(rules.on_device(t) for t in [*net.parameters(), *net.buffers()])]
+        assert not on_host, f"on the host, not the run's device: {on_host}"
+        models = [net for net in named.values() if net is not None]
         favour_stops(models, model.stop_token_ids(run.policy, run.tokenizer))
         mine = slice(0, args.prompts_per_step // 2 if torchrun else args.prompts_per_step)
         record, _ = train.train_step(args, run, 1, 0, mine, DEVICE)
