@@ -229,7 +229,9 @@ PARITY = "benchmarks.gpu_bench:parity_reward"  # a coin flip per completion: gro
 # PPO's old log-probs, the nucleus (decode's buffer, generate's warper), recomputation in backward.
 OPENED = ["--beta", "0.04", "--updates-per-batch", "2", "--top-p", "0.9", "--grad-checkpointing"]
 # train.Args fields the step test drives beyond their default, each with the path it opens (LoRA, when it
-# lands, joins them); `NO_PLACEMENT` says why the others make no tensor meet another elsewhere.
+# lands, joins them); `NO_PLACEMENT` says why the others make no tensor meet another elsewhere. Of eval.py's
+# flags, --samples 2 (G completions per prompt at a temperature) and --fast/--no-fast are driven; the others
+# pick models, texts, files and shapes.
 DRIVEN = {
     "algo": "each method: AVSPO's and AAPO's advantages, AAPO's reference sampling, DAPO's resampling",
     "beta": "> 0 with each method: the frozen reference's log-probs beside the policy's, every row trained",
