@@ -14,7 +14,10 @@
   - one `train.train_step` of each method (grpo, avspo, aapo, dapo, and grpo with --beta), on tiny-qwen2 and
     on a random Qwen2.5-0.5B shape, in fp32 and bf16, with and without gradient checkpointing; the rewards are
     `parity_reward`'s, which split the groups even on random weights, so every method's backward runs (a
-    check with no row trained fails).
+    check with no row trained fails);
+  - one `train.train_step` of each method with every flag that makes other tensors meet (`OPENED`: the KL's
+    reference, PPO's old log-probs, top-p, checkpointing) and torchrun's collectives through a one-process
+    nccl group (`one_process_group`): what tests/test_device.py's CPU stand-in for CUDA cannot run.
 Then the table: each (size, checkpointing) config is a train.py step with B prompts x G completions.
 Models are Qwen2ForCausalLM with the real Qwen2.5-0.5B / 1.5B dimensions and random weights (no download),
 bf16 working weights with float32 master weights as train.py uses on CUDA. Caveats:
@@ -258,6 +261,8 @@ def markdown(results: list[dict]) -> str:
 
 QUESTIONS = ["2+3?", "What is 17 * 4?", "hi", "a"]  # different lengths: left padding is exercised
 SMOKE_METHODS = [("grpo", 0.0), ("avspo", 0.0), ("aapo", 0.0), ("dapo", 0.0), ("grpo", 0.04)]
+# Every flag that makes other tensors meet, with --grad-checkpointing (tests/test_device.py's OPENED)
+OPENED = dict(beta=0.04, updates_per_batch=2, top_p=0.9)
 
 
 def checked(name: str, fn, deadline: float) -> dict:
@@ -311,9 +316,24 @@ def fast_equals_plain(device: torch.device) -> list[tuple[str, object]]:
             ("fast paths: packed vs plain log-probs and gradients (bf16)", lambda: logprobs("bf16"))]
 
 
-def one_step_each(size: str, precision: str, checkpointing: bool, device: torch.device, problems):
+@contextlib.contextmanager
+def one_process_group(device: torch.device):
+    """torchrun's collectives (processes.py) in this one process: nccl on CUDA, which takes only tensors on
+    the GPU, gloo on the CPU."""
+    import torch.distributed as dist
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=dist.HashStore(), rank=0,
+                            world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def one_step_each(size: str, precision: str, checkpointing: bool, device: torch.device, problems,
+                  opened: bool = False):
     """(name, check) pairs: one train.train_step per method on a fresh Run, train.py's paths; rewards from
-    `parity_reward`, so that every method's update has rows to train (the check fails where none did)."""
+    `parity_reward`, so that every method's update has rows to train (the check fails where none did).
+    `opened`: each method with `OPENED`'s flags, inside `one_process_group`."""
     if size == "tiny-qwen2":
         master, tokenizer = load_model("tiny-qwen2", device)
     else:
@@ -327,16 +347,22 @@ def one_step_each(size: str, precision: str, checkpointing: bool, device: torch.
     optimizer = torch.optim.AdamW(master.parameters(), lr=1e-5, weight_decay=0.0, fused=True)
 
     def step(algo: str, beta: float):
-        args = train.Args(algo=algo, beta=beta, prompts_per_step=4, group_size=4, max_new_tokens=16,
-                          micro_batch=4, lr=1e-5, precision=precision, grad_checkpointing=checkpointing,
-                          reward="benchmarks.gpu_bench:parity_reward")
+        args = train.Args(algo=algo, prompts_per_step=4, group_size=4, max_new_tokens=16, micro_batch=4,
+                          lr=1e-5, precision=precision, grad_checkpointing=checkpointing,
+                          reward="benchmarks.gpu_bench:parity_reward", **{"beta": beta, **(OPENED if opened
+                                                                                            else {})})
         state = run.Run(master, policy, reference, tokenizer, optimizer, train.algo_state(args),
                         load_reward(args.reward, args.reward_range), problems, [], 0, Counter())
-        record, _ = train.train_step(args, state, 1, 0, slice(0, args.prompts_per_step), device)
+        with one_process_group(device) if opened else contextlib.nullcontext():
+            record, _ = train.train_step(args, state, 1, 0, slice(0, args.prompts_per_step), device)
         ok = record["skipped"] == 0 and math.isfinite(record["grad_norm"]) and record["rows_trained"] > 0
         return ok, f"rows trained {record['rows_trained']}, grad norm {record['grad_norm']:.3g}"
 
     label = f"{size} {precision}{' ckpt' if checkpointing else ''}"
+    if opened:
+        collectives = "nccl" if device.type == "cuda" else "gloo"
+        return [(f"train_step {algo}, every flag opened ({collectives}): {label}",
+                 lambda a=algo: step(a, 0.0)) for algo in train.ALGOS]
     return [(f"train_step {algo}{f' beta {beta}' if beta else ''}: {label}",
              lambda a=algo, b=beta: step(a, b)) for algo, beta in SMOKE_METHODS]
 
@@ -402,7 +428,9 @@ def smoke(device: torch.device, opts, problems, deadline: float) -> list[dict]:
                 gc.collect()
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
-    return results
+    opened = one_step_each("tiny-qwen2", "bf16", True, device, problems, opened=True)
+    return results + [checked(name, fn, deadline) for name, fn in opened
+                      if not opts.tiny or name.startswith("train_step aapo,")]  # on the CPU: the code runs
 
 
 def smoke_summary(checks: list[dict]) -> str:

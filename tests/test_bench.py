@@ -171,7 +171,8 @@ def test_gpu_bench_tiny_runs_on_cpu(tmp_path, fast):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}  # CPU even on a GPU machine
     documented = gpu_check_command()
     assert documented[:3] == ["python", "benchmarks/gpu_bench.py", "--smoke"]
-    smoke = [*documented[3:], "--smoke", "--device", "cpu"] if fast == "--fast" else []
+    # the smoke's time box is the GPU's: here every check runs, however slow the CPU
+    smoke = [*documented[3:], "--smoke", "--device", "cpu", "--smoke-s", "3600"] if fast == "--fast" else []
     command = [sys.executable, "benchmarks/gpu_bench.py", "--tiny", fast, *smoke, "--out", str(out)]
     # a hang guard, not a speed limit: --budget-s (400 s) ends the run, slow or fast, a config after it
     proc = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
@@ -180,7 +181,7 @@ def test_gpu_bench_tiny_runs_on_cpu(tmp_path, fast):
     checks = [c["check"] for c in report["smoke"]]
     if smoke:  # the fast paths against the plain ones, the attention kernels, each method in each setting
         ran = smoke_checks_ran_or_were_listed(report, proc.stdout, markdown)
-        assert sum("fast paths:" in c for c in checks) == 3 and len(checks) == 3 + 2 * 4 + 4 * 5
+        assert sum("fast paths:" in c for c in checks) == 3 and len(checks) == 3 + 2 * 4 + 4 * 5 + 1
         for head_dim in (64, 128):  # the update's and generation's attention, each path: an SDPA kernel named
             assert sum(c.endswith(f"head dim {head_dim})") for c in checks) == 4
             assert all(c["detail"].startswith("SDPA kernel: ") for c in ran
@@ -189,6 +190,7 @@ def test_gpu_bench_tiny_runs_on_cpu(tmp_path, fast):
                    for c in ran if c["check"].startswith("train_step"))  # every method trained
         for algo in ("grpo:", "avspo:", "aapo:", "dapo:", "grpo beta 0.04:"):
             assert sum(f"train_step {algo} tiny-qwen2" in c for c in checks) == 4  # fp32, bf16, +- ckpt
+        assert "train_step aapo, every flag opened (gloo): tiny-qwen2 bf16 ckpt" in checks  # 4 on a GPU
     assert "| check | ok |" in markdown if smoke else not checks
     assert report["workload"]["fast"] is (fast == "--fast")
     for r in table_configs_ran_or_were_skipped_for_time(report):

@@ -1,6 +1,9 @@
 """Device discipline without a GPU: CUDA's rules on which tensors may meet, enforced on CPU tensors around
-one train_step of each method; the choice of device, precision and paths (--device, --precision, --fast)."""
+one train_step of each method, with its defaults and with every flag that makes other tensors meet; the
+choice of device, precision and paths (--device, --precision, --fast)."""
 
+import copy
+import dataclasses
 import os
 import subprocess
 import sys
@@ -13,11 +16,13 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
+import eval as eval_module
 import hardware
 import memory
 import model
 import model_files
 import packing
+import processes
 import run as run_module
 import train
 from data.tasks import Problem
@@ -26,76 +31,114 @@ from memory import estimate_memory
 
 ROOT = Path(__file__).resolve().parent.parent
 
-# Calls that move a tensor or read it out, which CUDA allows across devices.
+# Calls that move a tensor, read it out or compare types (`Module.to`), which CUDA allows across devices.
 CROSSING = {torch.Tensor.to, torch.Tensor.cpu, torch.Tensor.copy_, torch.Tensor.item, torch.Tensor.tolist,
-            torch.Tensor.__setitem__}
+            torch.Tensor.__setitem__, torch._has_compatible_shallow_copy_type}
 INDEXING = {torch.Tensor.__getitem__, torch.Tensor.index_put_, torch.Tensor.__setitem__}
 WRITES = {torch.Tensor.index_put_, torch.Tensor.__setitem__}  # self, indices, values
+# The run's device under the rules, CUDA's stand-in: the CPU with an index, which the host never has
+DEVICE, HOST = torch.device("cpu", 0), torch.device("cpu")
+PARAMETER_NEW = torch.nn.Parameter.__dict__["__new__"]
+
+
+def names_device(device: torch.device | str) -> bool:
+    """Whether a device argument names the run's device: CUDA, or `DEVICE`; the CPU without an index (`"cpu"`,
+    `torch.device("cpu")`) is the host."""
+    device = torch.device(device)
+    return device.type == "cuda" or device.index is not None
+
+
+def on_the_stand_in(func, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """CUDA named in a call (`device=torch.device("cuda", 0)`, `.to("cuda")`) runs on `DEVICE` instead."""
+    def stand_in(value):
+        cuda = isinstance(value, (torch.device, str)) and torch.device(value).type == "cuda"
+        return DEVICE if cuda else value
+    if func is torch.Tensor.to:
+        args = (args[0], *map(stand_in, args[1:]))
+    return args, {k: stand_in(v) if k == "device" else v for k, v in kwargs.items()}
 
 
 class CudaDeviceRules(TorchFunctionMode):
     """Runs on CPU, but tells "device" tensors from host ones as a CUDA run would, and raises where CUDA does.
 
-    Device tensors: the given models' parameters, buffers and gradients, any tensor made with an explicit
-    `device=` or `.to(device)` (on a GPU that is the run's device), and whatever an op computes from a device
-    tensor. `.cpu()` and factories without a device make host tensors. CUDA's rules, as its errors state them:
+    The run's device is `DEVICE` (the CPU with an index; CUDA named in a call is taken for it). Device
+    tensors: those made or moved with a device argument naming it, a module's parameters and buffers moved
+    there (`Module.to` sets `.data`) or copied from device ones, their gradients, and whatever an op computes
+    from a device tensor. A device tensor's `.device` reads `DEVICE`, so `device=t.device` follows t. Host
+    tensors: factories without a device, `.cpu()`, and an explicit CPU (`"cpu"`, `torch.device("cpu")`).
+    Generators: `torch.Generator(device=d)` is on d's side; `torch.Generator()` and `torch.default_generator`
+    on the host. CUDA's rules, as its errors state them:
       - an op may not mix a device tensor with a host tensor of one or more dimensions ("Expected all tensors
         to be on the same device"); a 0-dim host tensor is a scalar there;
       - a host tensor may not be indexed by device indices ("indices should be either on cpu or on the same
         device as the indexed tensor"); a device tensor may be indexed by host ones;
       - a host tensor may not be written with device values through an index (index_put_ raises "Expected
         all tensors to be on the same device"; a slice or a 0-dim value copies, a hidden sync per write);
-      - a device tensor has no numpy view ("can't convert cuda:0 device type tensor to numpy").
-    Approximate by design: it reads device placement from the calls, so a `device=` naming the CPU on purpose
-    would count as the device (train.py names none)."""
-
-    def __init__(self, *models: torch.nn.Module):
-        super().__init__()
-        for network in models:
-            for t in [*network.parameters(), *network.buffers()]:
-                self.mark(t)
-            for p in network.parameters():
-                if p.requires_grad:  # gradients live where their parameter does
-                    p.register_post_accumulate_grad_hook(self.mark_grad)
+      - a device tensor has no numpy view ("can't convert cuda:0 device type tensor to numpy");
+      - a generator draws for tensors on its own side only ("Expected a 'cuda' device type for generator");
+      - a parameter's gradient is on the parameter's side ("assigned grad has data of a different device").
+    Within the block `torch.Generator` and `torch.nn.Parameter` are wrapped, to record their side."""
 
     @staticmethod
-    def mark(t):
-        t._on_device = True  # a plain attribute: a tensor's side, not its storage
+    def mark(t, on_device: bool = True):
+        t._on_device = on_device  # a plain attribute: a tensor's side, not its storage
         return t
-
-    def mark_grad(self, p: torch.Tensor) -> None:
-        if p.grad is not None:
-            self.mark(p.grad)
 
     @staticmethod
     def on_device(t) -> bool:
         return getattr(t, "_on_device", False)
 
+    def __enter__(self):
+        rules = self
+
+        class Generator(torch._C.Generator):
+            def __new__(cls, device: torch.device | str = "cpu"):
+                return rules.mark(super().__new__(cls, "cpu"), names_device(device))
+
+        def parameter(cls, data=None, requires_grad=True):  # a deepcopy's parameters: on the original's side
+            return self.mark(PARAMETER_NEW(cls, data, requires_grad), self.on_device(data))
+
+        self.saved = torch.Generator
+        torch.Generator, torch.nn.Parameter.__new__ = Generator, staticmethod(parameter)
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        torch.Generator, torch.nn.Parameter.__new__ = self.saved, PARAMETER_NEW
+        return super().__exit__(*exc)
+
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        attribute, name = getattr(func, "__self__", None), getattr(func, "__name__", str(func))
+        if attribute is torch.Tensor.device:  # `t.device`
+            return DEVICE if self.on_device(args[0]) else HOST
+        if attribute in (torch.Tensor.data, torch.Tensor.grad) and name == "__set__":
+            return self.assign(func, attribute, *args)
+        args, kwargs = on_the_stand_in(func, args, kwargs)
+        flat = tree_flatten((args, kwargs))[0]
+        tensors = [t for t in flat if isinstance(t, torch.Tensor)]
         if func is torch.Tensor.numpy and self.on_device(args[0]):
             raise TypeError("can't convert cuda:0 device type tensor to numpy. Use Tensor.cpu() to copy the "
                             "tensor to host memory first. (CudaDeviceRules)")
         if func in INDEXING and tensors and not self.on_device(tensors[0]):
             if any(self.on_device(t) for t in tree_flatten(args[1])[0] if isinstance(t, torch.Tensor)):
-                raise RuntimeError(f"{func.__name__}: indices should be either on cpu or on the same device "
-                                   "as the indexed tensor (CudaDeviceRules)")
+                raise RuntimeError(f"{name}: indices should be either on cpu or on the same device as the "
+                                   "indexed tensor (CudaDeviceRules)")
             if func in WRITES and self.on_device(args[2]):
-                raise RuntimeError(f"{func.__name__}: a host tensor written with device values: Expected all "
+                raise RuntimeError(f"{name}: a host tensor written with device values: Expected all "
                                    "tensors to be on the same device (CudaDeviceRules)")
         elif func not in CROSSING and func not in INDEXING:
-            sides = {self.on_device(t) for t in tensors if t.dim() > 0 or self.on_device(t)}
-            if len(sides) > 1:
-                name = getattr(func, "__name__", func)
+            if len({self.on_device(t) for t in tensors if t.dim() > 0 or self.on_device(t)}) > 1:
                 raise RuntimeError(f"{name}: Expected all tensors to be on the same device, but found a "
                                    "device tensor and a host tensor (CudaDeviceRules)")
+        named = self.named_side(func, args, kwargs)
+        on_device = named if named is not None else (func is not torch.Tensor.__setitem__
+                                                     and any(self.on_device(t) for t in tensors))
+        for generator in (g for g in flat if isinstance(g, torch._C.Generator)):
+            if self.on_device(generator) != on_device:
+                sides = ["cuda" if side else "cpu" for side in (on_device, self.on_device(generator))]
+                raise RuntimeError(f"{name}: Expected a '{sides[0]}' device type for generator but found "
+                                   f"'{sides[1]}' (CudaDeviceRules)")
         out = func(*args, **kwargs)
-        to_host = func is torch.Tensor.cpu or (func is torch.Tensor.to and self.names_cpu(args, kwargs))
-        explicit = "device" in kwargs or func is torch.Tensor.to and any(
-            isinstance(a, (torch.device, str)) for a in args[1:])
-        on_device = not to_host and (explicit or func is not torch.Tensor.__setitem__
-                                     and any(self.on_device(t) for t in tensors))
         if any(out is t for t in tensors) and self.on_device(out) != on_device:
             out = out.clone()  # `.cpu()` of a CPU tensor returns it: a copy, as a move across devices makes
         for t in tree_flatten(out)[0] if on_device else []:
@@ -103,16 +146,32 @@ class CudaDeviceRules(TorchFunctionMode):
                 self.mark(t)
         return out
 
-    @staticmethod
-    def names_cpu(args, kwargs) -> bool:
-        """`.to("cpu")` named as a string: the host, even here."""
-        return kwargs.get("device") == "cpu" or "cpu" in args[1:]
+    def named_side(self, func, args: tuple, kwargs: dict) -> bool | None:
+        """The side a call names for its result (`device=`, `.to(device)`, `.to(tensor)`, `.cpu()`), True for
+        the device; None where its inputs decide."""
+        if func is torch.Tensor.cpu:
+            return False
+        for target in [kwargs.get("device"), *(args[1:] if func is torch.Tensor.to else ())]:
+            if isinstance(target, torch.Tensor):
+                return self.on_device(target)
+            if isinstance(target, (torch.device, str)):
+                return names_device(target)
+        return None
+
+    def assign(self, setter, attribute, tensor: torch.Tensor, value) -> None:
+        """`t.data = v` moves t to v's side (as `Module.to` does); `p.grad = g` needs g on p's side."""
+        if attribute is torch.Tensor.grad and value is not None and self.on_device(value) != self.on_device(
+                tensor):
+            raise RuntimeError("assigned grad has data of a different device (CudaDeviceRules)")
+        setter(tensor, value)
+        if attribute is torch.Tensor.data:
+            self.mark(tensor, self.on_device(value))
 
 
 def test_the_rules_raise_where_cuda_raises():
     host = torch.arange(4)
     with CudaDeviceRules():
-        device = torch.arange(4, device="cpu")  # an explicit device: the run's device on a GPU
+        device = torch.arange(4, device=DEVICE)  # the run's device: CUDA on a GPU
         assert device[host].tolist() == [0, 1, 2, 3]  # a device tensor indexed by host indices: allowed
         assert (device + torch.tensor(1)).tolist() == [1, 2, 3, 4]  # a 0-dim host tensor is a scalar
         assert host[device.cpu()].tolist() == [0, 1, 2, 3]
@@ -132,9 +191,83 @@ def test_the_rules_raise_where_cuda_raises():
         device[host[:2]] = host[:2]  # a device tensor written with host values: a copy to the device
 
 
+def test_the_rules_know_an_explicit_cpu_generators_modules_gradients_and_cuda_by_name():
+    with CudaDeviceRules():
+        device = torch.ones(4, device=torch.device("cuda", 0))  # CUDA named: the stand-in, on the CPU
+        assert device.device == DEVICE and (device + torch.ones(4, device=device.device)).sum().item() == 8
+        for host in (torch.ones(4, device="cpu"), torch.ones(4, device=torch.device("cpu")),
+                     device.to(torch.device("cpu")), device.to("cpu"), torch.ones_like(device, device=HOST)):
+            assert host.device == HOST
+            with pytest.raises(RuntimeError, match="same device"):
+                host * device
+        host_generator, device_generator = torch.Generator().manual_seed(0), torch.Generator(device=DEVICE)
+        for draw in (lambda: torch.rand(4, device=DEVICE, generator=host_generator),
+                     lambda: torch.rand(4, device=DEVICE, generator=torch.default_generator),
+                     lambda: device.clone().uniform_(generator=host_generator),
+                     lambda: torch.multinomial(device, 1, generator=host_generator)):
+            with pytest.raises(RuntimeError, match="Expected a 'cuda' device type for generator"):
+                draw()
+        with pytest.raises(RuntimeError, match="Expected a 'cpu' device type for generator but found 'cuda'"):
+            torch.rand(4, generator=device_generator)
+        assert torch.rand(4, device=DEVICE, generator=device_generator).device == DEVICE
+        layer = torch.nn.Linear(4, 1)  # made on the host
+        with pytest.raises(RuntimeError, match="same device"):
+            layer(device)
+        layer.to(DEVICE)
+        copied = copy.deepcopy(layer)  # bf16's working copy is one
+        assert copied.weight.device == copied.bias.device == DEVICE == layer(device).device
+        with pytest.raises(RuntimeError, match="assigned grad has data of a different device"):
+            copied.weight.grad = torch.zeros(1, 4)
+        copied.weight.grad = torch.zeros_like(copied.weight)
+        assert layer.cpu().weight.device == HOST and copied.weight.grad.device == DEVICE
+
+
 TINY = ["--model", "tiny-qwen2", "--max-new-tokens", "6", "--group-size", "4", "--micro-batch", "3",
-        "--eval-size", "4", "--precision", "fp32"]
+        "--eval-size", "4", "--precision", "bf16", "--lr", "1e-2"]
 PARITY = "benchmarks.gpu_bench:parity_reward"  # a coin flip per completion: groups split, rows train
+# Every non-default flag that changes which tensors meet, at once: the reference's log-probs and the KL,
+# PPO's old log-probs, the nucleus (decode's buffer, generate's warper), recomputation in backward.
+OPENED = ["--beta", "0.04", "--updates-per-batch", "2", "--top-p", "0.9", "--grad-checkpointing"]
+# train.Args fields the step test drives beyond their default, each with the path it opens (LoRA, when it
+# lands, joins them); `NO_PLACEMENT` says why the others make no tensor meet another elsewhere. Of eval.py's
+# flags, --samples 2 (G completions per prompt at a temperature) and --fast/--no-fast are driven; the others
+# pick models, texts, files and shapes.
+DRIVEN = {
+    "algo": "each method: AVSPO's and AAPO's advantages, AAPO's reference sampling, DAPO's resampling",
+    "beta": "> 0 with each method: the frozen reference's log-probs beside the policy's, every row trained",
+    "updates_per_batch": "2: PPO's old log-probs, kept from before the first update",
+    "top_p": "0.9: the nucleus, decoding.decode's buffer (fast) and generate's top-p warper (plain)",
+    "grad_checkpointing": "each layer recomputed in backward",
+    "precision": "bf16 (a working copy beside float32 master weights) and fp32 (one network)",
+    "fast": "--no-fast, CUDA's paths, and --fast, which gpu_bench.py forces there to time it",
+    "reward": "a reward that splits groups (every backward runs) and the verifier (DAPO's collapsed groups)",
+}
+NO_PLACEMENT = {
+    **dict.fromkeys(["model", "dataset", "eval_dataset", "prompt_format", "system"],
+                    "which weights and texts: tiny-qwen2 and arith-mul1 meet the device as any model would"),
+    **dict.fromkeys(["reward_range", "reward_timeout"], "checks of the rewards, Python floats on the host"),
+    **dict.fromkeys(["out", "overwrite", "eval_every", "save_every", "log_samples", "show_group", "steps"],
+                    "when the host logs, evaluates and saves: run.after_step, from host numbers"),
+    "seed": "torch.manual_seed seeds every device's default generator; no generator object is made",
+    "resume": "the checkpoint's model loads onto the run's device like any model, and "
+              "Optimizer.load_state_dict moves each saved state to its parameter's device",
+    "device": "the run's device is the stand-in `DEVICE` here",
+    **dict.fromkeys(["prompts_per_step", "group_size", "max_new_tokens", "micro_batch", "eval_size"],
+                    "shapes only"),
+    "temperature": "a Python float dividing device logits; 0 takes the argmax on the device",
+    **dict.fromkeys(["lr", "lr_decay", "epsilon", "epsilon_high", "max_grad_norm"],
+                    "Python floats into the optimizer, the clip and clip_grad_norm_"),
+    **dict.fromkeys(["acr_threshold", "fixed_threshold", "alpha", "num_virtual", "virtual_delta",
+                     "virtual_ends", "delta_low", "delta_high"],
+                    "AVSPO's and AAPO's advantages: host arithmetic on host rewards, the same calls"),
+    "resample_rounds": "DAPO's default (2) resamples; 0 skips the resampling",
+}
+
+
+def test_every_flag_is_driven_or_said_to_change_no_placement():
+    """A new flag (LoRA's) must join one list: driven by the step test, or shown to place nothing."""
+    assert not DRIVEN.keys() & NO_PLACEMENT.keys()
+    assert DRIVEN.keys() | NO_PLACEMENT.keys() == {field.name for field in dataclasses.fields(train.Args)}
 
 
 def favour_stops(nets, stop_ids: list[int], bias: float = 4.0) -> None:
@@ -142,37 +275,75 @@ def favour_stops(nets, stop_ids: list[int], bias: float = 4.0) -> None:
     (its random weights never do) and the stop branches run; greedy stops at once. A bias, as
     tests/test_fast_paths.py's favour_eos: decoding.decode_step runs the output layer's weights itself."""
     for net in nets:
-        logit_bias = torch.zeros(net.lm_head.out_features, dtype=net.lm_head.weight.dtype)
+        weight = net.lm_head.weight
+        logit_bias = torch.zeros(net.lm_head.out_features, dtype=weight.dtype, device=weight.device)
         logit_bias[stop_ids] = bias
         net.lm_head.bias = torch.nn.Parameter(logit_bias, requires_grad=False)
 
 
-@pytest.mark.parametrize("algo, beta, fast", [
-    ("grpo", 0.0, False), ("avspo", 0.0, False), ("aapo", 0.0, False), ("dapo", 0.0, False),
-    ("grpo", 0.04, False), ("grpo", 0.0, True), ("dapo", 0.04, True)])
-def test_a_train_step_keeps_cudas_device_rules(tmp_path, algo, beta, fast):
-    """One step of each method and an evaluation in bf16, as a CUDA run would place their tensors (the
-    rollout and advantages on the device, rewards and bookkeeping on the host): the plain paths, which CUDA
-    runs, and the fast ones (gpu_bench.py forces them there to time them). Completions reach stop tokens
-    (`favour_stops`); rewards split the groups, so every method's backward runs, but DAPO's, which keeps the
-    verifier's collapsed groups to resample them. The first CUDA update crashed on `rows[...]` (issue 43)."""
-    args = train.parse_args(TINY + ["--algo", algo, "--beta", str(beta), "--out", str(tmp_path),
-                                    "--lr", "1e-2", "--fast" if fast else "--no-fast", "--precision", "bf16",
-                                    "--reward", "verifier" if algo == "dapo" else PARITY])
-    device = torch.device("cpu")
-    run = run_module.start_run(args, tmp_path, device, True, train.algo_state(args),
-                           with_reference=algo == "aapo" or beta > 0)
-    models = [m for m in (run.master, run.policy, run.reference) if m is not None]
-    assert run.policy.dtype == torch.bfloat16 and run.policy is not run.master
-    favour_stops(models, model.stop_token_ids(run.policy, run.tokenizer))
-    with CudaDeviceRules(*models):
-        record, _ = train.train_step(args, run, 1, 0, slice(0, args.prompts_per_step), device)
+def nccl_processes(monkeypatch, world: int = 2) -> None:
+    """processes.py as under torchrun with nccl, in this one process: `world` processes that sample alike,
+    the GPU's index from torch.cuda, and collectives that raise as nccl does for a tensor off the device."""
+    def on_device(*tensors):
+        if not all(CudaDeviceRules.on_device(t) for t in tensors):
+            raise RuntimeError("Tensors must be CUDA and dense (nccl; CudaDeviceRules)")
+
+    def all_gather(parts, tensor):
+        on_device(tensor, *parts)
+        for part in parts:
+            part.copy_(tensor)
+
+    def all_reduce(tensor):
+        on_device(tensor)
+        tensor.mul_(world)
+
+    monkeypatch.setattr(processes, "dist", types.SimpleNamespace(
+        is_initialized=lambda: True, get_backend=lambda: "nccl", get_world_size=lambda: world,
+        all_gather=all_gather, all_reduce=all_reduce))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+
+
+@pytest.mark.parametrize("algo, flags, fast, torchrun", [
+    ("grpo", [], False, False), ("aapo", ["--precision", "fp32"], False, False), ("dapo", [], False, False),
+    ("grpo", OPENED, False, False), ("avspo", OPENED, False, False), ("aapo", OPENED, False, True),
+    ("dapo", OPENED, False, True), ("grpo", OPENED, True, False), ("dapo", OPENED, True, True)],
+    ids=lambda v: "opened" if v is OPENED else "fp32" if v == ["--precision", "fp32"] else None)
+def test_a_train_step_keeps_cudas_device_rules(tmp_path, monkeypatch, capsys, algo, flags, fast, torchrun):
+    """One step of each method and an evaluation, as a CUDA run would place their tensors (the models, the
+    rollout and advantages on the device, rewards and bookkeeping on the host), from loading the models on:
+    the plain paths, which CUDA runs, and the fast ones (gpu_bench.py forces them there to time them); each
+    method with its defaults, then with every flag in `OPENED`, eval.py with --samples 2, and torchrun's
+    collectives under nccl (`nccl_processes`). Completions reach stop tokens (`favour_stops`); rewards split
+    the groups, so every method's backward runs, but DAPO's at --beta 0, which keeps the verifier's
+    collapsed groups to resample them. The first CUDA update crashed on `rows[...]` (issue 43)."""
+    args = train.parse_args(TINY + ["--algo", algo, "--out", str(tmp_path), *flags, "--fast" if fast else
+                                    "--no-fast", "--reward", "verifier" if algo == "dapo" else PARITY])
+    if torchrun:
+        nccl_processes(monkeypatch)
+    monkeypatch.setattr(eval_module, "pick_device", lambda name: DEVICE)
+    with CudaDeviceRules() as rules:
+        run = run_module.start_run(args, tmp_path, DEVICE, True, train.algo_state(args),
+                                   with_reference=algo == "aapo" or args.beta > 0)
+        named = {"master": run.master, "policy": run.policy, "reference": run.reference}
+        on_host = [name for name, net in named.items() if net is not None
+                   and not all(rules.on_device(t) for t in [*net.parameters(), *net.buffers()])]
+        assert not on_host, f"on the host, not the run's device: {on_host}"
+        models = [net for net in named.values() if net is not None]
+        favour_stops(models, model.stop_token_ids(run.policy, run.tokenizer))
+        mine = slice(0, args.prompts_per_step // 2 if torchrun else args.prompts_per_step)
+        record, _ = train.train_step(args, run, 1, 0, mine, DEVICE)
         assert 0 <= run_module.run_eval(args, run, tmp_path, 1) <= 1
+        if flags is OPENED and algo == "grpo":  # eval.py's --samples: once on each path
+            eval_module.main(["--model", "tiny-qwen2", "--samples", "2", "--limit", "2", "--max-new-tokens",
+                              "6", "--precision", "bf16", "--fast" if fast else "--no-fast"])
     assert record["skipped"] == 0 and record["truncated_frac"] < 1  # some rows stopped
+    bf16 = args.precision == "bf16"
+    assert (run.policy.dtype == torch.bfloat16) == bf16 == (run.policy is not run.master)
     if algo == "dapo":  # tiny-qwen2's groups all collapse: replace_groups ran under the rules
         assert record["resampled_groups"] > 0
-    if algo != "dapo" or beta > 0:  # a backward pass, and bf16's gradient accumulation, under the rules
+    if algo != "dapo" or args.beta > 0:  # a backward pass, and bf16's gradient accumulation, under the rules
         assert record["rows_trained"] > 0
+    assert "mean@2" in capsys.readouterr().out or flags is not OPENED or algo != "grpo"
 
 
 # ------------------------------------------------------------------------------ where the run is, its paths
