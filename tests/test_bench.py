@@ -228,7 +228,7 @@ def test_gpu_bench_smoke_past_its_budget_skips_the_rest_and_lists_them(tmp_path,
     report, markdown = json.loads(out.read_text()), out.with_suffix(".md").read_text()
     ran = smoke_checks_ran_or_were_listed(report, capsys.readouterr().out, markdown)
     assert [c["check"] for c in ran] == ["fast paths: greedy decode vs generate (fp32)"]
-    assert len(report["smoke"]) == 3 + 2 * 4 + 4 * 5  # the other 30 listed as skipped
+    assert len(report["smoke"]) == 3 + 2 * 4 + 4 * 5 + 1  # the other 31 listed as skipped
     assert table_configs_ran_or_were_skipped_for_time(report) == []  # both configs skipped, named
 
 

@@ -28,6 +28,7 @@ import train
 from data.tasks import Problem
 from decoding import decode
 from memory import estimate_memory
+from written import owned
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -321,7 +322,7 @@ def test_a_train_step_keeps_cudas_device_rules(tmp_path, monkeypatch, capsys, al
     if torchrun:
         nccl_processes(monkeypatch)
     monkeypatch.setattr(eval_module, "pick_device", lambda name: DEVICE)
-    with CudaDeviceRules() as rules:
+    with owned(tmp_path / "run", "run") as files, CudaDeviceRules() as rules:
         run = run_module.start_run(args, tmp_path, DEVICE, True, train.algo_state(args),
                                    with_reference=algo == "aapo" or args.beta > 0)
         named = {"master": run.master, "policy": run.policy, "reference": run.reference}
@@ -332,7 +333,7 @@ def test_a_train_step_keeps_cudas_device_rules(tmp_path, monkeypatch, capsys, al
         favour_stops(models, model.stop_token_ids(run.policy, run.tokenizer))
         mine = slice(0, args.prompts_per_step // 2 if torchrun else args.prompts_per_step)
         record, _ = train.train_step(args, run, 1, 0, mine, DEVICE)
-        assert 0 <= run_module.run_eval(args, run, tmp_path, 1) <= 1
+        assert 0 <= run_module.run_eval(args, run, files, 1) <= 1
         if flags is OPENED and algo == "grpo":  # eval.py's --samples: once on each path
             eval_module.main(["--model", "tiny-qwen2", "--samples", "2", "--limit", "2", "--max-new-tokens",
                               "6", "--precision", "bf16", "--fast" if fast else "--no-fast"])
