@@ -12,14 +12,14 @@ README quotes).
    arith-mix, train.py's own schedule (lr decaying to 0), the same prompts per
    seed, several seeds. train.py evaluates a stratified prefix of the held-out split every --eval-every steps
    (the curves of accuracy against generated tokens); the final checkpoint of every run is then evaluated
-   greedily on the whole split (336 problems), its per-problem records cached in <run>/final_eval.jsonl. A
-   bootstrap over seeds AND problems gives a 95% CI for each method's accuracy (overall, per level) and for
-   its difference to GRPO paired by seed: the same resampled seeds and problems for both methods (a seed fixes
-   the held-out split too, so methods of one seed are scored on the same 336 problems). Each accuracy sits
-   next to the collapse the method left (raw and effective ACR, the all-correct and all-wrong groups of the
-   last quarter of the steps) and its cost: generated tokens (policy + AAPO's reference + DAPO's resampled
-   groups) and seconds. A collapse map shows seed 0's groups step by step, and what each method did with the
-   collapsed ones.
+   greedily on the whole split (336 problems), its per-problem records cached in final_eval.jsonl beside its
+   run folder (in train.py's --out of that run). A bootstrap over seeds AND problems gives a 95% CI for each
+   method's accuracy (overall, per level) and for its difference to GRPO paired by seed: the same resampled
+   seeds and problems for both methods (a seed fixes the held-out split too, so methods of one seed are scored
+   on the same 336 problems). Each accuracy sits next to the collapse the method left (raw and effective ACR,
+   the all-correct and all-wrong groups of the last quarter of the steps) and its cost: generated tokens
+   (policy + AAPO's reference + DAPO's resampled groups) and seconds. A collapse map shows seed 0's groups
+   step by step, and what each method did with the collapsed ones.
 3. readings:   AVSPO's readings side by side, each changing one choice of ours or an unverified one (a fixed
    threshold, K = 1, one end only: `METHODS`), with GRPO rerun beside them; as compare, in its own folder.
    bf16 kernels round differently per CPU (the untrained model's greedy accuracy on the same 112 problems was

@@ -45,6 +45,7 @@ from written import Folder
 ALGOS, PRECISIONS = ("grpo", "avspo", "aapo", "dapo"), ("auto", "fp32", "bf16")
 POSITIVE, NON_NEGATIVE = in_range(0, math.inf, low_open=True), in_range(0, math.inf)
 UNIT_OPEN = in_range(0, 1, low_open=True)  # (0, 1]
+SEED, STEP = 1_000_003, 1_000  # a step's sampling seed: seed * SEED + step * STEP + rank (`train_step`)
 
 
 @dataclasses.dataclass
@@ -113,7 +114,7 @@ def parse_args(argv: list[str] | None = None) -> Args:
     args = Args(**vars(parser.parse_args(argv)))
     if args.prompts_per_step % (world := int(os.environ.get("WORLD_SIZE", 1))):
         parser.error(f"--prompts-per-step {args.prompts_per_step} must be a multiple of the process count")
-    low, high = -((2**63 + 1_000) // 1_000_003), (2**64 - args.steps * 1_000 - world) // 1_000_003
+    low, high = -((2**63 + STEP) // SEED), (2**64 - args.steps * STEP - world) // SEED
     if not low <= args.seed <= high:  # torch.manual_seed's range [-2**63, 2**64), as train_step seeds it
         parser.error(f"--seed must be in [{low}, {high}] (with --steps {args.steps}), got {args.seed}")
     if args.virtual_delta > args.reward_range[1] - args.reward_range[0]:
@@ -272,7 +273,7 @@ def update_policy(master, policy, optimizer, rollout: Rollout, b_advantages, ref
 def train_step(args: Args, run: Run, step: int, rank: int, mine: slice, device: torch.device) -> tuple:
     """One step: sample and score the batch, its advantages (ALGO LOGIC), the update; returns its record and
     this process's groups in words (`group_samples`)."""
-    torch.manual_seed(args.seed * 1_000_003 + step * 1_000 + rank)  # samples: (seed, step, rank) alone
+    torch.manual_seed(args.seed * SEED + step * STEP + rank)  # samples: (seed, step, rank) alone
     run.costs.clear()
     score = partial(sample_and_score, args, run)
     problems_of_round = partial(step_problems, run.train_problems, args.prompts_per_step, args.seed, step)

@@ -21,6 +21,7 @@ Each folder holds one kind of thing (KINDS) and is written by the scripts that k
 kind is refused (eval.py's --out at a run folder, say).
 """
 
+import contextlib
 import fcntl
 import hashlib
 import itertools
@@ -29,7 +30,6 @@ import os
 import secrets
 import shutil
 import stat
-from contextlib import contextmanager
 from pathlib import Path
 
 RECORD = ".written.json"
@@ -142,9 +142,10 @@ class Folder:
 
     def now(self, name: str):
         """The state of `name` now, if it is this folder's (recorded, and in a recorded state); else
-        NotWritten. A name that was never recorded and is not there is this folder's to create."""
+        NotWritten. Nothing there (never written, or removed since) is None: this folder's to create."""
         path, states = self.path / name, self.files.get(name, [None])
-        now = state(path, states)
+        if (now := state(path, states)) is None:
+            return None
         for i, then in enumerate(states):
             if isinstance(then, dict) and same(now, then):
                 states[i] = now  # the same content, maybe under a new inode or mtime (a copy): not read again
@@ -234,7 +235,7 @@ class Folder:
         self.save()
         return self.path / dst
 
-    @contextmanager
+    @contextlib.contextmanager
     def filling(self, name: str):
         """A new folder to fill, reserved beside `name`; once filled, its tree is recorded and it is renamed
         to `name` (which must be absent). A failure part-way removes what was filled."""
@@ -242,11 +243,11 @@ class Folder:
         tmp.mkdir()
         try:
             yield tmp
-            self.files[tmp.name] = [self.now(tmp.name)]  # the tree as filled: hashed once, here
+            self.files[tmp.name] = [ANY_DIR, self.now(tmp.name)]  # the tree as filled: hashed once, here
+            self.rename(tmp.name, name)
         except BaseException:
             self.remove(tmp.name)
             raise
-        self.rename(tmp.name, name)
 
     def clear(self, keep: tuple = ()) -> None:
         """Remove everything recorded here but `keep`, after checking that all of it is still this folder's:
@@ -267,7 +268,7 @@ class Folder:
         return Folder(path, kind)
 
 
-@contextmanager
+@contextlib.contextmanager
 def owned(path: Path, kind: str, wait: bool = False):
     """The folder at `path` (made if absent) with its record, owned by this process alone while inside: an
     exclusive lock on the folder itself (flock, released however the process ends). Another owner means
@@ -285,13 +286,16 @@ def owned(path: Path, kind: str, wait: bool = False):
         except BlockingIOError:
             raise NotWritten(f"{path} is in use by process {recorded_pid(path)} (another run): wait for it "
                              "to end, or choose another folder") from None
-        yield Folder(path, kind)
+        folder = Folder(path, kind)
+        with contextlib.suppress(OSError):  # a read-only folder may still be read, its owner then unnamed
+            folder.save()  # its process id, for the line another owner prints
+        yield folder
     finally:
         os.close(fd)
 
 
 def recorded_pid(path: Path) -> str:
-    """The process that last wrote the record at `path`, or '?'."""
+    """The process that owns the folder at `path` (the last to write its record), or '?'."""
     try:
         return str(json.loads((path / RECORD).read_text())["pid"])
     except (OSError, ValueError, KeyError, TypeError):

@@ -228,3 +228,38 @@ def test_a_write_that_fails_leaves_no_temporary_and_the_file_as_it_was(tmp_path,
             folder.write("summary.json", "new")
         assert sorted(os.listdir(folder.path)) == [RECORD, "summary.json"]
         assert (folder.path / "summary.json").read_text() == "old" and folder.foreign() == []
+
+
+def test_a_recorded_file_removed_since_may_be_written_again(tmp_path):
+    with owned(tmp_path / "f", "run") as folder:
+        folder.write("curves.png", b"png")
+        with folder.filling("checkpoint") as tmp:
+            (tmp / "w").write_bytes(b"w")
+        (folder.path / "curves.png").unlink()  # the user freed the space, or wanted a fresh plot
+        shutil.rmtree(folder.path / "checkpoint")
+        assert folder.foreign() == [] and not folder.ours("curves.png")
+        folder.write("curves.png", b"png 2")
+        with folder.filling("checkpoint") as tmp:
+            (tmp / "w").write_bytes(b"w 2")
+        assert (folder.path / "curves.png").read_bytes() == b"png 2"
+
+
+def test_the_refusal_names_the_owner_not_the_last_process_that_wrote(tmp_path):
+    with owned(tmp_path / "f", "run") as folder:
+        folder.write("a", "1")
+    record = json.loads((tmp_path / "f" / RECORD).read_text())
+    (tmp_path / "f" / RECORD).write_text(json.dumps({**record, "pid": 999999999}))  # a run long gone
+    with owned(tmp_path / "f", "run"):
+        with pytest.raises(NotWritten, match=f"in use by process {os.getpid()} "):
+            with owned(tmp_path / "f", "run"):
+                pass
+
+
+def test_a_fill_that_cannot_take_its_name_removes_what_it_filled(tmp_path):
+    with owned(tmp_path / "f", "run") as folder:
+        (folder.path / "checkpoint").write_text("the user's")
+        with pytest.raises(NotWritten, match="checkpoint is not written here"):
+            with folder.filling("checkpoint") as tmp:
+                (tmp / "w").write_bytes(b"w")
+        assert sorted(p.name for p in folder.path.iterdir()) == [RECORD, "checkpoint"]
+        assert (folder.path / "checkpoint").read_text() == "the user's"
