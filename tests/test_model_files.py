@@ -157,6 +157,7 @@ def test_ctrl_c_during_a_conversion_leaves_nothing_half_written(tmp_path, cache,
 
 EVAL_INTERRUPTED = """
 import os, signal, sys, transformers
+signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a terminal, even under a shell's `cmd &`
 real_save = transformers.PreTrainedModel.save_pretrained
 def save_then_ctrl_c(self, folder, **kwargs):
     real_save(self, folder, **kwargs)
@@ -168,7 +169,8 @@ eval.main(["--model", sys.argv[1], "--dataset", "arith-mul1", "--limit", "1"])
 
 
 def test_ctrl_c_during_the_first_use_conversion_is_one_line_and_exit_130(tmp_path, cache):
-    """A real SIGINT in eval.py (train.py converts in parse_args, which does not catch Ctrl-C: see report)."""
+    """A real SIGINT while eval.py converts: one line, 130, nothing half-written kept. (train.py converts under
+    its stop-after-the-step handler: the conversion ends whole, then the run stops before its first step.)"""
     gguf_path = write_tiny_gguf(tmp_path / "model.gguf")
     run = subprocess.run([sys.executable, "-c", EVAL_INTERRUPTED, gguf_path], cwd=ROOT, capture_output=True,
                          text=True, env=os.environ | {"GROUP_RL_CACHE": str(cache)}, timeout=600)
