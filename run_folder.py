@@ -75,8 +75,9 @@ def no_whole_checkpoint(folder: Folder) -> str | None:
     why = (checkpoint_damage(checkpoints[0]) if checkpoints
            else "it was run with --save-every 0" if saved_config(run_dir).get("save_every") == 0
            else "no checkpoint/ was saved")
+    move = f"move {checkpoints[0]} away (changed since the run saved it), then " if checkpoints else ""
     return (f"--resume: {run_dir} holds a run (steps logged: {logged_steps(run_dir)}) but no whole "
-            f"checkpoint to continue from: {why}; --overwrite starts it again, removing its logs and "
+            f"checkpoint to continue from: {why}; {move}--overwrite starts it again, removing its logs and "
             f"weights, or --out {free_out(str(run_dir.parent))} starts another beside it")
 
 

@@ -334,6 +334,11 @@ def test_resume_never_starts_over_a_run_it_cannot_continue(finished_run, tmp_pat
     assert line.startswith(f"error: --resume: {out / 'grpo'} holds a run (steps logged: 2) but no whole "
                            "checkpoint to continue from: ") and says in line and "\n" not in line
     assert "--overwrite starts it again" in line and files_under(out) == before
+    if damage != "save-every 0":  # moved away, --overwrite takes it
+        assert f"move {checkpoint} away (changed since the run saved it), then --overwrite" in line
+        checkpoint.rename(tmp_path / "damaged")
+        with pytest.raises(AssertionError, match="a model was loaded"):  # past every check of the folder
+            train.main(FINISHED + ["--out", str(out), "--overwrite"])
 
 
 def test_a_save_stopped_between_its_renames_resumes_from_the_whole_older_one(finished_run, tmp_path):
