@@ -27,16 +27,17 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def write_tiny_gguf(path: Path, seed: int = 0) -> Path:
-    """A 1-layer llama GGUF (float32, 29 byte-level tokens) whose weights are drawn from `seed`."""
+    """A 1-layer llama GGUF (float32, 30 byte-level tokens) whose weights are drawn from `seed`. Two merges:
+    transformers 5.17's reader takes a one-element array for its element, and splits the merge's letters."""
     rng = np.random.default_rng(seed)
-    tokens = [chr(c) for c in range(97, 123)] + ["ab", "<s>", "</s>"]
+    tokens = [chr(c) for c in range(97, 123)] + ["ab", "cd", "<s>", "</s>"]
     d, ff, vocab = 16, 32, len(tokens)
     path.parent.mkdir(parents=True, exist_ok=True)
     w = gguf.GGUFWriter(str(path), "llama")
     w.add_context_length(64), w.add_embedding_length(d), w.add_block_count(1), w.add_feed_forward_length(ff)
     w.add_head_count(2), w.add_head_count_kv(2), w.add_layer_norm_rms_eps(1e-5), w.add_vocab_size(vocab)
     w.add_rope_dimension_count(d // 2), w.add_tokenizer_model("gpt2"), w.add_token_list(tokens)
-    w.add_token_types([1] * vocab), w.add_token_scores([0.0] * vocab), w.add_token_merges(["a b"])
+    w.add_token_types([1] * vocab), w.add_token_scores([0.0] * vocab), w.add_token_merges(["a b", "c d"])
     w.add_bos_token_id(vocab - 2), w.add_eos_token_id(vocab - 1)
     shapes = {"token_embd": (vocab, d), "output_norm": (d,), "output": (vocab, d), "blk.0.attn_norm": (d,),
               "blk.0.ffn_norm": (d,), "blk.0.ffn_gate": (ff, d), "blk.0.ffn_up": (ff, d),
@@ -135,7 +136,7 @@ def test_a_killed_conversion_leaves_nothing_to_load_and_the_next_run_removes_it(
     run.wait()
     assert leftovers(cache), "the half-written folder"  # a temporary: nothing under the model's key
     assert loadable(cache) == []
-    assert embedding(str(gguf_path)).shape == (29, 16)  # converted again, whole
+    assert embedding(str(gguf_path)).shape == (30, 16)  # converted again, whole
     assert leftovers(cache) == []
 
 
@@ -152,7 +153,7 @@ def test_ctrl_c_during_a_conversion_leaves_nothing_half_written(tmp_path, cache,
         load_tokenizer(str(gguf_path))
     assert leftovers(cache) == [] and kept(cache) == set()
     monkeypatch.setattr(transformers.PreTrainedModel, "save_pretrained", real_save)
-    assert embedding(str(gguf_path)).shape == (29, 16)
+    assert embedding(str(gguf_path)).shape == (30, 16)
 
 
 EVAL_INTERRUPTED = """
@@ -212,7 +213,7 @@ def test_two_first_runs_converting_at_once_end_with_one_whole_folder(tmp_path, c
     assert errors == [] and results["first"] == results["second"] and len(saves) == 1
     assert leftovers(cache) == []
     monkeypatch.setattr(transformers.PreTrainedModel, "save_pretrained", real_save)
-    assert embedding(str(gguf_path)).shape == (29, 16)
+    assert embedding(str(gguf_path)).shape == (30, 16)
 
 
 def test_an_unusable_cache_is_one_line(tmp_path, cache, monkeypatch):
