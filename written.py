@@ -55,9 +55,13 @@ def _file_state(path: Path, st: os.stat_result, known: list) -> list:
     for then in known:
         if then[0] == st.st_size and then[2:] == [st.st_ino, st.st_mtime_ns]:
             return then
+    return [st.st_size, sha256(path), st.st_ino, st.st_mtime_ns]
+
+
+def sha256(path: Path) -> str:
+    """The file's content hash, its identity here and the model cache's key."""
     with path.open("rb") as f:
-        digest = hashlib.file_digest(f, "sha256").hexdigest()
-    return [st.st_size, digest, st.st_ino, st.st_mtime_ns]
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def state(path: Path, accepted: list = ()) -> dict | str | None:

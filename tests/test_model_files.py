@@ -318,8 +318,8 @@ def test_a_converted_model_changed_since_is_refused_not_loaded(tmp_path, cache):
 def test_a_gguf_file_is_hashed_once_while_it_is_unchanged(tmp_path, cache, monkeypatch):
     """load_model asks for the file's key twice (tokenizer, weights), train.py up to five times: one hash."""
     gguf_path, hashed = write_tiny_gguf(tmp_path / "model.gguf"), []
-    real_digest = model_files.hashlib.file_digest
-    monkeypatch.setattr(model_files.hashlib, "file_digest",
+    real_digest = hashlib.file_digest
+    monkeypatch.setattr(hashlib, "file_digest",
                         lambda f, algo: hashed.append(f.name) or real_digest(f, algo))
     first = embedding(str(gguf_path))
     assert torch.equal(embedding(str(gguf_path)), first) and hashed.count(str(gguf_path)) == 1
