@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from transformers import DynamicCache, PreTrainedModel
 
+from lora import has_adapters
 from model import next_tokens
 
 FAST_ON = ("cpu",)  # device types where this file's and packing.py's paths were shown equal and faster
@@ -86,9 +87,11 @@ def decode_weights(model: PreTrainedModel, rows: int) -> tuple[list[tuple[Callab
     the output layer. q/k/v and gate/up are each one matrix (4 products per layer instead of 7: fewer, larger
     calls), every product packed by `packed_linear`, the output layer too (the largest weight: for SmolLM2's
     49k vocabulary, 113 MB in fp32). None for blocks `decode_step` does not implement (other than the
-    Llama/Qwen2 block); those decode with transformers' forward."""
+    Llama/Qwen2 block) and for models with LoRA adapters; those decode with transformers' forward."""
     config = model.config
     if not writes_out_block(config) or config.hidden_act != "silu" or getattr(config, "mlp_bias", False):
+        return None
+    if has_adapters(model):  # LoRA (lora.py): packing the frozen weights would leave the adapters out
         return None
     layers = []
     for layer in model.model.layers:

@@ -11,6 +11,8 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedModel
 
+from lora import has_adapters
+
 DEVICES = ("auto", "cpu", "cuda")
 
 
@@ -101,15 +103,19 @@ def working_copy(model: PreTrainedModel, precision: str = "auto") -> PreTrainedM
     """
     if resolve_precision(precision, model.device) == "fp32":
         return model
+    if has_adapters(model):  # LoRA: its frozen weights in bf16, in place (no float32 copy); adapters float32
+        return cast_weights(model, torch.bfloat16, frozen_only=True)
     return cast_weights(copy.deepcopy(model), torch.bfloat16)
 
 
-def cast_weights(model: PreTrainedModel, dtype: torch.dtype) -> PreTrainedModel:
-    """`model` with its parameters cast to `dtype` and its buffers as they are, as from_pretrained(dtype=...)
-    loads it: the rotary inv_freq stays float32. `model.to(dtype)` would cast it too: a rotary phase error
-    that grows with the position, and log-probs unlike those of the same weights loaded in bf16."""
+def cast_weights(model: PreTrainedModel, dtype: torch.dtype, frozen_only: bool = False) -> PreTrainedModel:
+    """`model` with its parameters (`frozen_only`: those without requires_grad) cast to `dtype` and its
+    buffers as they are, as from_pretrained(dtype=...) loads it: the rotary inv_freq stays float32.
+    `model.to(dtype)` would cast it too: a rotary phase error that grows with the position, and log-probs
+    unlike those of the same weights loaded in bf16."""
     for param in model.parameters():
-        param.data = param.data.to(dtype)
+        if not (frozen_only and param.requires_grad):
+            param.data = param.data.to(dtype)
     return model
 
 
@@ -134,8 +140,11 @@ def accumulate_gradients(net: PreTrainedModel, into: PreTrainedModel) -> None:
 
 def where(master: PreTrainedModel, policy: PreTrainedModel, precision: str) -> str:
     """The device and the precision in words, for a run's first line: "cpu (<its name>; no CUDA: <why>); bf16
-    (float32 master weights, a bfloat16 working copy)"."""
+    (float32 master weights, a bfloat16 working copy)", or under LoRA "...; bf16 (bfloat16 frozen weights,
+    float32 LoRA adapters)"."""
     dtypes = f"{master.dtype} master weights" + (f", a {policy.dtype} working copy" if policy is not master
                                                  else "")
+    if has_adapters(master):
+        dtypes = f"{policy.dtype} frozen weights, float32 LoRA adapters"
     return (f"{describe_device(master.device)}; {resolve_precision(precision, master.device)} "
             f"({dtypes.replace('torch.', '')})")

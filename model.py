@@ -20,6 +20,7 @@ from safetensors import SafetensorError
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from hardware import pick_device
+from lora import ADAPTER_CONFIG, adapter_folder, base_of, load_adapters
 from model_files import byte_tokenizer, gguf_folder, smollm2_folder, tiny_qwen2
 
 # ----------------------------------------------------------------------------- loading
@@ -36,7 +37,7 @@ def model_source(name: str) -> str:
     elif not name.strip() or not path.exists() and (name.startswith((".", "/", "~")) or name.count("/") != 1):
         raise FileNotFoundError(f"unknown model {name!r}: not an alias (smollm2-135m, tiny-qwen2), "
                                 "a .gguf file, a folder or a hub id")
-    if (path / "model" / "config.json").exists():  # a train.py checkpoint folder
+    if any((path / "model" / f).exists() for f in ("config.json", ADAPTER_CONFIG)):  # a train.py checkpoint
         path = path / "model"
     return str(path) if path.exists() else name
 
@@ -68,9 +69,11 @@ def load_tokenizer(name: str) -> PreTrainedTokenizerBase:
 
 def load_model(name: str,
                device: torch.device | None = None) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """Load (model, tokenizer) from an alias, a .gguf file, a local folder or a hub id, in float32."""
+    """(model, tokenizer) from an alias, a .gguf file, a folder, a hub id or LoRA adapters, in float32."""
     device = device or pick_device()
     tokenizer = load_tokenizer(name)
+    if adapters := adapter_folder(name):  # a --lora-rank checkpoint (lora.py): its base, then the adapters
+        return load_adapters(load_model(base_of(adapters), device)[0], adapters), tokenizer
     model = (tiny_qwen2()[0] if name == "tiny-qwen2"  # safetensors only: unpickling weights could run code
              else from_source(AutoModelForCausalLM, name, dtype=torch.float32, use_safetensors=True))
     return model.to(device).eval(), tokenizer  # eval mode (no dropout); training switches train mode on

@@ -64,9 +64,10 @@ def gather_groups(local: torch.Tensor, error: RewardError | None = None) -> torc
 
 
 def sum_gradients(model) -> None:
-    """Sum each parameter's gradient over processes; a parameter without one gets zeros, so that every
-    process (even one that had no row to train) joins the same all-reduces and takes the same step."""
-    for p in model.parameters():
+    """Sum each trained parameter's gradient over processes (under LoRA the adapters alone: a frozen weight
+    has none, and gets none); one without a gradient gets zeros, so that every process (even one that had no
+    row to train) joins the same all-reduces and takes the same step."""
+    for p in (p for p in model.parameters() if p.requires_grad):
         if p.grad is None:
             p.grad = torch.zeros_like(p)
         if dist.is_initialized():

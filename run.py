@@ -5,13 +5,15 @@ Nothing here knows about GRPO, AVSPO or AAPO: a method's state reaches a checkpo
 and is rebuilt with the same classes on resume.
 """
 
+import contextlib
 import dataclasses
 import math
 import os
 import time
 from collections import Counter
+from functools import partial
 from pathlib import Path
-from typing import Callable, NamedTuple
+from typing import Callable, ContextManager, NamedTuple
 
 import torch
 import transformers
@@ -22,13 +24,14 @@ from data.tasks import Problem, load_eval_problems, load_problems
 from decoding import FAST_ON, decode
 from eval import evaluate, score_groups
 from hardware import cast_weights, pick_device, where, working_copy
+from lora import adapters_off, add_adapters
 from memory import describe_estimate, estimate_memory
 from metrics import collapse_warning, early_steps, show_group
 from model import (Rollout, checkpoint_activations, completion_logprobs, context_warning, format_prompts,
                    load_model, load_tokenizer, longest_prompt, sample, sample_with_generate, stop_token_ids)
-from processes import bad_input_is_one_line, gather_groups, stops_at_once
+from processes import StoppedWhileScoring, bad_input_is_one_line, gather_groups, stops_at_once
 from run_folder import (append_jsonl, checkpoint_damage, find_checkpoint, log_eval, log_step, read_jsonl,
-                        restore_checkpoint, save_checkpoint)
+                        restore_checkpoint, save_checkpoint, stopped_line)
 from verifier import RewardError, load_reward
 from written import Folder
 
@@ -68,7 +71,7 @@ class Run:
 
     master: torch.nn.Module  # the float32 weights the optimizer steps
     policy: torch.nn.Module  # the network that samples and backpropagates: master, or its bf16 copy
-    reference: torch.nn.Module | None  # the frozen initial policy, for AAPO's r_ref and the KL
+    reference: Callable[[], ContextManager] | None  # the frozen initial policy (AAPO's r_ref, the KL)
     tokenizer: object
     optimizer: torch.optim.Optimizer
     state: dict  # the method's state across steps, checkpointed
@@ -93,12 +96,19 @@ def start_run(args, run_dir: Path, device: torch.device, is_main: bool, state: d
         print(f"[{args.algo}] warning: {checkpoint_damage(run_dir / 'checkpoint')}: resuming from the whole "
               f"checkpoint before it, {checkpoint}")
     master, tokenizer = load_model(str(checkpoint / "model") if checkpoint else args.model, device)
+    if args.lora_rank and not checkpoint:  # resumed, the checkpoint holds the adapters (model.load_model)
+        add_adapters(master, args.lora_rank, args.lora_alpha, args.model, args.seed)
     policy = working_copy(master, args.precision)  # bf16: on CUDA and on CPUs with native bf16 (auto)
-    reference = (cast_weights(load_model(args.model, device)[0].requires_grad_(False), policy.dtype)
-                 if with_reference else None)
+    reference = None  # `with run.reference() as network`: the frozen initial policy
+    if with_reference and args.lora_rank:
+        reference = partial(adapters_off, policy)  # the base: no second copy of the weights
+    elif with_reference:
+        frozen = cast_weights(load_model(args.model, device)[0].requires_grad_(False), policy.dtype)
+        reference = partial(contextlib.nullcontext, frozen)
     if args.grad_checkpointing:
         checkpoint_activations(policy)
-    optimizer = torch.optim.AdamW(master.parameters(), lr=args.lr, weight_decay=0.0, fused=True)
+    trained = [p for p in master.parameters() if p.requires_grad]  # LoRA: the adapters alone
+    optimizer = torch.optim.AdamW(trained, lr=args.lr, weight_decay=0.0, fused=True)
     done = restore_checkpoint(checkpoint, optimizer, state) if checkpoint else 0
     eval_problems = (load_eval_problems(args.eval_dataset, args.seed) if args.eval_dataset
                      else load_problems(args.dataset, "test", args.seed))[: args.eval_size]
@@ -181,6 +191,15 @@ def first_eval(args, run: Run, folder: Folder) -> None:
     evaluated = [e["step"] for e in read_jsonl(folder.path / "evals.jsonl")]
     if eval_due(args, run.done) and run.done not in evaluated:
         run_eval(args, run, folder, run.done)
+
+
+def before_failed_step(args, run: Run, folder: Folder, step: int, error: Exception) -> None:
+    """Process 0, when step `step` fails before its update (a RewardError, or Ctrl-C while scoring, which
+    `processes.stops_at_once` raises as StoppedWhileScoring): the steps before it saved, and the line said."""
+    if args.save_every and step - 1 > run.done:
+        save_checkpoint(folder, run.master, run.tokenizer, run.optimizer, step - 1, run.state)
+    if isinstance(error, StoppedWhileScoring):
+        print("\n" + stopped_line(args, folder.path, step, while_scoring=True))
 
 
 def after_step(args, run: Run, folder: Folder, record: dict, totals: dict, stop: bool,

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from lora import has_adapters, save_adapters
 from written import Folder, NotWritten, owned
 
 
@@ -178,15 +179,20 @@ def save_checkpoint(folder: Folder, model, tokenizer, optimizer, step: int, algo
     whole checkpoint stays as it was."""
     try:
         with folder.filling("checkpoint") as tmp:
-            model.save_pretrained(tmp / "model")
+            if has_adapters(model):  # LoRA: the adapters alone, a few MB (model.load_model adds the base)
+                save_adapters(model, tmp / "model")
+            else:
+                model.save_pretrained(tmp / "model")
             tokenizer.save_pretrained(tmp / "model")
             torch.save({"step": step, "optimizer": optimizer.state_dict(),
                         "algo_state": {key: dataclasses.asdict(value) for key, value in algo_state.items()}},
                        tmp / "state.pt")
-            if all(name in folder.files for name in CHECKPOINTS):  # a kill between the renames, or damage:
+            # What is there, not what the record names: a kill just after a rename leaves the record naming
+            # a name that has gone.
+            if all(folder.now(name) for name in CHECKPOINTS):  # a kill between the renames, or damage:
                 keep = find_checkpoint(folder.path)  # keep the whole one of the two
                 folder.remove("checkpoint.old" if keep == folder.path / "checkpoint" else "checkpoint")
-            if "checkpoint" in folder.files:
+            if folder.now("checkpoint"):
                 folder.rename("checkpoint", "checkpoint.old")
     except (OSError, RuntimeError) as e:  # torch.save reports a full disk as a RuntimeError
         kept = find_checkpoint(folder.path)

@@ -21,6 +21,7 @@ import math
 import os
 import sys
 import time
+from contextlib import nullcontext
 from functools import partial
 from pathlib import Path
 from typing import Callable, Sequence
@@ -37,8 +38,9 @@ from metrics import group_map, group_samples, step_metrics, summarise_run
 from model import PROMPT_FORMATS, Rollout, real_tokens, replace_groups, trim_padding
 from processes import (StoppedWhileScoring, all_sum, bad_input_is_one_line, exits_cleanly, gather_groups,
                        init_processes, sum_gradients)
-from run import Run, after_step, check_inputs, fast_or_plain, first_eval, sample_and_score, start_run
-from run_folder import folder_problem, owned_out, save_checkpoint, start_logs, stopped_line
+from run import (Run, after_step, before_failed_step, check_inputs, fast_or_plain, first_eval,
+                 sample_and_score, start_run)
+from run_folder import folder_problem, owned_out, start_logs, stopped_line
 from verifier import REWARD_TIMEOUT, RewardError, reward_range
 from written import Folder
 
@@ -65,8 +67,7 @@ class Args:
     resume: bool = arg(False, "continue each algorithm from the checkpoint in its run folder")
     overwrite: bool = arg(False, "replace the runs in --out, only what they wrote (else a folder is refused)")
     device: str = arg("auto", "auto (CUDA if this process can use it, else CPU), cpu, cuda", choices=DEVICES)
-    fast: bool = arg(True, "fast paths (decoding.py, packing.py) where verified (CPU; on CUDA not yet); "
-                           "--no-fast: HF generate, plain forward")
+    fast: bool = arg(True, "fast paths where verified (CPU: decoding.py, packing.py); --no-fast: plain")
     # sampling
     steps: int = arg(40, "optimizer steps (one batch of groups each)", type=at_least(1))
     prompts_per_step: int = arg(2, "prompts per step (B), over all processes", type=at_least(1))
@@ -89,6 +90,8 @@ class Args:
     grad_checkpointing: bool = arg(False, "recompute activations in backward: less memory, more time")
     precision: str = arg("auto", "auto (bf16 where the GPU or CPU has it natively), fp32, bf16",
                          choices=PRECISIONS)
+    lora_rank: int = arg(0, "LoRA: adapters of this rank on every linear layer (0: none)", type=at_least(0))
+    lora_alpha: float = arg(32.0, "LoRA: the adapters are scaled by alpha / rank", type=POSITIVE)
     # AVSPO (He et al., 2026) and AAPO (Xiong et al., 2025)
     acr_threshold: float = arg(0.5, "AVSPO: initial ACR threshold", type=in_range(0, 1))
     fixed_threshold: bool = arg(False, "AVSPO: keep the threshold fixed instead of adapting it")
@@ -157,7 +160,8 @@ def sample_batch(args: Args, sample_and_score: SampleAndScore, policy, problems_
 
 def reference_rewards(args: Args, sample_and_score: SampleAndScore, reference, problems: list[Problem]):
     """AAPO's r_ref [B, G]: rewards of G completions per prompt from the frozen reference; None otherwise."""
-    return gather_groups(sample_and_score(reference, problems)[1]) if args.algo == "aapo" else None
+    with reference() if args.algo == "aapo" else nullcontext() as network:  # LoRA: the policy, adapters off
+        return None if network is None else gather_groups(sample_and_score(network, problems)[1])
 
 
 def algo_state(args: Args) -> dict:
@@ -211,9 +215,7 @@ def policy_loss(logp, old_logp, ref_logp, advantages, mask, *, clip_low: float, 
 def scheduled_lr(args: Args, step: int) -> float:
     """The lr of step 1..steps (choice 4): args.lr, falling linearly to 0 over the last `lr_decay` of the run
     (to lr / steps at the last step when lr_decay is 1, as TRL's); from the step alone, --resume continues."""
-    if args.lr_decay == 0:
-        return args.lr
-    return args.lr * min(1.0, (1 - (step - 1) / args.steps) / args.lr_decay)
+    return args.lr * (1.0 if args.lr_decay == 0 else min(1.0, (1 - (step - 1) / args.steps) / args.lr_decay))
 
 
 def update_policy(master, policy, optimizer, rollout: Rollout, b_advantages, reference, args: Args) -> dict:
@@ -237,7 +239,8 @@ def update_policy(master, policy, optimizer, rollout: Rollout, b_advantages, ref
     with torch.no_grad():  # fixed during the updates: the old policy's (PPO epochs) and the reference's
         old_logp = [logprobs(policy, i, a, m.shape[1]) if args.updates_per_batch > 1 else None
                     for _, i, a, m in micro]
-        ref_logp = [logprobs(reference, i, a, m.shape[1]) if args.beta > 0 else None for _, i, a, m in micro]
+        with reference() if args.beta > 0 else nullcontext() as ref:  # under LoRA: the policy, adapters off
+            ref_logp = [logprobs(ref, i, a, m.shape[1]) if args.beta > 0 else None for _, i, a, m in micro]
     policy.train()
     skipped = 0
     for _ in range(args.updates_per_batch):
@@ -293,8 +296,7 @@ def train_step(args: Args, run: Run, step: int, rank: int, mine: slice, device: 
 
 
 def train(args: Args, files: Folder | None, stop_requested: Sequence = ()) -> dict | None:
-    """Train one algorithm into `files`, its run folder (None on processes > 0: they write nothing). Once
-    `stop_requested` is non-empty (Ctrl-C), no step starts: KeyboardInterrupt, after saving."""
+    """Train one algorithm into its folder `files` (None on processes > 0); Ctrl-C: saved, then stops."""
     rank, world, device = init_processes(args.device)
     run_dir, is_main = Path(args.out) / args.algo, rank == 0
     run = start_run(args, run_dir, device, is_main, algo_state(args),
@@ -313,10 +315,8 @@ def train(args: Args, files: Folder | None, stop_requested: Sequence = ()) -> di
         try:
             record, samples = train_step(args, run, step, rank, mine, device)
         except (RewardError, StoppedWhileScoring) as e:  # before the update: save the steps before it
-            if is_main and args.save_every and step - 1 > run.done:
-                save_checkpoint(files, run.master, run.tokenizer, run.optimizer, step - 1, run.state)
-            if is_main and isinstance(e, StoppedWhileScoring):  # `processes.stops_at_once`
-                print("\n" + stopped_line(args, run_dir, step, while_scoring=True))
+            if is_main:
+                before_failed_step(args, run, files, step, e)
             raise
         stop = all_sum([len(stop_requested)], device)[0] > 0  # every process stops after the same step
         if is_main:

@@ -1,5 +1,5 @@
 """What a script wrote, known by identity: the one rule for every file that train.py, eval.py, experiments.py,
-data/prepare.py, the plots and the model cache write.
+merge.py, data/prepare.py, the plots and the model cache write.
 
 A folder a script writes holds a record of what it wrote there (RECORD). Before a script creates, replaces,
 appends to or removes a file, the record says which states the file may be in once that is done; the script
@@ -27,6 +27,7 @@ import hashlib
 import itertools
 import json
 import os
+import re
 import secrets
 import shutil
 import stat
@@ -41,8 +42,10 @@ KINDS = {  # what a folder holds: which scripts write it
     "experiments": "experiments.py's runs, results.json and figures",
     "downloads": "data/prepare.py's downloads",
     "model-cache": "the converted models of model_files.py (GROUP_RL_CACHE)",
+    "merged": "merge.py's models, LoRA adapters merged into their base",
 }
 ANY_FILE, ANY_DIR = "any file", "any folder"  # a temporary being written: known by its reserved name alone
+TEMPORARY = re.compile(r"\.[0-9a-f]{8}\.tmp\Z")  # the names `Folder.fresh` makes
 
 
 class NotWritten(Exception):
@@ -122,26 +125,33 @@ class Folder:
                                  f"({', '.join(names[:3])}{', ...' if names[3:] else ''}): move them, or "
                                  "choose another folder")
             self.files: dict[str, list] = {}
+            self.record_tmp = self.fresh(RECORD)
             self.save()
             return
         try:
             saved = json.loads(record.read_text())
             self.files = saved["files"]
             written_kind = saved["kind"]
+            self.record_tmp = saved.get("tmp") or self.fresh(RECORD)  # absent in records before Dec 2026
         except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError):
             raise NotWritten(f"{record} is damaged: restore it, or choose another folder") from None
         if written_kind != kind:
             raise NotWritten(f"{self.path} holds {KINDS.get(written_kind, written_kind)}, not "
                              f"{KINDS[kind]}: choose another folder")
+        left = self.path / self.record_tmp  # a record part-written when its writer was killed
+        if left.is_file() and not left.is_symlink():
+            left.unlink()
 
     def save(self) -> None:
-        """The record, whole (a random temporary, renamed into place); names removed as planned, dropped."""
+        """The record, whole: written to the temporary named in the record itself ("tmp"), then renamed into
+        place, so that one part-written when its writer was killed is known by name. Names removed as planned
+        are dropped."""
         self.files = {name: states for name, states in self.files.items()
                       if not (states[-1] is None and not os.path.lexists(self.path / name))}
-        tmp = self.path / f"{RECORD}.{secrets.token_hex(4)}.tmp"
+        tmp = self.path / self.record_tmp
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
         with os.fdopen(fd, "w") as f:
-            json.dump({"kind": self.kind, "pid": os.getpid(), "files": self.files}, f)
+            json.dump({"kind": self.kind, "pid": os.getpid(), "tmp": self.record_tmp, "files": self.files}, f)
         os.replace(tmp, self.path / RECORD)
 
     def now(self, name: str):
@@ -168,7 +178,7 @@ class Folder:
     def foreign(self) -> list[str]:
         """The names here that are not this folder's (a subfolder with a record of its own is), sorted."""
         return sorted(p.name for p in self.path.iterdir()
-                      if p.name != RECORD and not p.name.startswith(RECORD + ".") and not self.ours(p.name)
+                      if p.name not in (RECORD, self.record_tmp) and not self.ours(p.name)
                       and not (p.is_dir() and not p.is_symlink() and (p / RECORD).is_file()))
 
     def expect(self, name: str, now, after) -> None:
@@ -176,16 +186,21 @@ class Folder:
         self.files[name] = [now, after]
         self.save()
 
+    def fresh(self, name: str) -> str:
+        """A random name beside `name` that nothing here has: `name`.<8 hex>.tmp."""
+        return next(t for t in (f"{name}.{secrets.token_hex(4)}.tmp" for _ in itertools.count())
+                    if not os.path.lexists(self.path / t))
+
     def reserve(self, name: str, kind: str = ANY_FILE) -> Path:
         """A fresh temporary beside `name`, recorded by its random name before it is made."""
-        tmp = next(t for t in (f"{name}.{secrets.token_hex(4)}.tmp" for _ in itertools.count())
-                   if not os.path.lexists(self.path / t))
+        tmp = self.fresh(name)
         self.expect(tmp, None, kind)
         return self.path / tmp
 
     def remove_temporaries(self) -> None:
-        """What a write stopped part-way left: the temporaries recorded by name, not yet whole."""
-        for name in [n for n, states in self.files.items() if ANY_FILE in states or ANY_DIR in states]:
+        """What a write stopped part-way left: the temporaries recorded by name, whole or not (a kill just
+        before the rename that puts one in place)."""
+        for name in [name for name in self.files if TEMPORARY.search(name)]:
             self.remove(name)
 
     def write(self, name: str, data: str | bytes) -> Path:

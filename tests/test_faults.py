@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from safetensors.torch import save_file
 
 import run as run_module
 import run_folder
@@ -25,7 +26,7 @@ from eval import main as eval_main
 from model import load_model
 from run_folder import read_jsonl
 from verifier import RewardError, checked, load_reward
-from written import RECORD
+from written import RECORD, owned
 
 TINY = ["--model", "tiny-qwen2", "--max-new-tokens", "8", "--group-size", "4", "--eval-size", "4"]
 ROOT = Path(__file__).resolve().parent.parent
@@ -449,3 +450,68 @@ def test_resume_without_a_run_says_so_and_starts_at_step_0(tmp_path, capsys):
     train.main(TINY + ["--steps", "1", "--eval-every", "0", "--out", str(tmp_path), "--resume"])
     assert f"[grpo] --resume: no run in {tmp_path / 'grpo'} yet, starting one" in capsys.readouterr().out
     assert [r["step"] for r in read_jsonl(tmp_path / "grpo" / "metrics.jsonl")] == [1]
+
+
+class TinySaver:
+    """What save_checkpoint needs of a model and a tokenizer: a one-tensor safetensors file, a json file."""
+
+    def save_pretrained(self, path: Path) -> None:
+        path.mkdir(exist_ok=True)
+        if isinstance(self, TinyTokenizer):
+            (path / "tokenizer.json").write_text("{}")
+        else:
+            save_file({"w": torch.zeros(4)}, str(path / "model.safetensors"))
+
+
+class TinyTokenizer(TinySaver):
+    pass
+
+
+FOLDER_CHANGES = ("open", "replace", "rename", "unlink", "rmdir", "mkdir")  # os calls that change a folder
+
+
+def killed_at(n: int) -> None:
+    """From now on, this process dies (os._exit, as SIGKILL would leave it) at the n-th moment before or
+    after an os call that changes a folder: every moment at which a save can be stopped."""
+    moments = iter(range(10**9))
+    for name in FOLDER_CHANGES:
+        def wrapped(*args, call=getattr(os, name), **kwargs):
+            if next(moments) == n:
+                os._exit(0)
+            result = call(*args, **kwargs)
+            if next(moments) == n:
+                os._exit(0)
+            return result
+        setattr(os, name, wrapped)
+
+
+def test_a_save_killed_at_every_moment_leaves_a_whole_checkpoint_and_the_next_saves_succeed(tmp_path):
+    """A checkpoint save killed before or after each os call that changes the run folder, once per moment
+    (forked): the next owner finds a whole checkpoint, of the step before or of the step saved, and its own
+    next two saves succeed and leave checkpoint/ alone. A record listing a name removed just before the kill
+    once made the next save refuse to rename onto checkpoint.old (CI, December 2026)."""
+    weights = torch.nn.Parameter(torch.zeros(2))
+    optimizer = torch.optim.SGD([weights], lr=0.1)
+    model, tokenizer = TinySaver(), TinyTokenizer()
+    for n in range(10**4):
+        path = tmp_path / str(n)
+        with owned(path, "run") as folder:
+            for step in (1, 2):
+                run_folder.save_checkpoint(folder, model, tokenizer, optimizer, step, {})
+        if (pid := os.fork()) == 0:
+            with owned(path, "run") as folder:
+                killed_at(n)
+                run_folder.save_checkpoint(folder, model, tokenizer, optimizer, 3, {})
+            os._exit(3)  # the save ended: n is past its last moment
+        ended = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+        with owned(path, "run") as folder:
+            folder.remove_temporaries()
+            kept = run_folder.find_checkpoint(path)
+            assert kept and run_folder.restore_checkpoint(kept, optimizer, {}) in (2, 3), f"killed at {n}"
+            for step in (4, 5):
+                run_folder.save_checkpoint(folder, model, tokenizer, optimizer, step, {})
+        assert sorted(p.name for p in path.iterdir()) == [RECORD, "checkpoint"], f"killed at {n}"
+        assert run_folder.restore_checkpoint(path / "checkpoint", optimizer, {}) == 5
+        if ended == 3:
+            break
+    assert n > 40  # every moment of a save was reached: the save makes more changes than this
