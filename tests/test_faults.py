@@ -23,6 +23,7 @@ import run as run_module
 import run_folder
 import train
 from eval import main as eval_main
+from lora import has_adapters
 from model import load_model
 from run_folder import read_jsonl
 from verifier import RewardError, checked, load_reward
@@ -210,14 +211,16 @@ def test_a_flag_newer_than_the_run_counts_as_its_default(tmp_path):
 # ---------------------------------------------------------------- killed at random moments
 
 
-def test_sigkill_at_random_moments_then_resume_loses_and_doubles_no_step(tmp_path):
+@pytest.mark.parametrize("lora", [[], ["--lora-rank", "2"]], ids=["full", "lora"])
+def test_sigkill_at_random_moments_then_resume_loses_and_doubles_no_step(tmp_path, lora):
     """A --save-every 1 run killed (SIGKILL) three times at random moments once it has logged a step, then
-    resumed to the end: every step logged once, in order, and the last checkpoint loads. Killed before its
-    first checkpoint, it has nothing to resume from: it starts again (--resume would refuse it)."""
+    resumed to the end: every step logged once, in order, and the last checkpoint loads (under LoRA: its
+    adapters, with the base). Killed before its first checkpoint, it has nothing to resume from: it starts
+    again (--resume would refuse it)."""
     (tmp_path / "user_rewards.py").write_text(REWARDS)
     run = tmp_path / "run"
-    command = [sys.executable, str(ROOT / "train.py"), *TINY, "--steps", "60", "--save-every", "1",
-               "--eval-every", "0", "--reward", "user_rewards:parity", "--out", str(run)]
+    command = [sys.executable, str(ROOT / "train.py"), *TINY, "--steps", "40", "--save-every", "1",
+               "--eval-every", "0", "--reward", "user_rewards:parity", "--out", str(run), *lora]
     env = {**os.environ, "PYTHONPATH": str(tmp_path)}  # user_rewards importable
     draw = random.Random(0)
     for _ in range(3):
@@ -233,9 +236,9 @@ def test_sigkill_at_random_moments_then_resume_loses_and_doubles_no_step(tmp_pat
         proc.wait()
     finished = subprocess.run(command + ["--resume"], cwd=ROOT, env=env, capture_output=True, text=True)
     assert finished.returncode == 0, finished.stderr[-2000:]
-    assert [r["step"] for r in read_jsonl(run / "grpo" / "metrics.jsonl")] == list(range(1, 61))
-    assert torch.load(run / "grpo" / "checkpoint" / "state.pt", weights_only=False)["step"] == 60
-    load_model(str(run / "grpo" / "checkpoint"), torch.device("cpu"))
+    assert [r["step"] for r in read_jsonl(run / "grpo" / "metrics.jsonl")] == list(range(1, 41))
+    assert torch.load(run / "grpo" / "checkpoint" / "state.pt", weights_only=False)["step"] == 40
+    assert has_adapters(load_model(str(run / "grpo" / "checkpoint"), torch.device("cpu"))[0]) == bool(lora)
 
 
 # ---------------------------------------------------------------- a second run, damage, signals (issue 44)

@@ -2,13 +2,13 @@
 adapters off at every step, only the adapters train, checkpoints hold the adapters and resume exactly,
 eval.py and merge.py read them, and every path (fast, bf16, checkpointing, each method) runs under it."""
 
-import dataclasses
 import json
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from peft.tuners.tuners_utils import BaseTunerLayer
 
 import eval as evaluation
 import merge
@@ -16,7 +16,7 @@ import packing
 import run as run_module
 import train
 from hardware import working_copy
-from lora import ADAPTER_CONFIG, ADAPTERS, adapters_off, add_adapters, has_adapters
+from lora import ADAPTER_CONFIG, ADAPTERS, has_adapters
 from model import completion_logprobs, load_model, sample
 from run import Paths
 from run_folder import read_jsonl
@@ -47,10 +47,10 @@ def start(argv: list[str], tmp_path: Path, with_reference: bool = False) -> run_
                                 with_reference)
 
 
-def rows(run: run_module.Run, seed: int = 0):
-    """A rollout of the run's policy on two prompts (4 rows each): its ids, attention mask and length C."""
-    torch.manual_seed(seed)
-    rollout = sample(run.policy, run.tokenizer, ["What is 2 + 3?", "What is 12 * 7?"], 4, 8)
+def rows(network, tokenizer):
+    """A rollout of `network` on two prompts (4 rows each): its ids, attention mask and length C."""
+    torch.manual_seed(0)
+    rollout = sample(network, tokenizer, ["What is 2 + 3?", "What is 12 * 7?"], 4, 8)
     return rollout.input_ids, rollout.attention_mask, rollout.completion_mask.shape[1]
 
 
@@ -63,21 +63,21 @@ def timeless(records: list[dict]) -> list[dict]:
 
 @pytest.mark.parametrize("model", ["tiny-qwen2", "smollm2-135m"])
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
-@pytest.mark.parametrize("logprobs", [completion_logprobs, packing.completion_logprobs], ids=["plain", "fast"])
-def test_a_lora_run_starts_at_exactly_the_base_policy(tmp_path, model, precision, logprobs):
+def test_a_lora_run_starts_at_exactly_the_base_policy(tmp_path, model, precision):
     """B = 0 at the start: the LoRA policy's log-probs are full fine-tuning's, bit for bit, in fp32 and in
     bf16 (the frozen weights cast as the full working copy casts them), by the plain and the packed pass."""
     common = TINY[2:] + ["--model", model, "--precision", precision]
     full, lora = start(common, tmp_path), start(common + ["--lora-rank", "4"], tmp_path)
     assert has_adapters(lora.policy) and not has_adapters(full.policy)
     assert lora.policy.model.embed_tokens.weight.dtype == full.policy.model.embed_tokens.weight.dtype
-    ids, attn, c = rows(full)
-    with torch.no_grad():
-        got, want = logprobs(lora.policy, ids, attn, c), logprobs(full.policy, ids, attn, c)
-    if model == "tiny-qwen2" or logprobs is packing.completion_logprobs:
-        assert torch.equal(got, want)
-    else:  # the plain pass's [49152, 576] output layer: torch's CPU kernel sums in another order once its
-        torch.testing.assert_close(got, want, atol=1e-4, rtol=0)  # weight is frozen (measured: 1.5e-5, 3e-5)
+    ids, attn, c = rows(full.policy, full.tokenizer)
+    for logprobs in (completion_logprobs, packing.completion_logprobs):
+        with torch.no_grad():
+            got, want = logprobs(lora.policy, ids, attn, c), logprobs(full.policy, ids, attn, c)
+        if model == "tiny-qwen2" or logprobs is packing.completion_logprobs:
+            assert torch.equal(got, want), logprobs
+        else:  # the plain pass's [49152, 576] output layer: torch's CPU kernel sums in another order once its
+            torch.testing.assert_close(got, want, atol=1e-4, rtol=0)  # weight is frozen (1.5e-5, 3e-5 here)
 
 
 def test_lora_sits_on_every_linear_layer_but_the_output_layer_in_float32(tmp_path):
@@ -85,7 +85,8 @@ def test_lora_sits_on_every_linear_layer_but_the_output_layer_in_float32(tmp_pat
     trained = {name: p for name, p in run.master.named_parameters() if p.requires_grad}
     layers = run.master.config.num_hidden_layers
     assert len(trained) == 2 * len(LINEAR) * layers  # A and B of each of the 7 linear layers of every block
-    assert all(".lora_A." in n or ".lora_B." in n for n in trained) and not any("lm_head" in n for n in trained)
+    assert all(".lora_A." in n or ".lora_B." in n for n in trained)
+    assert not any("lm_head" in n for n in trained)
     assert {p.dtype for p in trained.values()} == {torch.float32}
     frozen = {p.dtype for p in run.master.parameters() if not p.requires_grad}
     assert frozen == {torch.bfloat16}  # no float32 copy of a frozen weight
@@ -102,7 +103,8 @@ def record_logprobs(monkeypatch) -> list[tuple]:
         return out
 
     plain = run_module.fast_or_plain(False, torch.device("cpu"))
-    monkeypatch.setattr(train, "fast_or_plain", lambda fast, device: Paths(plain.sample_completions, recorded))
+    monkeypatch.setattr(train, "fast_or_plain",
+                        lambda fast, device: Paths(plain.sample_completions, recorded))
     return calls
 
 
@@ -125,7 +127,7 @@ def test_the_reference_is_the_untrained_model_at_every_step(tmp_path, monkeypatc
     untrained = working_copy(load_model("tiny-qwen2", torch.device("cpu"))[0], precision)
     per_step = train_steps(run, args, 3, record_logprobs(monkeypatch))
     for step, calls in enumerate(per_step, 1):
-        reference = [c for c in calls if not c[0]]  # one update per batch: the no-grad passes are the reference's
+        reference = [c for c in calls if not c[0]]  # one update per batch: no-grad passes are the reference's
         assert reference, step
         for _, ids, attn, c, out in reference:
             with torch.no_grad():
@@ -144,14 +146,31 @@ def test_the_aapo_reference_samples_with_the_adapters_off(tmp_path, monkeypatch,
     """AAPO's r_ref: completions of the reference (the policy with its adapters off), not of the policy."""
     argv = TINY + parity + ["--lora-rank", "4", "--algo", "aapo"]
     args, run = args_of(argv), start(argv, tmp_path, with_reference=True)
-    seen = []
-    monkeypatch.setattr(train, "gather_groups", lambda rewards: rewards)
-    from peft.tuners.tuners_utils import BaseTunerLayer
     layers = [m for m in run.policy.modules() if isinstance(m, BaseTunerLayer)]
-    score = lambda network, problems: seen.append([m.disable_adapters for m in layers]) or (None, torch.zeros(1))
+    seen = []
+
+    def score(network, problems):
+        seen.append([layer.disable_adapters for layer in layers])
+        return None, torch.zeros(1, 4)
+
+    monkeypatch.setattr(train, "gather_groups", lambda rewards: rewards)
     train.reference_rewards(args, score, run.reference, run.train_problems[:1])
     assert seen == [[True] * len(layers)]  # off while it samples
     assert not any(m.disable_adapters for m in layers)  # and on again after
+
+
+def test_every_method_runs_under_lora_with_checkpointing_and_a_kl(tmp_path, parity):
+    """GRPO, AVSPO, AAPO (its r_ref sampled with the adapters off) and DAPO, with --beta and
+    --grad-checkpointing: each trains its adapters, and its checkpoint holds them alone."""
+    algos, out = ["grpo", "avspo", "aapo", "dapo"], tmp_path / "run"
+    train.main(TINY + parity + ["--algo", ",".join(algos), "--lora-rank", "2", "--steps", "2", "--beta",
+                                "0.05", "--grad-checkpointing", "--eval-every", "0", "--lr", "1e-2",
+                                "--out", str(out)])
+    for algo in algos:
+        records = read_jsonl(out / algo / "metrics.jsonl")
+        assert [r["step"] for r in records] == [1, 2] and records[-1]["kl"] > 0, algo  # off the reference
+        assert ADAPTERS in run_files(out / algo) and "model.safetensors" not in run_files(out / algo)
+    assert "ref_reward_mean" in read_jsonl(out / "aapo" / "metrics.jsonl")[0]
 
 
 # ------------------------------------------------------------------------------ what trains
@@ -223,25 +242,28 @@ def test_eval_on_the_lora_checkpoint_equals_the_in_run_evaluation(tmp_path, pari
 # ------------------------------------------------------------------------------ merge.py
 
 
-def test_merge_writes_one_model_with_the_adapted_log_probs(tmp_path, parity, capsys):
+def test_merge_writes_one_model_with_the_adapted_log_probs(tmp_path, parity):
+    """merge.py: one transformers model, no adapter left, with the log-probs of base plus adapters (up to the
+    order of additions); a second merge replaces the first and nothing else; a checkpoint without adapters
+    is one line."""
     out = tmp_path / "run"
     train.main(TINY + parity + ["--lora-rank", "4", "--lr", "5e-2", "--steps", "2", "--eval-every", "0",
                                 "--out", str(out)])
     checkpoint = out / "grpo" / "checkpoint"
-    (tmp_path / "merged").mkdir()
     merge.main([str(checkpoint), str(tmp_path / "merged")])
     merged_model = load_model(str(tmp_path / "merged"), torch.device("cpu"))[0]
-    adapted, base = (load_model(name, torch.device("cpu"))[0] for name in (str(checkpoint), "tiny-qwen2"))
+    adapted, base = (load_model(name, torch.device("cpu")) for name in (str(checkpoint), "tiny-qwen2"))
+    adapted, (base, tokenizer) = adapted[0], base
     assert not has_adapters(merged_model) and has_adapters(adapted)
     assert not any("lora" in k for k in merged_model.state_dict())
-    run = dataclasses.replace(start(TINY, tmp_path), policy=base)
-    ids, attn, c = rows(run)
+    ids, attn, c = rows(base, tokenizer)
     with torch.no_grad():
         want = completion_logprobs(adapted, ids, attn, c)
-        torch.testing.assert_close(completion_logprobs(merged_model, ids, attn, c), want, atol=1e-5, rtol=1e-5)
+        got = completion_logprobs(merged_model, ids, attn, c)
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
         assert not torch.allclose(completion_logprobs(base, ids, attn, c), want, atol=1e-4)
     (tmp_path / "merged" / "notes.txt").write_text("the user's")
-    merge.main([str(checkpoint), str(tmp_path / "merged")])  # again: the earlier merge replaced, the rest kept
+    merge.main([str(checkpoint), str(tmp_path / "merged")])  # again: the old merge replaced, nothing else
     assert sorted(p.name for p in (tmp_path / "merged").iterdir()) == [RECORD, "model", "notes.txt"]
     with pytest.raises(SystemExit) as exit_info:
         merge.main([str(tmp_path / "run" / "grpo"), str(tmp_path / "other")])
