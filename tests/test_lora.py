@@ -94,12 +94,14 @@ def test_lora_sits_on_every_linear_layer_but_the_output_layer_in_float32(tmp_pat
 
 
 def record_logprobs(monkeypatch) -> list[tuple]:
-    """Every log-prob pass of update_policy, as (grad enabled, ids, attention, C, result)."""
+    """Every log-prob pass of update_policy, as (grad enabled, adapters on, ids, attention, C, result)."""
     calls = []
 
     def recorded(model, input_ids, attention_mask, completion_len, temperature=1.0):
         out = completion_logprobs(model, input_ids, attention_mask, completion_len, temperature)
-        calls.append((torch.is_grad_enabled(), input_ids, attention_mask, completion_len, out.detach()))
+        adapters_on = all(not m.disable_adapters for m in model.modules() if isinstance(m, BaseTunerLayer))
+        calls.append((torch.is_grad_enabled(), adapters_on, input_ids, attention_mask, completion_len,
+                      out.detach()))
         return out
 
     plain = run_module.fast_or_plain(False, torch.device("cpu"))
@@ -129,10 +131,10 @@ def test_the_reference_is_the_untrained_model_at_every_step(tmp_path, monkeypatc
     for step, calls in enumerate(per_step, 1):
         reference = [c for c in calls if not c[0]]  # one update per batch: no-grad passes are the reference's
         assert reference, step
-        for _, ids, attn, c, out in reference:
+        for _, _, ids, attn, c, out in reference:
             with torch.no_grad():
                 assert torch.equal(out, completion_logprobs(untrained, ids, attn, c)), step
-    _, ids, attn, c, _ = per_step[-1][0]
+    _, _, ids, attn, c, _ = per_step[-1][0]
     with torch.no_grad():  # the test bites: by now the policy is not the reference
         assert not torch.allclose(completion_logprobs(run.policy, ids, attn, c),
                                   completion_logprobs(untrained, ids, attn, c))
@@ -268,3 +270,14 @@ def test_merge_writes_one_model_with_the_adapted_log_probs(tmp_path, parity):
     with pytest.raises(SystemExit) as exit_info:
         merge.main([str(tmp_path / "run" / "grpo"), str(tmp_path / "other")])
     assert "holds no LoRA adapters" in str(exit_info.value.code)
+
+
+def test_ppo_epochs_take_the_old_log_probs_with_the_adapters_on_and_the_reference_with_them_off(
+        tmp_path, monkeypatch, parity):
+    """--updates-per-batch 2 and --beta under LoRA: of the passes without gradient, the old policy's come with
+    every adapter on and the reference's with every adapter off; the passes with gradient, adapters on."""
+    argv = TINY + parity + ["--lora-rank", "4", "--beta", "0.1", "--updates-per-batch", "2"]
+    args, run = args_of(argv), start(argv, tmp_path, with_reference=True)
+    passes = [call[:2] for call in train_steps(run, args, 1, record_logprobs(monkeypatch))[0]]
+    micro = sum(grad for grad, _ in passes) // 2  # micro-batches: each trains once per update
+    assert micro and passes == [(False, True)] * micro + [(False, False)] * micro + [(True, True)] * 2 * micro
