@@ -69,7 +69,7 @@ def check_inputs(args) -> None:
 class Run:
     """What one algorithm's run holds from step to step (`start_run`)."""
 
-    master: torch.nn.Module  # the float32 weights the optimizer steps
+    master: torch.nn.Module  # the float32 weights the optimizer steps (LoRA: the model, its adapters float32)
     policy: torch.nn.Module  # the network that samples and backpropagates: master, or its bf16 copy
     reference: Callable[[], ContextManager] | None  # the frozen initial policy (AAPO's r_ref, the KL)
     tokenizer: object

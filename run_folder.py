@@ -179,7 +179,7 @@ def save_checkpoint(folder: Folder, model, tokenizer, optimizer, step: int, algo
     whole checkpoint stays as it was."""
     try:
         with folder.filling("checkpoint") as tmp:
-            if has_adapters(model):  # LoRA: the adapters alone, a few MB (model.load_model adds the base)
+            if has_adapters(model):  # LoRA: the adapters alone, not the base (model.load_model adds it)
                 save_adapters(model, tmp / "model")
             else:
                 model.save_pretrained(tmp / "model")
