@@ -472,13 +472,12 @@ def memory_table(prompts: int, group_size: int, new_tokens: int, prompt_len: int
                 gib = [f"{x / GIB:.1f}" for x in parts]
                 rows.append([size, f"{params / 1e6:.0f}", str(rank or "no"), str(micro_batch),
                              "yes" if checkpointing else "no", *gib, *fits])
-        notes.append(f"{size}: a reference (AAPO, --beta > 0) adds {2 * params / GIB:.1f} GiB to full "
-                     f"fine-tuning, nothing to LoRA (the adapters off); LoRA's adapters: "
-                     f"{adapter_count(model.config, 32) / 1e6:.1f}M parameters at rank 32, "
-                     f"{adapter_count(model.config, 1) / 1e6:.2f}M at rank 1")
+        notes.append(f"{size}: a reference (AAPO, --beta > 0) adds {2 * params / GIB:.1f} GiB (none under "
+                     f"LoRA); adapters of {adapter_count(model.config, 32) / 1e6:.1f}M parameters at rank 32, "
+                     f"{adapter_count(model.config, 1) / 1e6:.2f}M at rank 1.")
     return markdown_table(["size", "params M", "LoRA rank", "micro-batch", "grad ckpt", "static GiB",
                            "activations GiB", "logits GiB", "KV cache GiB", "total GiB",
-                           *(f"{c} GB" for c in CARDS_GIB)], rows) + "\n\n" + "; ".join(notes) + "."
+                           *(f"{c} GB" for c in CARDS_GIB)], rows) + "\n\n" + "\n\n".join(notes)
 
 
 def write(report: dict, out: Path) -> None:
