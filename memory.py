@@ -4,14 +4,18 @@
 Bytes, P the parameter count, w the working precision's bytes (2 for bf16, 4 for fp32):
   weights 4P (float32 master), optimizer 8P (AdamW's two float32 moments), gradients 4P (float32),
   working copy 2P + 2P (bf16 only: the copy, its gradients of one micro-batch), reference wP (AAPO, --beta);
+  under LoRA (--lora-rank), L the adapters' parameter count: the frozen weights wP (in the working precision,
+  no float32 master of them), weights 4L, optimizer 8L and gradients 4L for the adapters alone, no working
+  copy (the policy is the master), and the reference 0 (the policy with its adapters off);
   on CUDA, CUDA_ALLOWANCE for the CUDA context and the cuBLAS and attention workspaces;
 then the larger of the two phases, which never overlap:
   sampling: the KV cache of all rows, rows x (prompt + completion) x layers x 2 x kv_dim x w;
   update, one micro-batch of m rows of T = prompt + completion tokens, what autograd saves for backward
   (tests/test_device.py counts it in bf16 with padding, at Qwen2.5-0.5B's and 1.5B's layer shapes):
-    activations, per token: each layer's `layer_bytes`, plus the final norm's (4 + 2w) h and the rotary
-    cos and sin, 2 head_dim w; under --grad-checkpointing each layer keeps only its input (h w) and one
-    layer's worth is recomputed at a time in backward;
+    activations, per token: each layer's `layer_bytes` (`lora_layer_bytes` under LoRA), plus the final
+    norm's (4 + 2w) h (under LoRA 4h: its weight and the output layer are frozen) and the rotary cos and
+    sin, 2 head_dim w; under --grad-checkpointing each layer keeps only its input (h w) and one layer's
+    worth is recomputed at a time in backward;
     logits at the m x C completion positions, V each: 2w per entry (the logits, then their gradient), plus
     16 bytes for each of LOGPROB_CHUNK x V entries, one chunk's float32 log-softmax and its gradient
     (model.completion_logprobs; measured on the CPU with torch's memory profiler, tests/test_device.py).
@@ -24,6 +28,7 @@ from model import LOGPROB_CHUNK
 
 GIB = 2**30
 CUDA_ALLOWANCE = GIB  # the CUDA context (about 0.5 GiB with lazy module loading) and the kernels' workspaces
+STATIC = ("frozen", "weights", "optimizer", "gradients", "working_copy", "reference", "cuda")  # a run long
 
 
 def layer_bytes(config, w: int) -> int:
@@ -38,29 +43,62 @@ def layer_bytes(config, w: int) -> int:
     return 2 * (4 + 2 * w) * hidden + 4 * w * q_dim + 4 * heads + 4 * w * config.intermediate_size
 
 
+def lora_layer_bytes(config, w: int, rank: int) -> int:
+    """Bytes one decoder layer saves for backward per token under LoRA (peft's lora.Linear: frozen weights
+    in w-byte precision, float32 adapters on its seven linear layers), measured as `layer_bytes` is: the
+    frozen layers save no inputs for their weights' gradients, and the norms' weights are frozen, so of
+    `layer_bytes` stay each RMSNorm's float32 input, the attention's q, k, v, output and logsumexp, and the
+    MLP's gate, up and activation (their product feeds only down_proj); each adapter saves A's float32 input
+    and A's output (4 rank). In bf16 each adapter casts its own float32 copy of its input (q, k, v, gate and
+    up of h each, o of q_dim, down of i); in float32 the casts are no-ops, and the adapters share the two
+    norms' outputs and the product, o reading the attention output already kept."""
+    hidden, heads, inter = config.hidden_size, config.num_attention_heads, config.intermediate_size
+    q_dim = heads * (getattr(config, "head_dim", None) or hidden // heads)
+    inputs = 2 * hidden + inter if w == 4 else 5 * hidden + q_dim + inter
+    return 2 * 4 * hidden + 4 * w * q_dim + 4 * heads + 3 * w * inter + 4 * inputs + 7 * 4 * rank
+
+
+def adapter_count(config, rank: int) -> int:
+    """The parameters of rank-`rank` adapters on every linear layer but the output layer (lora.add_adapters):
+    r (d_in + d_out) for each of q, k, v, o, gate, up and down, in each layer."""
+    hidden, heads = config.hidden_size, config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or hidden // heads
+    q_dim, kv_dim = heads * head_dim, config.num_key_value_heads * head_dim
+    per_layer = 7 * hidden + 2 * q_dim + 2 * kv_dim + 3 * config.intermediate_size
+    return rank * per_layer * config.num_hidden_layers
+
+
 def estimate_memory(config, num_params: int, *, rows: int, prompt_len: int, completion_len: int,
                     micro_batch: int, bf16: bool, reference: bool, checkpointing: bool,
-                    cuda: bool = False) -> dict[str, float]:
+                    cuda: bool = False, lora_params: int = 0) -> dict[str, float]:
     """The terms of the module docstring in bytes, for a transformers config (hidden_size,
     intermediate_size, num_hidden_layers, num_attention_heads, num_key_value_heads, vocab_size), and
-    "total": the static terms plus the larger phase."""
+    "total": the static terms plus the larger phase. `num_params` counts the model's own weights;
+    `lora_params` > 0, the LoRA adapters' (trained, the model's own frozen)."""
     w = 2 if bf16 else 4
     hidden, layers = config.hidden_size, config.num_hidden_layers
     head_dim = getattr(config, "head_dim", None) or hidden // config.num_attention_heads
     kv_dim = config.num_key_value_heads * head_dim
     tokens = micro_batch * (prompt_len + completion_len)  # one micro-batch's positions
-    per_token = (4 + 2 * w) * hidden + 2 * head_dim * w  # the final norm, the rotary cos and sin
-    per_layer = layer_bytes(config, w)
+    lora = lora_params > 0
+    trained = lora_params if lora else num_params
+    per_token = (4 if lora else 4 + 2 * w) * hidden + 2 * head_dim * w  # the final norm, rotary cos and sin
+    rank = lora_params // adapter_count(config, 1)  # lora.add_adapters: one rank on every linear layer
+    per_layer = lora_layer_bytes(config, w, rank) if lora else layer_bytes(config, w)
     kept = (layers * hidden * w + per_layer) if checkpointing else layers * per_layer
+    if lora and not checkpointing:  # the first layer's input, from the frozen embeddings, needs no gradient:
+        kept -= 4 * hidden  # its input norm keeps nothing
     terms = {
-        "weights": 4 * num_params, "optimizer": 8 * num_params, "gradients": 4 * num_params,
-        "working_copy": 4 * num_params if bf16 else 0, "reference": w * num_params if reference else 0,
+        "frozen": w * num_params if lora else 0,
+        "weights": 4 * trained, "optimizer": 8 * trained, "gradients": 4 * trained,
+        "working_copy": 4 * num_params if bf16 and not lora else 0,
+        "reference": w * num_params if reference and not lora else 0,
         "cuda": CUDA_ALLOWANCE if cuda else 0,
         "sampling": rows * (prompt_len + completion_len) * layers * 2 * kv_dim * w,
         "activations": tokens * (per_token + kept),
         "logits": (micro_batch * completion_len * 2 * w + 16 * LOGPROB_CHUNK) * config.vocab_size,
     }
-    static = sum(terms[k] for k in ("weights", "optimizer", "gradients", "working_copy", "reference", "cuda"))
+    static = sum(terms[k] for k in STATIC)
     return {**terms, "total": static + max(terms["sampling"], terms["activations"] + terms["logits"])}
 
 
@@ -70,10 +108,12 @@ def size(n: float) -> str:
 
 def describe_estimate(terms: dict[str, float]) -> str:
     """One line: the total and its parts."""
-    static = terms["weights"] + terms["optimizer"] + terms["gradients"]
-    extra = [name for name in ("working_copy", "reference", "cuda") if terms[name]]
+    trained = size(terms["weights"] + terms["optimizer"] + terms["gradients"])
+    parts = [f"weights+AdamW+grads {trained}"]
+    if terms["frozen"]:  # LoRA
+        parts = [f"frozen weights {size(terms['frozen'])}", f"adapters+AdamW+grads {trained}"]
     names = {"working_copy": "working copy", "reference": "reference", "cuda": "CUDA context"}
-    parts = [f"weights+AdamW+grads {size(static)}", *(f"{names[n]} {size(terms[n])}" for n in extra)]
+    parts += [f"{names[n]} {size(terms[n])}" for n in names if terms[n]]
     return (f"memory ~{size(terms['total'])} = {' + '.join(parts)} + the larger of update "
             f"{size(terms['activations'] + terms['logits'])} (activations {size(terms['activations'])}, "
             f"logits {size(terms['logits'])}) and sampling's KV cache {size(terms['sampling'])}")

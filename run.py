@@ -24,7 +24,7 @@ from data.tasks import Problem, load_eval_problems, load_problems
 from decoding import FAST_ON, decode
 from eval import evaluate, score_groups
 from hardware import cast_weights, pick_device, where, working_copy
-from lora import adapters_off, add_adapters
+from lora import adapters_off, add_adapters, has_adapters
 from memory import describe_estimate, estimate_memory
 from metrics import collapse_warning, early_steps, show_group
 from model import (Rollout, checkpoint_activations, completion_logprobs, context_warning, format_prompts,
@@ -147,9 +147,10 @@ def sample_and_score(args, run: Run, network, problems: list[Problem]) -> tuple[
 
 def where_it_runs(args, master, policy, reference, tokenizer, problems: list[Problem]) -> str:
     """The run's first line: the device, the precision and dtypes, and the memory it should need
-    (memory.py), for the run's shapes; the prompt length is that of the longest question of `problems` (those
-    it trains on and those it evaluates), templated. A prompt longer than the model's context is refused
-    (ValueError naming it): no completion could read it, and its attention alone may not fit in memory."""
+    (memory.py; under LoRA, the frozen weights apart from the adapters), for the run's shapes; the prompt
+    length is that of the longest question of `problems` (those it trains on and those it evaluates),
+    templated. A prompt longer than the model's context is refused (ValueError naming it): no completion
+    could read it, and its attention alone may not fit in memory."""
     longest = max(problems, key=lambda p: len(p.question) + len(p.instruction))  # by characters
     prompt_len = longest_prompt(tokenizer, [longest.question], args.prompt_format, args.system,
                                 [longest.instruction])
@@ -159,11 +160,12 @@ def where_it_runs(args, master, policy, reference, tokenizer, problems: list[Pro
     if warning := context_warning(master.config, prompt_len, args.max_new_tokens):
         print(f"[{args.algo}] {warning}")
     rows = args.prompts_per_step * args.group_size // int(os.environ.get("WORLD_SIZE", 1))
-    terms = estimate_memory(master.config, sum(p.numel() for p in master.parameters()), rows=rows,
+    adapters = sum(p.numel() for p in master.parameters() if p.requires_grad) if has_adapters(master) else 0
+    terms = estimate_memory(master.config, sum(p.numel() for p in master.parameters()) - adapters, rows=rows,
                             prompt_len=prompt_len, completion_len=args.max_new_tokens,
                             micro_batch=min(args.micro_batch, rows), bf16=policy.dtype == torch.bfloat16,
                             reference=reference is not None, checkpointing=args.grad_checkpointing,
-                            cuda=master.device.type == "cuda")
+                            cuda=master.device.type == "cuda", lora_params=adapters)
     return f"{where(master, policy, args.precision)}; {describe_estimate(terms)}"
 
 

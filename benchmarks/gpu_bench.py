@@ -67,7 +67,7 @@ from decoding import decode  # noqa: E402
 from eval import score_groups  # noqa: E402
 from flags import FlagParser, at_least, in_range  # noqa: E402
 from hardware import DEVICES, pick_device, working_copy  # noqa: E402
-from memory import GIB, estimate_memory  # noqa: E402
+from memory import GIB, STATIC, adapter_count, estimate_memory  # noqa: E402
 from model import (checkpoint_activations, completion_logprobs, load_model, sample,  # noqa: E402
                    sample_with_generate)
 from model_files import byte_tokenizer  # noqa: E402
@@ -454,27 +454,30 @@ FITS = 0.9  # of a card's memory: the rest for the allocator's fragmentation (th
 
 def memory_table(prompts: int, group_size: int, new_tokens: int, prompt_len: int) -> str:
     """docs/performance.md's table: memory.py's estimate at the Qwen2.5 sizes (parameters counted on the
-    meta device, nothing allocated), bf16 with float32 master weights, with and without checkpointing; the
-    static terms include memory.CUDA_ALLOWANCE."""
+    meta device, nothing allocated), bf16, with and without checkpointing: full fine-tuning (float32 master
+    weights) at micro-batch 4, 8 and 16, LoRA at rank 32 and 1 (adapters on every linear layer but the
+    output layer, `memory.adapter_count`) at micro-batch 8; the static terms include memory.CUDA_ALLOWANCE."""
     rows, notes = [], []
     for size in ("0.5B", "1.5B"):
         model = build_model(size, torch.device("meta"), byte_tokenizer())
         params = sum(p.numel() for p in model.parameters())
         shapes = dict(rows=prompts * group_size, prompt_len=prompt_len, completion_len=new_tokens, bf16=True)
-        for micro_batch in (4, 8, 16):
+        for rank, micro_batch in [(0, 4), (0, 8), (0, 16), (32, 8), (1, 8)]:
             for checkpointing in (False, True):
                 t = estimate_memory(model.config, params, **shapes, micro_batch=micro_batch, reference=False,
-                                    checkpointing=checkpointing, cuda=True)
-                static = t["weights"] + t["optimizer"] + t["gradients"] + t["working_copy"] + t["cuda"]
+                                    checkpointing=checkpointing, cuda=True,
+                                    lora_params=adapter_count(model.config, rank))
                 fits = ["yes" if t["total"] <= FITS * card * GIB else "no" for card in CARDS_GIB]
-                parts = (static, t["activations"], t["logits"], t["sampling"], t["total"])
+                parts = (sum(t[k] for k in STATIC), t["activations"], t["logits"], t["sampling"], t["total"])
                 gib = [f"{x / GIB:.1f}" for x in parts]
-                rows.append([size, f"{params / 1e6:.0f}", str(micro_batch), "yes" if checkpointing else "no",
-                             *gib, *fits])
-        notes.append(f"{size}: a reference (AAPO, --beta > 0) adds {2 * params / GIB:.1f} GiB")
-    return markdown_table(["size", "params M", "micro-batch", "grad ckpt", "static GiB", "activations GiB",
-                           "logits GiB", "KV cache GiB", "total GiB", *(f"{c} GB" for c in CARDS_GIB)],
-                          rows) + "\n\n" + "; ".join(notes) + "."
+                rows.append([size, f"{params / 1e6:.0f}", str(rank or "no"), str(micro_batch),
+                             "yes" if checkpointing else "no", *gib, *fits])
+        notes.append(f"{size}: a reference (AAPO, --beta > 0) adds {2 * params / GIB:.1f} GiB (none under "
+                     f"LoRA); adapters of {adapter_count(model.config, 32) / 1e6:.1f}M parameters at rank 32, "
+                     f"{adapter_count(model.config, 1) / 1e6:.2f}M at rank 1.")
+    return markdown_table(["size", "params M", "LoRA rank", "micro-batch", "grad ckpt", "static GiB",
+                           "activations GiB", "logits GiB", "KV cache GiB", "total GiB",
+                           *(f"{c} GB" for c in CARDS_GIB)], rows) + "\n\n" + "\n\n".join(notes)
 
 
 def write(report: dict, out: Path) -> None:

@@ -4,6 +4,7 @@ choice of device, precision and paths (--device, --precision, --fast)."""
 
 import copy
 import dataclasses
+import functools
 import os
 import subprocess
 import sys
@@ -18,6 +19,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 
 import eval as eval_module
 import hardware
+import lora
 import memory
 import model
 import model_files
@@ -427,6 +429,34 @@ def test_the_first_line_names_device_precision_dtypes_and_memory(tmp_path):
     assert "memory ~" in line and "working copy" in line and "reference" in line
 
 
+def test_the_first_line_under_lora_counts_frozen_weights_and_adapters_and_no_copy(tmp_path, monkeypatch):
+    """Under LoRA the policy is the master (its frozen weights cast in place) and the reference is the policy
+    with its adapters off: the estimate gets the model's own weights apart from the adapters, and the line
+    names them, with no working copy and no reference."""
+    args = train.parse_args(TINY[:-2] + ["--precision", "bf16", "--beta", "0.1", "--lora-rank", "4",
+                                         "--out", str(tmp_path)])
+    master, tokenizer = model.load_model("tiny-qwen2", torch.device("cpu"))
+    own = sum(p.numel() for p in master.parameters())
+    lora.add_adapters(master, 4, 32, "tiny-qwen2", 0)
+    policy = hardware.working_copy(master, "bf16")
+    seen = {}
+
+    def estimate(config, num_params, **kwargs):
+        seen.update(num_params=num_params, **kwargs)
+        return estimate_memory(config, num_params, **kwargs)
+
+    monkeypatch.setattr(run_module, "estimate_memory", estimate)
+    line = run_module.where_it_runs(args, master, policy, functools.partial(lora.adapters_off, policy),
+                                    tokenizer, [Problem("What is 2 + 3?", "5")])
+    adapters = memory.adapter_count(master.config, 4)
+    assert policy is master and seen["num_params"] == own and seen["lora_params"] == adapters > 0
+    assert seen["bf16"] and seen["reference"]
+    assert "; bf16 (bfloat16 frozen weights, float32 LoRA adapters); " in line
+    parts = f"frozen weights {memory.size(2 * own)} + adapters+AdamW+grads {memory.size(16 * adapters)}"
+    assert parts in line
+    assert "working copy" not in line and "reference" not in line and "weights+AdamW" not in line
+
+
 # ------------------------------------------------------------------------------ memory.py
 
 
@@ -445,6 +475,30 @@ def test_memory_static_terms_count_the_models_parameters():
     assert fp32["working_copy"] == 0 and fp32["reference"] == 4 * params
     static = sum(terms[k] for k in ("weights", "optimizer", "gradients", "working_copy", "reference"))
     assert terms["total"] == static + max(terms["sampling"], terms["activations"] + terms["logits"])
+
+
+@pytest.mark.parametrize("size, rank", [("tiny", 4), ("0.5B", 32), ("1.5B", 1)])
+def test_memory_static_terms_under_lora_count_the_frozen_weights_once_and_the_adapters(size, rank):
+    """peft's adapters on every linear layer but the output layer number `memory.adapter_count`; the model's
+    own weights count once, in the working precision, and only the adapters have float32 weights, AdamW
+    moments and gradients: no working copy, and the reference (the adapters off) costs nothing."""
+    from benchmarks.gpu_bench import SIZES
+    config = Qwen2Config(vocab_size=1000, tie_word_embeddings=True, **SIZES[size])
+    with torch.device("meta"):  # the real widths, nothing allocated
+        net = Qwen2ForCausalLM(config)
+    own = sum(p.numel() for p in net.parameters())
+    lora.add_adapters(net, rank, 32, size, 0)
+    adapters = sum(p.numel() for p in net.parameters() if p.requires_grad)
+    assert adapters == memory.adapter_count(config, rank) and adapters + own == sum(p.numel() for p in
+                                                                                     net.parameters())
+    for bf16, w in ((True, 2), (False, 4)):
+        terms = estimate_memory(config, own, **shapes(bf16=bf16, reference=True), lora_params=adapters)
+        assert (terms["frozen"], terms["weights"], terms["optimizer"], terms["gradients"]) == (
+            w * own, 4 * adapters, 8 * adapters, 4 * adapters)
+        assert terms["working_copy"] == terms["reference"] == 0
+        static = sum(terms[k] for k in ("frozen", "weights", "optimizer", "gradients"))
+        assert terms["total"] == static + max(terms["sampling"], terms["activations"] + terms["logits"])
+    assert estimate_memory(config, own, **shapes())["frozen"] == 0  # full fine-tuning: no frozen weights
 
 
 @pytest.mark.parametrize("key", ["rows", "prompt_len", "completion_len", "micro_batch"])
@@ -474,16 +528,22 @@ def saved_bytes(net, ids: torch.Tensor, mask: torch.Tensor, completion_len: int)
 
 
 @pytest.mark.parametrize("checkpointing", [False, True])
-@pytest.mark.parametrize("size, precision", [("0.5B", "bf16"), ("1.5B", "bf16"), ("0.5B", "fp32")])
-def test_memory_activations_are_what_the_forward_keeps_for_backward(size, precision, checkpointing):
+@pytest.mark.parametrize("size, precision, rank", [  # rank: LoRA's
+    ("0.5B", "bf16", 0), ("1.5B", "bf16", 0), ("0.5B", "fp32", 0), ("0.5B", "bf16", 32), ("1.5B", "bf16", 1),
+    ("0.5B", "fp32", 32)])
+def test_memory_activations_are_what_the_forward_keeps_for_backward(size, precision, rank, checkpointing):
     """Two layers at Qwen2.5's real widths, rows padded on the left and the right as in training: the bytes
     autograd saves (the logits' own among them) against memory.py's activations and logits. Under
     checkpointing the forward keeps each layer's input only, and the estimate adds one layer's
-    `layer_bytes`, recomputed in backward."""
+    `layer_bytes`, recomputed in backward. `rank`: LoRA through peft, frozen weights in the working precision
+    and float32 adapters (`lora_layer_bytes`)."""
     from benchmarks.gpu_bench import SIZES
     config = Qwen2Config(vocab_size=1000, tie_word_embeddings=True, **{**SIZES[size], "num_hidden_layers": 2})
     torch.manual_seed(0)
-    net = hardware.working_copy(Qwen2ForCausalLM(config), precision).train()
+    net = Qwen2ForCausalLM(config)
+    if rank:
+        lora.add_adapters(net, rank, 32, size, 0)
+    net = hardware.working_copy(net, precision).train()
     if checkpointing:
         model.checkpoint_activations(net)
     ids = torch.randint(0, 1000, (4, 101))
@@ -491,11 +551,13 @@ def test_memory_activations_are_what_the_forward_keeps_for_backward(size, precis
     mask[:2, :20] = mask[1:3, -15:] = 0  # left-padded prompts, completions that ended early
     kept = saved_bytes(net, ids, mask, 60)
     terms = estimate_memory(config, 0, **shapes(micro_batch=4, bf16=precision == "bf16",
-                                                checkpointing=checkpointing))  # 4 rows of 100 positions
+                                                checkpointing=checkpointing),  # 4 rows of 100 positions
+                            lora_params=memory.adapter_count(config, rank))
     w = 2 if precision == "bf16" else 4
     forward = terms["activations"] + 4 * 60 * 1000 * w  # and the logits
     if checkpointing:  # less the layer that backward recomputes
-        forward -= 4 * 100 * memory.layer_bytes(config, w)
+        layer = memory.lora_layer_bytes(config, w, rank) if rank else memory.layer_bytes(config, w)
+        forward -= 4 * 100 * layer
     # 10% is the bar; without checkpointing the count is within 0.5%, so 3% shows a slip in any one term
     assert kept == pytest.approx(forward, rel=0.1 if checkpointing else 0.03)
 
@@ -512,17 +574,22 @@ def peak_bytes(fn) -> int:
     return max(sum(s) for s in sizes)
 
 
-@pytest.mark.parametrize("precision", ["bf16", "fp32"])
+@pytest.mark.parametrize("precision, rank", [("bf16", 0), ("fp32", 0), ("bf16", 4)])
 @pytest.mark.parametrize("chunk", [64, 256])
-def test_memory_logits_are_the_peak_of_the_log_probs_forward_and_backward(monkeypatch, precision, chunk):
+def test_memory_logits_are_the_peak_of_the_log_probs_forward_and_backward(monkeypatch, precision, rank,
+                                                                            chunk):
     """The logits term as measured: one narrow layer and a 16,000-token vocabulary, so the logits are nearly
-    all of the memory; the peak of the plain log-probs' forward and backward against activations + logits."""
+    all of the memory; the peak of the plain log-probs' forward and backward against activations + logits.
+    Under LoRA (`rank`) the output layer is frozen but its input still gets a gradient: the same logits."""
     monkeypatch.setattr(model, "LOGPROB_CHUNK", chunk)
     monkeypatch.setattr(memory, "LOGPROB_CHUNK", chunk)
     config = Qwen2Config(vocab_size=16_000, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                          num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True)
     torch.manual_seed(0)
-    net = hardware.working_copy(Qwen2ForCausalLM(config), precision).train()
+    net = Qwen2ForCausalLM(config)
+    if rank:
+        lora.add_adapters(net, rank, 32, "narrow", 0)
+    net = hardware.working_copy(net, precision).train()
     net.model.embed_tokens.weight.requires_grad_(False)  # its gradient is the static terms', not the update's
     ids = torch.randint(0, 16_000, (8, 161))
     mask = torch.ones_like(ids)
@@ -534,7 +601,8 @@ def test_memory_logits_are_the_peak_of_the_log_probs_forward_and_backward(monkey
     update()  # once before: the first call allocates what later ones reuse
     net.zero_grad(set_to_none=True)
     terms = estimate_memory(config, 0, **shapes(micro_batch=8, prompt_len=32, completion_len=128,
-                                                bf16=precision == "bf16"))
+                                                bf16=precision == "bf16"),
+                            lora_params=memory.adapter_count(config, rank))
     assert peak_bytes(update) == pytest.approx(terms["activations"] + terms["logits"], rel=0.1)
 
 
