@@ -444,6 +444,19 @@ def test_lora_matches_is_judged_by_the_margin_on_both_sides(ci, expected):
     assert experiments.verdict({"mean": sum(ci) / 2, "ci": ci}, 0.025) == expected
 
 
+@pytest.mark.parametrize("flags, says", [(["--sweep-seed", "3"], "--sweep-seed 3 is one of --seeds 0,1,2,3,4"),
+                                         (["--lora-lrs", "1e-4,0"], "--lora-lrs 1e-4,0: need a comma list of "
+                                          "positive numbers"),
+                                         (["--full-lrs", "2e-5,0.00002"], "0.00002: 2e-05 given twice")],
+                         ids=" ".join)
+def test_a_sweep_that_would_pick_on_a_scored_seed_or_an_odd_rate_is_refused_at_parse_time(flags, says, capsys):
+    """The rate chosen on a seed the arms are then scored on would flatter the arm it was chosen for."""
+    with pytest.raises(SystemExit):
+        experiments.parse_args(["--dry-run", "--only", "lora", *flags])
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and says in err
+
+
 def test_lora_delta_is_paired_with_full_fine_tuning_by_seed_and_problem():
     """Seeds differ by up to 50 points, and LoRA answers 3 more problems of each seed than full fine-tuning:
     paired by seed, Δ's interval lies within a few points of +0.06; unpaired it would span the seeds."""
