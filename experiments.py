@@ -3,7 +3,7 @@ README quotes).
 
     python experiments.py                  # difficulty, compare, scatter (--dry-run: the time estimate)
     python experiments.py --figures docs   # the same, rewriting docs/results.json and docs/*.png
-    python experiments.py --only compare   # one or more parts: difficulty, compare, scatter, precision
+    python experiments.py --only compare   # one or more parts: difficulty, compare, scatter, precision, lora
     python experiments.py --quick          # tiny model, 2 steps: the whole pipeline in ~1 min (a CI test)
 
 1. difficulty: ACR of the untrained model at each arith-mix level (and all levels pooled), split into
@@ -32,6 +32,14 @@ README quotes).
    fp32 on the same seeds: does bf16, what `--precision auto` picks where the CPU has native bf16, learn as
    well as fp32? Held-out accuracy, batch reward and seconds per step against steps. Only with
    --only precision: where bf16 is emulated (a CPU with AVX2 alone) its runs take many times longer.
+6. lora:       does LoRA match full fine-tuning in RL, even at rank 1 ("LoRA Without Regret", Schulman et al.,
+   2025)? GRPO with full fine-tuning, LoRA rank 1 and LoRA rank 32 (alpha 32, every linear layer: lora.py),
+   as compare (its flags, seeds and paired bootstrap, Δ against full fine-tuning), each arm at its own
+   learning rate. The rate is chosen per arm by a sweep on one seed that is not among --seeds (--sweep-seed):
+   full fine-tuning over --full-lrs, LoRA over --lora-lrs (Schulman et al.: LoRA's best is ~10x full
+   fine-tuning's); the rule: the rate whose final model is the most accurate (greedy, on that seed's whole
+   held-out split), the smaller on a tie. Verdict on "matches" (`verdict`): confirmed when the Δ interval
+   lies within +-MARGIN, refuted when it lies wholly outside, inconclusive otherwise. Only with --only lora.
 
 Finished runs are reused and unfinished ones resume from their last checkpoint, so a rerun (after Ctrl-C, in
 another session, or with more --seeds) only fills gaps; a run is reused or resumed only when its config.json
@@ -84,8 +92,15 @@ METHODS = {"grpo": ("grpo", []), "avspo": ("avspo", []),  # name: (train.py --al
            "avspo-k1": ("avspo", ["--num-virtual", "1"]),  # "a few" virtual rewards: K = 1, |A| = 1/3
            "avspo-wrong": ("avspo", ["--virtual-ends", "all-wrong"]),  # the paper's ablation of the two ends
            "avspo-correct": ("avspo", ["--virtual-ends", "all-correct"]),
-           "aapo": ("aapo", []), "dapo": ("dapo", [])}
+           "aapo": ("aapo", []), "dapo": ("dapo", []),
+           # the lora part's arms, each at the learning rate its sweep chose (lora.py's alpha, layers)
+           "full-ft": ("grpo", ["--lora-rank", "0"]),
+           "lora-r1": ("grpo", ["--lora-rank", "1", "--lora-alpha", "32"]),
+           "lora-r32": ("grpo", ["--lora-rank", "32", "--lora-alpha", "32"])}
 BASELINE = "grpo"
+LORA = ("full-ft", "lora-r1", "lora-r32")  # the first is the lora part's baseline
+# "matches": Δ within 2.5 points, the smallest gain a claim in the README's table calls an effect (AAPO's)
+MARGIN = 0.025
 # also compared paired with these: does AVSPO's trigger help, and which end of collapse costs accuracy?
 ABLATIONS = {"avspo": ("avspo-always", "avspo-fixed"), "avspo-wrong": ("avspo-correct",)}
 PRECISIONS = ("bf16", "fp32")
@@ -279,10 +294,11 @@ def interval(point: float, samples: np.ndarray) -> dict:
     return {"mean": float(point), "ci": [float(low), float(high)], "half_width": float(high - low) / 2}
 
 
-def accuracy_table(correct: np.ndarray, levels: np.ndarray, names: list[str], resamples: int) -> dict:
-    """For each method: accuracy and Δ to BASELINE (paired), overall and per level, each with its 95% CI; for
-    a method with ablations in ABLATIONS, also its overall Δ to each (paired the same way)."""
-    boot, base = bootstrap_accuracy(correct, levels, resamples), names.index(BASELINE)
+def accuracy_table(correct: np.ndarray, levels: np.ndarray, names: list[str], resamples: int,
+                   baseline: str = BASELINE) -> dict:
+    """For each method: accuracy and Δ to `baseline` (paired), overall and per level, each with its 95% CI;
+    for a method with ablations in ABLATIONS, also its overall Δ to each (paired the same way)."""
+    boot, base = bootstrap_accuracy(correct, levels, resamples), names.index(baseline)
     table = {}
     for i, name in enumerate(names):
         row = {"accuracy": None, "delta": None, "by_level": {}, "delta_by_level": {}}
@@ -345,20 +361,20 @@ def collapse(runs: list[Path]) -> dict:
             for k, v in per_seed.items()}
 
 
-def seed_deltas(table: dict, resamples: int, seed: int = 0) -> None:
+def seed_deltas(table: dict, resamples: int, seed: int = 0, baseline: str = BASELINE) -> None:
     """Add to each method's collapse and cost numbers a 95% bootstrap CI over the seeds ("ci"), and their
-    difference to BASELINE paired by seed, with its CI ("delta"): for claims about collapse and cost, where
+    difference to `baseline` paired by seed, with its CI ("delta"): for claims about collapse and cost, where
     each seed gives one number."""
     rng = np.random.default_rng(seed)
-    seeds = len(table[BASELINE]["cost"]["seconds"]["per_seed"])
+    seeds = len(table[baseline]["cost"]["seconds"]["per_seed"])
     picks = rng.integers(0, seeds, size=(resamples, seeds))  # [R, S]: the same draws for every number
     for row in table.values():
         for group in ("collapse", "cost"):
             for key, stat in row[group].items():
                 values = np.array(stat["per_seed"])  # [S]
                 stat["ci"] = interval(values.mean(), values[picks].mean(axis=1))["ci"]
-                if key in table[BASELINE][group]:
-                    diff = values - np.array(table[BASELINE][group][key]["per_seed"])  # [S]
+                if key in table[baseline][group]:
+                    diff = values - np.array(table[baseline][group][key]["per_seed"])  # [S]
                     stat["delta"] = interval(diff.mean(), diff[picks].mean(axis=1))
 
 
@@ -380,20 +396,22 @@ def accuracy_curves(runs: list[Path]) -> dict:
 
 
 def compare(folder: Path, methods: list[str], seeds: list[int], flags: list[str], per_level: int | None,
-            max_new_tokens: int, resamples: int, jobs: int) -> dict:
-    """Train every method on every seed into `folder`, evaluate each final checkpoint per problem,
-    bootstrap, account costs."""
+            max_new_tokens: int, resamples: int, jobs: int, baseline: str = BASELINE,
+            extra: dict[str, list[str]] | None = None) -> dict:
+    """Train every method on every seed into `folder` (with its `extra` flags: the lora part's learning
+    rates), evaluate each final checkpoint per problem, bootstrap (Δ to `baseline`), account costs."""
+    extra = extra or {}
     order = [(m, s) for s in seeds for m in methods]  # seed by seed: a partial sweep is whole for its seeds
     for m, s in order:  # before any run starts
-        check_run(run_dir(folder, m, s), s, flags + METHODS[m][1])
-    tasks = [(train_and_score, folder, m, s, flags, held_out(s, per_level), max_new_tokens)
+        check_run(run_dir(folder, m, s), s, flags + extra.get(m, []) + METHODS[m][1])
+    tasks = [(train_and_score, folder, m, s, flags + extra.get(m, []), held_out(s, per_level), max_new_tokens)
              for m, s in order]
     records = dict(zip(order, run_all(tasks, jobs)))
     correct = [[[r["correct"] for r in records[m, s]] for s in seeds] for m in methods]  # [M][S][N]
     levels = {s: [r["level"] for r in records[methods[0], s]] for s in seeds}
     assert all(lv == levels[seeds[0]] for lv in levels.values()), "the bootstrap needs one level pattern"
     levels = np.array(levels[seeds[0]])
-    table = accuracy_table(np.array(correct, dtype=float), levels, methods, resamples)
+    table = accuracy_table(np.array(correct, dtype=float), levels, methods, resamples, baseline)
     for name in methods:
         runs = [run_dir(folder, name, s) for s in seeds]
         table[name]["cost"], table[name]["collapse"] = compute_cost(runs), collapse(runs)
@@ -405,7 +423,7 @@ def compare(folder: Path, methods: list[str], seeds: list[int], flags: list[str]
         if same_problems and not np.allclose(logged, table[name]["per_seed"]):  # greedy: should be identical
             print(f"warning: {name}: re-evaluated checkpoints {table[name]['per_seed']} "
                   f"!= train.py's {logged}")
-    seed_deltas(table, resamples)
+    seed_deltas(table, resamples, baseline=baseline)
     for seed in seeds:  # bf16 rounds differently per CPU: a seed's methods are compared on one kind
         if len(cpus := seed_cpus(folder, methods, seed)) > 1:
             print(f"warning: {folder} seed {seed}: its runs were trained on {len(cpus)} kinds of CPU "
@@ -423,8 +441,6 @@ def markdown_table(table: dict) -> str:
     """method | accuracy [95% CI] | Δ vs GRPO [95% CI] | per-level accuracy | collapse | AVSPO's trigger and
     the clipped steps (shares of steps) | costs."""
     levels = list(next(iter(table.values()))["by_level"])
-    ci = lambda x, sign="": (f"{x['mean']:{sign}.3f} "  # noqa: E731
-                             f"[{x['ci'][0]:{sign}.3f}, {x['ci'][1]:{sign}.3f}]")
     lines = [f"| method | accuracy [95% CI] | Δ vs {BASELINE.upper()} [95% CI] | {' / '.join(levels)} | "
              "raw / effective ACR | all-correct / all-wrong, last quarter | trigger | clipped "
              "| generated tokens | seconds |", "|---|---|---|---|---|---|---|---|---|---|"]
@@ -432,13 +448,18 @@ def markdown_table(table: dict) -> str:
         cost, acr = row["cost"], row["collapse"]
         by_level = " / ".join(f"{row['by_level'][lv]['mean']:.2f}" for lv in levels)
         trigger = f"{acr['avspo_triggered']['mean']:.2f}" if "avspo_triggered" in acr else "-"
-        lines.append(f"| {name} | {ci(row['accuracy'])} | "
-                     f"{'-' if name == BASELINE else ci(row['delta'], '+')} | "
+        lines.append(f"| {name} | {with_ci(row['accuracy'])} | "
+                     f"{'-' if name == BASELINE else with_ci(row['delta'], '+')} | "
                      f"{by_level} | {acr['acr']['mean']:.2f} / {acr['acr_effective']['mean']:.2f} | "
                      f"{acr['all_correct_frac']['mean']:.2f} / {acr['all_wrong_frac']['mean']:.2f} | "
                      f"{trigger} | {acr['clipped']['mean']:.2f} | "
                      f"{cost['gen_tokens']['mean']:,.0f} | {cost['seconds']['mean']:,.0f} |")
     return "\n".join(lines)
+
+
+def with_ci(x: dict, sign: str = "") -> str:
+    """An interval's mean [low, high], to 3 decimals (sign "+": signed, for a Δ)."""
+    return f"{x['mean']:{sign}.3f} [{x['ci'][0]:{sign}.3f}, {x['ci'][1]:{sign}.3f}]"
 
 
 def early_acr_scatter(runs: list[dict], resamples: int) -> dict:
@@ -511,9 +532,11 @@ def estimate(args, parts: list[str]) -> tuple[int, int, float, float]:
     units (sampling 8 x 8 for the difficulty part: half a unit), an evaluation of n problems n/336 eval units;
     a compare run evaluates 3 times (train.py before and after, the per-problem one), a scatter run twice."""
     runs = steps = step_units = eval_units = 0
-    for part, methods in (("compare", args.methods), ("readings", args.readings)):
+    sweep = len(args.full_lrs.split(",")) + (len(LORA) - 1) * len(args.lora_lrs.split(","))
+    for part, n in (("compare", len(args.methods.split(",")) * len(args.seeds.split(","))),
+                    ("readings", len(args.readings.split(",")) * len(args.seeds.split(","))),
+                    ("lora", len(LORA) * len(args.seeds.split(",")) + sweep)):  # lora: its sweep's runs too
         if part in parts:
-            n = len(methods.split(",")) * len(args.seeds.split(","))
             runs, steps = runs + n, steps + n * args.steps
             step_units += n * args.steps * args.prompts_per_step * args.group_size / 64
             # train.py's, step 0 on
@@ -575,6 +598,10 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--difficulty-prompts", type=COUNT, default=32)
     p.add_argument("--precision-seeds", default="0,1,2,3", help="precision: seeds, each run in bf16 and fp32")
     p.add_argument("--precision-steps", type=COUNT, default=train.Args.steps, help="precision: steps per run")
+    p.add_argument("--full-lrs", default="1e-5,2e-5,4e-5", help="lora: full fine-tuning's learning rates")
+    p.add_argument("--lora-lrs", default="1e-4,2e-4,4e-4", help="lora: LoRA's learning rates (each rank)")
+    p.add_argument("--sweep-seed", type=at_least(0), default=100,
+                   help="lora: the seed of the learning-rate sweep (not one of --seeds)")
     p.add_argument("--step-seconds", type=SECONDS, default=13.0,
                    help="estimate: wall seconds per B=8 x G=8 step, "
                    "with --jobs 2 on 2 cores (compare's wall time, docs/results.md)")
@@ -588,9 +615,10 @@ def make_parser() -> argparse.ArgumentParser:
 
 
 COUNT, SECONDS = at_least(1), in_range(0, math.inf, low_open=True)
-PARTS = ("difficulty", "compare", "readings", "scatter", "precision")
+PARTS = ("difficulty", "compare", "readings", "scatter", "precision", "lora")
 CHOICES = {"only": PARTS, "methods": METHODS, "readings": METHODS, "scatter_levels": LEVELS}  # comma lists
 INTEGERS = {"seeds": 0, "scatter_seeds": 0, "precision_seeds": 0, "scatter_g": 2}  # comma lists: the least
+RATES = ("full_lrs", "lora_lrs")  # comma lists of positive numbers
 
 
 def list_problem(args: argparse.Namespace) -> str | None:
@@ -603,8 +631,14 @@ def list_problem(args: argparse.Namespace) -> str | None:
         items = getattr(args, name).split(",")
         if not all(x.strip().lstrip("-").isdigit() and int(x) >= least for x in items):
             return f"{flag(name)} {getattr(args, name)}: need a comma list of integers >= {least}"
-    for name in [*CHOICES, *INTEGERS]:  # a seed twice would count one run twice in the bootstrap
-        items = [int(x) if name in INTEGERS else x for x in getattr(args, name).split(",")]
+    for name in RATES:
+        try:
+            assert all(0 < float(x) < math.inf for x in getattr(args, name).split(","))
+        except (ValueError, AssertionError):
+            return f"{flag(name)} {getattr(args, name)}: need a comma list of positive numbers"
+    for name in [*CHOICES, *INTEGERS, *RATES]:  # a seed twice would count one run twice in the bootstrap
+        items = [int(x) if name in INTEGERS else float(x) if name in RATES else x
+                 for x in getattr(args, name).split(",")]
         if twice := sorted({str(x) for x in items if items.count(x) > 1}):
             return f"{flag(name)} {getattr(args, name)}: {', '.join(twice)} given twice"
     return None
@@ -626,9 +660,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "add1,mul1", "--scatter-g", "2,4", "--scatter-seeds", "0",
                              "--scatter-steps", "2", "--scatter-eval-size", "4",
                              "--difficulty-prompts", "4", "--precision-seeds", "0,1",
-                             "--precision-steps", "2", "--jobs", "1", *argv])  # flags given still win
+                             "--precision-steps", "2", "--full-lrs", "1e-5,2e-5", "--lora-lrs",
+                             "1e-4,2e-4", "--jobs", "1", *argv])  # flags given still win
     if problem := list_problem(args):
         p.error(problem)
+    if args.sweep_seed in [int(s) for s in args.seeds.split(",")]:  # the rate would be fitted to the test
+        p.error(f"--sweep-seed {args.sweep_seed} is one of --seeds {args.seeds}: choose another")
     return args
 
 
@@ -651,16 +688,20 @@ FIGURES = {"difficulty": ("acr_vs_difficulty.png",),  # what each part draws, in
 RESULTS = "results.json"  # every number the README quotes (docs/results.json)
 
 
+def comparison_flags(args: argparse.Namespace) -> list[str]:
+    """train.py's flags for every run of compare, readings and lora (train.py's lr schedule)."""
+    return ["--model", args.model, "--max-new-tokens", str(args.max_new_tokens), "--dataset", "arith-mix",
+            "--steps", str(args.steps), "--prompts-per-step", str(args.prompts_per_step), "--group-size",
+            str(args.group_size), "--eval-every", str(args.eval_every), "--eval-size", str(args.eval_size),
+            "--save-every", str(args.eval_every)]
+
+
 def compare_part(args: argparse.Namespace, folder: Path, methods: list[str], figures: Folder | None) -> dict:
     """compare (and readings, in its own folder): the training runs and the table; with `figures`, the
     curves, accuracy against cost and tokens, and the collapse map of the first seed."""
     seeds = [int(s) for s in args.seeds.split(",")]
-    flags = ["--model", args.model, "--max-new-tokens", str(args.max_new_tokens), "--dataset", "arith-mix",
-             "--steps", str(args.steps), "--prompts-per-step", str(args.prompts_per_step), "--group-size",
-             str(args.group_size), "--eval-every", str(args.eval_every), "--eval-size", str(args.eval_size),
-             "--save-every", str(args.eval_every)]  # train.py's lr schedule
-    table = compare(folder, methods, seeds, flags, args.per_level or None, args.max_new_tokens,
-                    args.resamples, args.jobs)
+    table = compare(folder, methods, seeds, comparison_flags(args), args.per_level or None,
+                    args.max_new_tokens, args.resamples, args.jobs)
     if figures:
         runs_by_method = {m: [run_dir(folder, m, s) for s in seeds] for m in methods}
         title = f"{args.model} on arith-mix, B={args.prompts_per_step}, G={args.group_size}, seeds {seeds}"
@@ -672,6 +713,67 @@ def compare_part(args: argparse.Namespace, folder: Path, methods: list[str], fig
                           f"{args.model} on arith-mix, B={args.prompts_per_step}, G={args.group_size}, "
                           f"seed {seeds[0]}")
     return table
+
+
+def lora_part(args: argparse.Namespace, folder: Path) -> dict:
+    """The lora part: each arm's learning rate from its sweep on --sweep-seed (`pick_lr`), then the arms on
+    --seeds at those rates, compared as compare does, with full fine-tuning as the baseline."""
+    flags, per_level, seed = comparison_flags(args), args.per_level or None, args.sweep_seed
+    grid = {arm: lr_list(args.full_lrs if arm == LORA[0] else args.lora_lrs) for arm in LORA}
+    sweep = [(arm, lr) for arm in LORA for lr in grid[arm]]  # <folder>/sweep/lr2e-05/seed100-full-ft/grpo
+    tasks = [(train_and_score, folder / "sweep" / f"lr{lr}", arm, seed, flags + ["--lr", lr],
+              held_out(seed, per_level), args.max_new_tokens) for arm, lr in sweep]
+    for _, where, arm, _, run_flags, *_ in tasks:  # before any run starts
+        check_run(run_dir(where, arm, seed), seed, run_flags + METHODS[arm][1])
+    accuracy = {arm: {} for arm in LORA}
+    for (arm, lr), records in zip(sweep, run_all(tasks, args.jobs)):
+        accuracy[arm][lr] = float(np.mean([r["correct"] for r in records]))
+    chosen = {arm: pick_lr(accuracy[arm]) for arm in LORA}
+    table = compare(folder, list(LORA), [int(s) for s in args.seeds.split(",")], flags, per_level,
+                    args.max_new_tokens, args.resamples, args.jobs, baseline=LORA[0],
+                    extra={arm: ["--lr", lr] for arm, lr in chosen.items()})
+    for arm, row in table.items():
+        seconds = row["cost"]["seconds"]
+        row["lr"], row["seconds_per_step"] = chosen[arm], {"mean": seconds["mean"] / args.steps,
+                                                          "ci": [x / args.steps for x in seconds["ci"]]}
+        row["verdict"] = None if arm == LORA[0] else verdict(row["delta"], MARGIN)
+    return {"sweep": {"seed": seed, "accuracy": accuracy, "chosen": chosen,
+                      "rule": "per arm, the learning rate whose final model is the most accurate (greedy, on "
+                              "the sweep seed's whole held-out split); the smaller on a tie"},
+            "margin": MARGIN, "arms": table}
+
+
+def lr_list(text: str) -> list[str]:
+    """A comma list of learning rates, each written as train.py's config.json records it (2e-05)."""
+    return [f"{float(x):g}" for x in text.split(",")]
+
+
+def pick_lr(accuracy: dict[str, float]) -> str:
+    """The learning rate with the most accurate final model; the smaller of those that tie."""
+    return max(sorted(accuracy, key=float), key=accuracy.__getitem__)  # max keeps the first of a tie
+
+
+def verdict(delta: dict, margin: float) -> str:
+    """Whether Δ's 95% interval says two arms match, as the README's claims are judged: confirmed when it
+    excludes a difference of `margin` either way, refuted when it excludes every difference under it."""
+    low, high = delta["ci"]
+    if -margin < low and high < margin:
+        return "confirmed"
+    return "refuted" if high < -margin or low > margin else "inconclusive"
+
+
+def lora_table(result: dict) -> str:
+    """arm | learning rate (the sweep's accuracies) | accuracy | Δ vs full fine-tuning | raw ACR | s/step |
+    verdict on "matches"."""
+    lines = [f"| arm | lr (sweep: lr accuracy) | accuracy [95% CI] | Δ vs {LORA[0]} [95% CI] | raw ACR | "
+             f"s/step | matches (±{result['margin'] * 100:g} points) |", "|---|---|---|---|---|---|---|"]
+    for arm, row in result["arms"].items():
+        sweep = ", ".join(f"{lr} {a:.3f}" for lr, a in result["sweep"]["accuracy"][arm].items())
+        lines.append(f"| {arm} | {row['lr']} ({sweep}) | {with_ci(row['accuracy'])} | "
+                     f"{'-' if arm == LORA[0] else with_ci(row['delta'], '+')} | "
+                     f"{row['collapse']['acr']['mean']:.2f} | {row['seconds_per_step']['mean']:.1f} | "
+                     f"{row['verdict'] or '-'} |")
+    return "\n".join(lines)
 
 
 def scatter_part(args: argparse.Namespace, folder: Path, figures: Folder) -> dict:
@@ -698,7 +800,7 @@ def precision_part(args: argparse.Namespace, folder: Path, figures: Folder) -> d
 
 def print_results(results: dict, parts: list[str]) -> None:
     """The tables and fits of the parts that ran."""
-    for part in ("compare", "readings"):
+    for part in ("compare", "readings", "lora"):
         if part in parts:
             print(f"\n{part}:\n" + results[f"{part}_table"])
     if "precision" in parts:
@@ -758,6 +860,9 @@ def run_parts(args: argparse.Namespace, parts: list[str], out: Folder, figures: 
         results["scatter"] = scatter_part(args, out.subfolder("scatter", "experiments").path, figures)
     if "precision" in parts:
         results["precision"] = precision_part(args, out.subfolder("precision", "experiments").path, figures)
+    if "lora" in parts:
+        results["lora"] = lora_part(args, out.subfolder("lora", "experiments").path)
+        results["lora_table"] = lora_table(results["lora"])
     figures.write(RESULTS, json.dumps(results, indent=2))
     print_results(results, parts)
     print(f"results: {figures.path / RESULTS}\nfigures: {figures.path}")

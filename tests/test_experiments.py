@@ -426,3 +426,79 @@ def test_killed_at_20_random_moments_it_continues_exactly_and_the_users_files_st
         pytest.fail(f"refused after the kills: {e.code}")
     assert timeless(results) == timeless(compare_run[1])
     assert all(path.read_bytes() == data for path, data in users.items()) and tree(docs) == committed
+
+
+# ------------------------------------------------------- issue 56: does LoRA match full fine-tuning?
+def test_the_sweep_picks_the_most_accurate_rate_and_the_smaller_on_a_tie():
+    assert experiments.pick_lr({"1e-05": 0.30, "2e-05": 0.35, "4e-05": 0.33}) == "2e-05"
+    assert experiments.pick_lr({"0.0004": 0.4, "0.0001": 0.4, "0.0002": 0.1}) == "0.0001"  # a tie
+    assert experiments.pick_lr({"0.0001": 0.1, "0.0002": 0.2, "0.0004": 0.2}) == "0.0002"
+
+
+@pytest.mark.parametrize("ci, expected", [([-0.02, 0.01], "confirmed"), ([-0.03, 0.01], "inconclusive"),
+                                          ([-0.01, 0.03], "inconclusive"), ([-0.08, -0.03], "refuted"),
+                                          ([0.03, 0.05], "refuted"), ([-0.05, 0.05], "inconclusive")])
+def test_lora_matches_is_judged_by_the_margin_on_both_sides(ci, expected):
+    """Confirmed: the interval excludes a difference of 2.5 points either way; refuted: it excludes every
+    difference smaller; inconclusive: it holds both."""
+    assert experiments.verdict({"mean": sum(ci) / 2, "ci": ci}, 0.025) == expected
+
+
+@pytest.mark.parametrize("flags, says", [(["--sweep-seed", "3"], "--sweep-seed 3 is one of --seeds 0,1,2,3,4"),
+                                         (["--lora-lrs", "1e-4,0"], "--lora-lrs 1e-4,0: need a comma list of "
+                                          "positive numbers"),
+                                         (["--full-lrs", "2e-5,0.00002"], "0.00002: 2e-05 given twice")],
+                         ids=" ".join)
+def test_a_sweep_that_would_pick_on_a_scored_seed_or_an_odd_rate_is_refused_at_parse_time(flags, says, capsys):
+    """The rate chosen on a seed the arms are then scored on would flatter the arm it was chosen for."""
+    with pytest.raises(SystemExit):
+        experiments.parse_args(["--dry-run", "--only", "lora", *flags])
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and says in err
+
+
+def test_lora_delta_is_paired_with_full_fine_tuning_by_seed_and_problem():
+    """Seeds differ by up to 50 points, and LoRA answers 3 more problems of each seed than full fine-tuning:
+    paired by seed, Δ's interval lies within a few points of +0.06; unpaired it would span the seeds."""
+    rng = np.random.default_rng(5)
+    full = np.stack([(rng.random(len(LEVELS)) < p).astype(float) for p in (0.2, 0.4, 0.5, 0.6, 0.7)])
+    lora = full.copy()
+    for s in range(5):
+        lora[s, np.flatnonzero(full[s] == 0)[:3]] = 1
+    table = experiments.accuracy_table(np.stack([full, lora]), LEVELS, ["full-ft", "lora-r1"], resamples=2000,
+                                       baseline="full-ft")
+    delta = table["lora-r1"]["delta"]
+    assert math.isclose(delta["mean"], 3 / 50) and 0.02 < delta["ci"][0] <= 0.06 <= delta["ci"][1] < 0.1
+    assert table["full-ft"]["delta"]["ci"] == [0.0, 0.0]
+
+
+def test_quick_lora_part_sweeps_each_arm_then_trains_the_seeds_at_the_chosen_rate(tmp_path):
+    """The tiny model, 2 steps: each arm's sweep on seed 100, the rate picked by the rule, then the arms on
+    seed 3 at that rate, on the same prompts, with Δ against full fine-tuning in the table."""
+    argv = ["--quick", "--out", str(tmp_path), "--only", "lora", "--seeds", "3", "--lora-lrs", "1e-4"]
+    results = experiments.main(argv)
+    lora, folder = results["lora"], tmp_path / "lora"
+    assert list(lora["arms"]) == list(experiments.LORA) and lora["sweep"]["seed"] == 100
+    grids = {"full-ft": ["1e-05", "2e-05"], "lora-r1": ["0.0001"], "lora-r32": ["0.0001"]}
+    ranks = {"full-ft": 0, "lora-r1": 1, "lora-r32": 32}
+    for arm, row in lora["arms"].items():
+        assert list(lora["sweep"]["accuracy"][arm]) == grids[arm]
+        sweep = lora["sweep"]["accuracy"][arm]
+        assert row["lr"] == lora["sweep"]["chosen"][arm] == experiments.pick_lr(sweep)
+        for lr in grids[arm]:
+            config = json.loads((experiments.run_dir(folder / "sweep" / f"lr{lr}", arm, 100) / "config.json")
+                                .read_text())
+            assert (config["seed"], config["lr"], config["lora_rank"]) == (100, float(lr), ranks[arm])
+        for seed in (3,):
+            config = json.loads((experiments.run_dir(folder, arm, seed) / "config.json").read_text())
+            assert (config["seed"], config["lr"], config["lora_rank"]) == (seed, float(row["lr"]), ranks[arm])
+            assert config["lora_alpha"] == 32 and config["steps"] == 2 and config["dataset"] == "arith-mix"
+        assert len(row["per_seed"]) == 1 and row["seconds_per_step"]["mean"] > 0
+        assert row["verdict"] in ({None} if arm == "full-ft" else {"confirmed", "refuted", "inconclusive"})
+        assert row["cost"]["seconds"]["delta"] if arm != "full-ft" else row["delta"]["ci"] == [0.0, 0.0]
+    logs = [experiments.run_dir(folder, arm, 3) / "samples.jsonl" for arm in experiments.LORA]
+    asked = [[g["prompt"] for g in run_folder.read_jsonl(log) if g["step"] == 1] for log in logs]
+    assert asked[0] and asked[0] == asked[1] == asked[2]
+    assert all(f"| {arm} | {lora['arms'][arm]['lr']} (" in results["lora_table"] for arm in experiments.LORA)
+    again = experiments.main(argv)  # finished runs reused
+    assert timeless(again["lora"]) == timeless(lora)
