@@ -31,7 +31,8 @@ ADVANTAGES["LoRA, the second half trains no row"] = ADVANTAGES["the second half 
 
 
 def with_adapters(model) -> None:
-    """Rank-2 adapters on `model` (lora.py), B drawn small (at B = 0, as a run starts, A has no gradient)."""
+    """Rank-2 adapters on `model` (lora.py), B drawn small (at B = 0, as a run starts, A has no gradient and
+    the adapters change nothing); tests/test_fast_paths.py's too."""
     add_adapters(model, 2, 32, "tiny-qwen2", 0)
     with torch.no_grad():
         for name, p in model.named_parameters():
