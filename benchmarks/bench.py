@@ -1,10 +1,12 @@
-"""Speed and memory of one training step: ours vs TRL's GRPOTrainer, GRPO vs AVSPO vs AAPO, and the verifier.
+"""Speed and memory of one training step: ours vs TRL's GRPOTrainer, GRPO vs AVSPO vs AAPO, LoRA vs full
+fine-tuning, and the verifier.
 
     python benchmarks/bench.py           # reference config: SmolLM2-135M, fp32, B=2 x G=8, 64 new tokens
     python benchmarks/bench.py --precision both  # also bf16 (TRL: bf16 autocast)
     python benchmarks/bench.py --quick   # tiny random Qwen2, 2 steps, 200 verifier cases per check: seconds
     python benchmarks/bench.py --rounds 3  # every config 3 times, interleaved: ratios robust to drift
     python benchmarks/bench.py --no-fast   # ours on model.py's plain definitions (HF generate, plain forward)
+    python benchmarks/bench.py --skip-methods --lora-ranks 32 1 --rounds 3  # LoRA against full fine-tuning
 
 Every training config runs in a fresh process, so its peak memory is its own: max RSS on CPU,
 torch.cuda.max_memory_allocated on GPU. Step times are medians over --steps steps after --warmup
@@ -20,6 +22,9 @@ How each number is measured:
   3. AVSPO and AAPO: their own train.train runs. AVSPO's only extra work is its advantage step, timed
      directly (train.compute_advantages, many calls) against GRPO's step time; AAPO also samples a
      second group from the frozen reference model, so its whole step is compared with GRPO's.
+  3b. LoRA (--lora-ranks, train.py --lora-rank): GRPO's own train.train runs with adapters of each rank,
+     at full fine-tuning's learning rate (the same seed then samples nearly the same rollouts); its update
+     (log-probs, backward, optimizer step) and its step are compared with full fine-tuning's.
   4. Verifier: verifier.verify (and math-verify, if installed) per call on the GSM8K and MATH-500 cases
      of benchmarks/verifier_bench.py (`python data/prepare.py math gsm8k-solutions` fetches them).
   5. Floors (benchmarks/floors.py): each GRPO phase against the work any implementation must do for its
@@ -30,6 +35,7 @@ import argparse
 import dataclasses
 import importlib.util
 import json
+import math
 import statistics
 import sys
 import tempfile
@@ -55,13 +61,14 @@ AVSPO_GOAL, AAPO_GOAL = 0.1, 1.6  # AVSPO advantage step < 0.1% of a GRPO step; 
 
 
 def reference_args(model: str, steps: int, precision: str, algo: str = "grpo",
-                   micro_batch: int = train.Args.micro_batch, fast: bool = True) -> train.Args:
+                   micro_batch: int = train.Args.micro_batch, fast: bool = True, lora_rank: int = 0
+                   ) -> train.Args:
     """The reference config: G=8, 2 prompts, 64 new tokens, lr 1e-5 constant (as TRL's), beta 0, one update,
-    no eval, no saving."""
+    no eval, no saving; full fine-tuning, or LoRA adapters of rank `lora_rank`."""
     return train.Args(algo=algo, model=model, dataset="arith-mul1", steps=steps, prompts_per_step=2,
                       group_size=8, max_new_tokens=64, temperature=1.0, lr=1e-5, lr_decay=0.0, beta=0.0,
                       updates_per_batch=1, micro_batch=micro_batch, precision=precision, eval_every=0,
-                      eval_size=1, save_every=0, fast=fast)
+                      eval_size=1, save_every=0, fast=fast, lora_rank=lora_rank)
 
 
 # ------------------------------------------------------------------------------ one config per process
@@ -105,13 +112,14 @@ def bench_ours(args: train.Args, warmup: int) -> dict:
 
 
 def measure_config(impl: str, args: train.Args, warmup: int) -> dict:
-    """One config's step times (ours or TRL's) and, for GRPO, its floors measured right after them."""
+    """One config's step times (ours or TRL's) and, for GRPO without LoRA, its floors measured right after
+    them."""
     if impl == "ours":
         result = bench_ours(args, warmup)
     else:
         from benchmarks.trl_grpo import bench_trl  # TRL is optional
         result = bench_trl(args, warmup)
-    if args.algo == "grpo":
+    if args.algo == "grpo" and not args.lora_rank:
         result["floors"] = phase_floors(result, args)
     return result
 
@@ -175,7 +183,8 @@ STEP_COLUMNS = ["impl", "algo", "precision", "generate s", "reward s", "logprob+
                 "gen tok/s", "train tok/s", "completion len", "rows trained", "peak MB"]
 
 
-def step_row(impl: str, algo: str, precision: str, r: dict) -> list[str]:
+def step_row(impl: str, algo: str, precision: str, lora_rank: int, r: dict) -> list[str]:
+    algo = f"{algo}, LoRA r{lora_rank}" if lora_rank else algo
     return [impl, algo, precision, fmt(r["generate_s"]), fmt(r["reward_s"], 3), fmt(r["train_s"]),
             fmt(r["step_s"]), fmt(r["gen_tok_s"], 0), fmt(r["train_tok_s"], 0), fmt(r["completion_len"], 1),
             fmt(r["rows_trained"], 0), fmt(r["peak_mb"], 0)]
@@ -183,28 +192,34 @@ def step_row(impl: str, algo: str, precision: str, r: dict) -> list[str]:
 
 def bench_training(model: str, steps: int, warmup: int, precisions: list[str], with_trl: bool,
                    micro_batch: int = train.Args.micro_batch, adv_reps: int = 10_000, rounds: int = 1,
-                   fast: bool = True) -> tuple[list[list[str]], list[str], dict]:
-    """Sections 1-3: the step table rows, the summary lines (ours/TRL, AVSPO and AAPO vs GRPO), the results.
+                   fast: bool = True, methods: bool = True, lora_ranks: tuple[int, ...] = (32,)
+                   ) -> tuple[list[list[str]], list[str], dict]:
+    """Sections 1-3: the step table rows, the summary lines (ours/TRL, AVSPO and AAPO vs GRPO (`methods`),
+    LoRA of each rank in `lora_ranks` vs full fine-tuning), the results; a config is (impl, algo, precision,
+    LoRA rank, 0 for full fine-tuning).
 
     Every config runs once per round, configs compared with each other close in time (this machine's speed
     drifts by up to 2.5x over minutes); a ratio is the median of its per-round ratios, and the table shows
     each config's run with the median step time."""
     impls = ["ours", "TRL"] if with_trl else ["ours"]
-    configs = [(impl, "grpo", p) for p in precisions for impl in impls]
-    configs += [("ours", algo, precisions[0]) for algo in ("avspo", "aapo")]
+    configs = [(impl, "grpo", p, 0) for p in precisions for impl in impls]
+    configs += [("ours", algo, precisions[0], 0) for algo in ("avspo", "aapo") if methods]
+    configs += [("ours", "grpo", precisions[0], rank) for rank in lora_ranks]
     runs: dict[tuple, list[dict]] = {config: [] for config in configs}
     for round in range(rounds):
-        for i, (impl, algo, precision) in enumerate(configs, 1):
-            print(f"[round {round + 1}/{rounds}, {i}/{len(configs)}] {impl} {algo} {precision}: "
-                  f"{warmup} warm-up + {steps} timed steps", flush=True)
-            args = reference_args(model, steps, precision, algo, micro_batch, fast)
-            runs[impl, algo, precision].append(run_isolated(measure_config, impl, args, warmup))
+        for i, (impl, algo, precision, rank) in enumerate(configs, 1):
+            print(f"[round {round + 1}/{rounds}, {i}/{len(configs)}] {impl} {algo} {precision}"
+                  f"{f' LoRA r{rank}' if rank else ''}: {warmup} warm-up + {steps} timed steps", flush=True)
+            args = reference_args(model, steps, precision, algo, micro_batch, fast, rank)
+            runs[impl, algo, precision, rank].append(run_isolated(measure_config, impl, args, warmup))
     results = {config: sorted(r, key=lambda run: run["step_s"])[(len(r) - 1) // 2]
                for config, r in runs.items()}
     rows = [step_row(*config, results[config]) for config in configs]
 
-    def ratio(a: tuple, b: tuple) -> tuple[float, str]:  # median over rounds of a's step time / b's, and text
-        per_round = [x["step_s"] / y["step_s"] for x, y in zip(runs[a], runs[b])]
+    def ratio(a: tuple, b: tuple, key: str = "step_s") -> tuple[float, str]:  # median over rounds of a / b
+        per_round = [x[key] / y[key] for x, y in zip(runs[a], runs[b]) if y[key]]  # 0: nothing trained
+        if not per_round:
+            return math.nan, "– (nothing trained)"
         median = statistics.median(per_round)
         each = f" (rounds: {', '.join(f'{r:.2f}' for r in per_round)})" if rounds > 1 else ""
         return median, f"{median:.2f}x{each}"
@@ -213,19 +228,27 @@ def bench_training(model: str, steps: int, warmup: int, precisions: list[str], w
              "zero-advantage rows (collapsed GRPO groups), TRL trains all of them"]
     for p in precisions:
         if with_trl:
-            notes.append(f"ours / TRL step time, {p}: {ratio(('ours', 'grpo', p), ('TRL', 'grpo', p))[1]}")
-    grpo = ("ours", "grpo", precisions[0])
-    adv = {algo: advantage_seconds(reference_args(model, steps, precisions[0], algo), adv_reps)
-           for algo in train.ALGOS}
-    avspo_share = 100 * adv["avspo"] / results[grpo]["step_s"]
-    notes.append("advantage step µs/call: " + ", ".join(f"{a} {s * 1e6:.0f}" for a, s in adv.items()) +
-                 f"; AVSPO's is {avspo_share:.4f}% of a GRPO step (goal < {AVSPO_GOAL}%): "
-                 f"{'met' if avspo_share < AVSPO_GOAL else 'NOT met'}")
-    for algo in ("avspo", "aapo"):
-        median, text = ratio(("ours", algo, precisions[0]), grpo)
+            text = ratio(("ours", "grpo", p, 0), ("TRL", "grpo", p, 0))[1]
+            notes.append(f"ours / TRL step time, {p}: {text}")
+    grpo = ("ours", "grpo", precisions[0], 0)
+    if methods:
+        adv = {algo: advantage_seconds(reference_args(model, steps, precisions[0], algo), adv_reps)
+               for algo in train.ALGOS}
+        avspo_share = 100 * adv["avspo"] / results[grpo]["step_s"]
+        notes.append("advantage step µs/call: " + ", ".join(f"{a} {s * 1e6:.0f}" for a, s in adv.items()) +
+                     f"; AVSPO's is {avspo_share:.4f}% of a GRPO step (goal < {AVSPO_GOAL}%): "
+                     f"{'met' if avspo_share < AVSPO_GOAL else 'NOT met'}")
+    for algo in ("avspo", "aapo") if methods else ():
+        median, text = ratio(("ours", algo, precisions[0], 0), grpo)
         met = "met" if median <= AAPO_GOAL else "NOT met"
         goal = f" (goal <= {AAPO_GOAL}x: {met})" if algo == "aapo" else ""
         notes.append(f"{algo.upper()} / GRPO step time, {precisions[0]}: {text}{goal}")
+    for rank in lora_ranks:  # the update: log-probs, backward and optimizer step; per trained token too
+        lora = ("ours", "grpo", precisions[0], rank)
+        per_token = ratio(grpo, lora, "train_tok_s")[1]  # LoRA's seconds per token / full fine-tuning's
+        notes.append(f"LoRA r{rank} / full fine-tuning, {precisions[0]}: update time "
+                     f"{ratio(lora, grpo, 'train_s')[1]}, per trained token {per_token}; step time "
+                     f"{ratio(lora, grpo)[1]}")
     return rows, notes, results
 
 
@@ -244,6 +267,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fast", action=argparse.BooleanOptionalAction, default=True,
                         help="ours on the fast paths (train.py --fast); --no-fast: the plain definitions")
     parser.add_argument("--skip-trl", action="store_true", help="leave out TRL's GRPOTrainer")
+    parser.add_argument("--skip-methods", action="store_true", help="leave out AVSPO and AAPO")
+    parser.add_argument("--lora-ranks", type=at_least(1), nargs="*", default=[32],
+                        help="GRPO with LoRA adapters of each rank against full fine-tuning (none: no LoRA)")
     parser.add_argument("--skip-verifier", action="store_true", help="leave out the verifier section")
     parser.add_argument("--data-dir", type=Path, default=DOWNLOADS,
                         help="GSM8K's model solutions and MATH-500, as data/prepare.py writes them")
@@ -263,7 +289,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"CPU features: {' '.join(sorted(cpu_features())) or 'none of avx2/avx512f/avx512_bf16/amx_bf16'}")
     rows, notes, results = bench_training(args.model, args.steps, args.warmup, precisions, with_trl,
                                           args.micro_batch, adv_reps=1_000 if args.quick else 10_000,
-                                          rounds=args.rounds, fast=args.fast)
+                                          rounds=args.rounds, fast=args.fast, methods=not args.skip_methods,
+                                          lora_ranks=tuple(args.lora_ranks))
     verifier = None if args.skip_verifier else verifier_rows(args.data_dir, limit=200 if args.quick else None)
     ref = reference_args(args.model, args.steps, "fp32")
     print(f"\n## Training step: {args.model}, {ref.dataset}, B={ref.prompts_per_step} x G={ref.group_size}, "
