@@ -18,7 +18,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import train  # noqa: E402
-from lora import add_adapters  # noqa: E402
+from benchmarks.gpu_bench import with_adapters  # noqa: E402
 from processes import close_processes, init_processes  # noqa: E402
 from model import Rollout, load_model, sample  # noqa: E402
 
@@ -29,15 +29,6 @@ ADVANTAGES = {  # per completion, 4 prompts x G=2
 }
 ADVANTAGES["LoRA, the second half trains no row"] = ADVANTAGES["the second half trains no row"]
 
-
-def with_adapters(model) -> None:
-    """Rank-2 adapters on `model` (lora.py), B drawn small (at B = 0, as a run starts, A has no gradient and
-    the adapters change nothing); tests/test_fast_paths.py's too."""
-    add_adapters(model, 2, 32, "tiny-qwen2", 0)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_B" in name:
-                p.normal_(0, 0.01)
 
 
 def rows_of(rollout: Rollout, rows: slice) -> Rollout:

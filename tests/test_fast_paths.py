@@ -16,8 +16,8 @@ import decoding
 import hardware
 import model as model_module
 import packing
+from benchmarks.gpu_bench import with_adapters
 from decoding import DecodeCache, decode, decode_step, decode_weights, packed_linear
-from distributed_update import with_adapters
 from hardware import accumulate_gradients, copy_weights, cpu_features, resolve_precision, working_copy
 from lora import adapters_off
 from model import completion_logprobs as plain_logprobs
