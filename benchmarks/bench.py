@@ -22,9 +22,11 @@ How each number is measured:
   3. AVSPO and AAPO: their own train.train runs. AVSPO's only extra work is its advantage step, timed
      directly (train.compute_advantages, many calls) against GRPO's step time; AAPO also samples a
      second group from the frozen reference model, so its whole step is compared with GRPO's.
-  3b. LoRA (--lora-ranks, train.py --lora-rank): GRPO's own train.train runs with adapters of each rank,
-     at full fine-tuning's learning rate (the same seed then samples nearly the same rollouts); its update
-     (log-probs, backward, optimizer step) and its step are compared with full fine-tuning's.
+  3b. LoRA (--lora-ranks, train.py --lora-rank): the update (train.update_policy: log-probs, backward,
+     optimizer step) of full fine-tuning and of adapters of each rank on one fixed rollout of the config,
+     every row trained, interleaved (`lora_update_seconds`): the same batch, so the ratio is the update's
+     alone; and GRPO's own train.train runs with adapters, whose step (sampling included) is compared with
+     full fine-tuning's, though their rollouts part after the first update.
   4. Verifier: verifier.verify (and math-verify, if installed) per call on the GSM8K and MATH-500 cases
      of benchmarks/verifier_bench.py (`python data/prepare.py math gsm8k-solutions` fetches them).
   5. Floors (benchmarks/floors.py): each GRPO phase against the work any implementation must do for its
@@ -32,14 +34,15 @@ How each number is measured:
 """
 
 import argparse
+import copy
 import dataclasses
 import importlib.util
 import json
-import math
 import statistics
 import sys
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -52,8 +55,11 @@ import train  # noqa: E402
 from benchmarks.floors import FLOOR_COLUMNS, batch_shape, floor_rows, phase_floors  # noqa: E402
 from benchmarks.timing import fmt, markdown_table, median_of, peak_memory_bytes, run_isolated  # noqa: E402
 from data.prepare import DOWNLOADS  # noqa: E402
+from data.tasks import load_problems  # noqa: E402
 from flags import FlagParser, at_least  # noqa: E402
-from hardware import cpu_features  # noqa: E402
+from hardware import cpu_features, working_copy  # noqa: E402
+from lora import add_adapters  # noqa: E402
+from model import load_model, sample  # noqa: E402
 from verifier import verify  # noqa: E402
 from written import owned  # noqa: E402
 
@@ -122,6 +128,36 @@ def measure_config(impl: str, args: train.Args, warmup: int) -> dict:
     if args.algo == "grpo" and not args.lora_rank:
         result["floors"] = phase_floors(result, args)
     return result
+
+
+
+def lora_update_seconds(args: train.Args, ranks: tuple[int, ...], reps: int) -> dict[int, list[float]]:
+    """{rank: seconds of each of `reps` train.update_policy calls}, rank 0 full fine-tuning, on one rollout of
+    the config's first prompts with advantages +-1 (every row trained), the ranks interleaved: the same
+    batch for each. LoRA's adapters sit on copies of the loaded model, as run.start_run puts them."""
+    master, tokenizer = load_model(args.model, torch.device("cpu"))
+    problems = load_problems(args.dataset, "train", args.seed)[: args.prompts_per_step]
+    torch.manual_seed(0)
+    rollout = sample(master, tokenizer, [p.question for p in problems], args.group_size, args.max_new_tokens,
+                     args.temperature, sample_completions=run.fast_or_plain(args.fast, master.device)[0],
+                     instructions=[p.instruction for p in problems])
+    advantages = torch.tensor([1.0, -1.0]).repeat(len(rollout.texts) // 2)
+    nets = {0: master}
+    for rank in ranks:
+        nets[rank] = copy.deepcopy(master)
+        add_adapters(nets[rank], rank, train.Args.lora_alpha, args.model, args.seed)
+    steps = {}
+    for rank, net in nets.items():
+        policy = working_copy(net, args.precision)
+        trained = [p for p in net.parameters() if p.requires_grad]  # LoRA: the adapters alone
+        optimizer = torch.optim.AdamW(trained, lr=args.lr, weight_decay=0.0, fused=True)
+        steps[rank] = partial(train.update_policy, net, policy, optimizer, rollout, advantages, None, args)
+    times = {rank: [] for rank in nets}
+    for _ in range(reps):
+        for rank, step in steps.items():
+            times[rank].append(step()["time_train"])
+    return times
+
 
 # ------------------------------------------------------------------------------ AVSPO's extra work
 
@@ -216,10 +252,8 @@ def bench_training(model: str, steps: int, warmup: int, precisions: list[str], w
                for config, r in runs.items()}
     rows = [step_row(*config, results[config]) for config in configs]
 
-    def ratio(a: tuple, b: tuple, key: str = "step_s") -> tuple[float, str]:  # median over rounds of a / b
-        per_round = [x[key] / y[key] for x, y in zip(runs[a], runs[b]) if y[key]]  # 0: nothing trained
-        if not per_round:
-            return math.nan, "– (nothing trained)"
+    def ratio(a: tuple, b: tuple) -> tuple[float, str]:  # median over rounds of a's step time / b's, and text
+        per_round = [x["step_s"] / y["step_s"] for x, y in zip(runs[a], runs[b])]
         median = statistics.median(per_round)
         each = f" (rounds: {', '.join(f'{r:.2f}' for r in per_round)})" if rounds > 1 else ""
         return median, f"{median:.2f}x{each}"
@@ -243,12 +277,17 @@ def bench_training(model: str, steps: int, warmup: int, precisions: list[str], w
         met = "met" if median <= AAPO_GOAL else "NOT met"
         goal = f" (goal <= {AAPO_GOAL}x: {met})" if algo == "aapo" else ""
         notes.append(f"{algo.upper()} / GRPO step time, {precisions[0]}: {text}{goal}")
-    for rank in lora_ranks:  # the update: log-probs, backward and optimizer step; per trained token too
-        lora = ("ours", "grpo", precisions[0], rank)
-        per_token = ratio(grpo, lora, "train_tok_s")[1]  # LoRA's seconds per token / full fine-tuning's
-        notes.append(f"LoRA r{rank} / full fine-tuning, {precisions[0]}: update time "
-                     f"{ratio(lora, grpo, 'train_s')[1]}, per trained token {per_token}; step time "
-                     f"{ratio(lora, grpo)[1]}")
+    if lora_ranks:
+        args = reference_args(model, steps, precisions[0], micro_batch=micro_batch, fast=fast)
+        updates = run_isolated(lora_update_seconds, args, lora_ranks, max(3, rounds))
+    for rank in lora_ranks:
+        per_rep = [lora / full for lora, full in zip(updates[rank], updates[0])]
+        seconds = f"{statistics.median(updates[rank]):.2f} s against {statistics.median(updates[0]):.2f} s"
+        step = ratio(("ours", "grpo", precisions[0], rank), grpo)[1]
+        notes.append(f"LoRA r{rank} / full fine-tuning, {precisions[0]}: update time on one rollout of "
+                     f"{args.prompts_per_step * args.group_size} rows, every one trained, "
+                     f"{statistics.median(per_rep):.2f}x (reps: {', '.join(f'{r:.2f}' for r in per_rep)}; "
+                     f"{seconds}); train.py's step time {step}")
     return rows, notes, results
 
 
