@@ -52,6 +52,7 @@ def test_bench_quick_prints_the_step_table(capsys, monkeypatch):
     # one ratio per round, then their median
     assert len(aapo.split("(rounds: ")[1].split(")")[0].split(", ")) == 2
     lora = next(line for line in lines if line.startswith("- LoRA r32 / full fine-tuning, fp32: update "))
+    assert len(lora.split("(reps: ")[1].split(";")[0].split(", ")) == 3  # the update on one rollout, 3 times
     assert len(lora.split("step time ")[1].split("(rounds: ")[1].split(", ")) == 2  # interleaved, as AAPO's
 
 
