@@ -1,10 +1,12 @@
-"""Speed and memory of one training step: ours vs TRL's GRPOTrainer, GRPO vs AVSPO vs AAPO, and the verifier.
+"""Speed and memory of one training step: ours vs TRL's GRPOTrainer, GRPO vs AVSPO vs AAPO, LoRA vs full
+fine-tuning, and the verifier.
 
     python benchmarks/bench.py           # reference config: SmolLM2-135M, fp32, B=2 x G=8, 64 new tokens
     python benchmarks/bench.py --precision both  # also bf16 (TRL: bf16 autocast)
     python benchmarks/bench.py --quick   # tiny random Qwen2, 2 steps, 200 verifier cases per check: seconds
     python benchmarks/bench.py --rounds 3  # every config 3 times, interleaved: ratios robust to drift
     python benchmarks/bench.py --no-fast   # ours on model.py's plain definitions (HF generate, plain forward)
+    python benchmarks/bench.py --skip-methods --lora-ranks 32 1 --rounds 3  # LoRA against full fine-tuning
 
 Every training config runs in a fresh process, so its peak memory is its own: max RSS on CPU,
 torch.cuda.max_memory_allocated on GPU. Step times are medians over --steps steps after --warmup
@@ -20,6 +22,11 @@ How each number is measured:
   3. AVSPO and AAPO: their own train.train runs. AVSPO's only extra work is its advantage step, timed
      directly (train.compute_advantages, many calls) against GRPO's step time; AAPO also samples a
      second group from the frozen reference model, so its whole step is compared with GRPO's.
+  3b. LoRA (--lora-ranks, train.py --lora-rank): the update (train.update_policy: log-probs, backward,
+     optimizer step) of full fine-tuning and of adapters of each rank on one fixed rollout of the config,
+     every row trained, interleaved (`lora_update_seconds`): the same batch, so the ratio is the update's
+     alone; and GRPO's own train.train runs with adapters, whose step (sampling included) is compared with
+     full fine-tuning's, though their rollouts part after the first update.
   4. Verifier: verifier.verify (and math-verify, if installed) per call on the GSM8K and MATH-500 cases
      of benchmarks/verifier_bench.py (`python data/prepare.py math gsm8k-solutions` fetches them).
   5. Floors (benchmarks/floors.py): each GRPO phase against the work any implementation must do for its
@@ -27,6 +34,7 @@ How each number is measured:
 """
 
 import argparse
+import copy
 import dataclasses
 import importlib.util
 import json
@@ -34,6 +42,7 @@ import statistics
 import sys
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -46,8 +55,11 @@ import train  # noqa: E402
 from benchmarks.floors import FLOOR_COLUMNS, batch_shape, floor_rows, phase_floors  # noqa: E402
 from benchmarks.timing import fmt, markdown_table, median_of, peak_memory_bytes, run_isolated  # noqa: E402
 from data.prepare import DOWNLOADS  # noqa: E402
+from data.tasks import load_problems  # noqa: E402
 from flags import FlagParser, at_least  # noqa: E402
-from hardware import cpu_features  # noqa: E402
+from hardware import cpu_features, working_copy  # noqa: E402
+from lora import add_adapters  # noqa: E402
+from model import load_model, sample  # noqa: E402
 from verifier import verify  # noqa: E402
 from written import owned  # noqa: E402
 
@@ -55,13 +67,14 @@ AVSPO_GOAL, AAPO_GOAL = 0.1, 1.6  # AVSPO advantage step < 0.1% of a GRPO step; 
 
 
 def reference_args(model: str, steps: int, precision: str, algo: str = "grpo",
-                   micro_batch: int = train.Args.micro_batch, fast: bool = True) -> train.Args:
+                   micro_batch: int = train.Args.micro_batch, fast: bool = True, lora_rank: int = 0
+                   ) -> train.Args:
     """The reference config: G=8, 2 prompts, 64 new tokens, lr 1e-5 constant (as TRL's), beta 0, one update,
-    no eval, no saving."""
+    no eval, no saving; full fine-tuning, or LoRA adapters of rank `lora_rank`."""
     return train.Args(algo=algo, model=model, dataset="arith-mul1", steps=steps, prompts_per_step=2,
                       group_size=8, max_new_tokens=64, temperature=1.0, lr=1e-5, lr_decay=0.0, beta=0.0,
                       updates_per_batch=1, micro_batch=micro_batch, precision=precision, eval_every=0,
-                      eval_size=1, save_every=0, fast=fast)
+                      eval_size=1, save_every=0, fast=fast, lora_rank=lora_rank)
 
 
 # ------------------------------------------------------------------------------ one config per process
@@ -105,15 +118,46 @@ def bench_ours(args: train.Args, warmup: int) -> dict:
 
 
 def measure_config(impl: str, args: train.Args, warmup: int) -> dict:
-    """One config's step times (ours or TRL's) and, for GRPO, its floors measured right after them."""
+    """One config's step times (ours or TRL's) and, for GRPO without LoRA, its floors measured right after
+    them."""
     if impl == "ours":
         result = bench_ours(args, warmup)
     else:
         from benchmarks.trl_grpo import bench_trl  # TRL is optional
         result = bench_trl(args, warmup)
-    if args.algo == "grpo":
+    if args.algo == "grpo" and not args.lora_rank:
         result["floors"] = phase_floors(result, args)
     return result
+
+
+
+def lora_update_seconds(args: train.Args, ranks: tuple[int, ...], reps: int) -> dict[int, list[float]]:
+    """{rank: seconds of each of `reps` train.update_policy calls}, rank 0 full fine-tuning, on one rollout of
+    the config's first prompts with advantages +-1 (every row trained), the ranks interleaved: the same
+    batch for each. LoRA's adapters sit on copies of the loaded model, as run.start_run puts them."""
+    master, tokenizer = load_model(args.model, torch.device("cpu"))
+    problems = load_problems(args.dataset, "train", args.seed)[: args.prompts_per_step]
+    torch.manual_seed(0)
+    rollout = sample(master, tokenizer, [p.question for p in problems], args.group_size, args.max_new_tokens,
+                     args.temperature, sample_completions=run.fast_or_plain(args.fast, master.device)[0],
+                     instructions=[p.instruction for p in problems])
+    advantages = torch.tensor([1.0, -1.0]).repeat(len(rollout.texts) // 2)
+    nets = {0: master}
+    for rank in ranks:
+        nets[rank] = copy.deepcopy(master)
+        add_adapters(nets[rank], rank, train.Args.lora_alpha, args.model, args.seed)
+    steps = {}
+    for rank, net in nets.items():
+        policy = working_copy(net, args.precision)
+        trained = [p for p in net.parameters() if p.requires_grad]  # LoRA: the adapters alone
+        optimizer = torch.optim.AdamW(trained, lr=args.lr, weight_decay=0.0, fused=True)
+        steps[rank] = partial(train.update_policy, net, policy, optimizer, rollout, advantages, None, args)
+    times = {rank: [] for rank in nets}
+    for _ in range(reps):
+        for rank, step in steps.items():
+            times[rank].append(step()["time_train"])
+    return times
+
 
 # ------------------------------------------------------------------------------ AVSPO's extra work
 
@@ -175,7 +219,8 @@ STEP_COLUMNS = ["impl", "algo", "precision", "generate s", "reward s", "logprob+
                 "gen tok/s", "train tok/s", "completion len", "rows trained", "peak MB"]
 
 
-def step_row(impl: str, algo: str, precision: str, r: dict) -> list[str]:
+def step_row(impl: str, algo: str, precision: str, lora_rank: int, r: dict) -> list[str]:
+    algo = f"{algo}, LoRA r{lora_rank}" if lora_rank else algo
     return [impl, algo, precision, fmt(r["generate_s"]), fmt(r["reward_s"], 3), fmt(r["train_s"]),
             fmt(r["step_s"]), fmt(r["gen_tok_s"], 0), fmt(r["train_tok_s"], 0), fmt(r["completion_len"], 1),
             fmt(r["rows_trained"], 0), fmt(r["peak_mb"], 0)]
@@ -183,22 +228,26 @@ def step_row(impl: str, algo: str, precision: str, r: dict) -> list[str]:
 
 def bench_training(model: str, steps: int, warmup: int, precisions: list[str], with_trl: bool,
                    micro_batch: int = train.Args.micro_batch, adv_reps: int = 10_000, rounds: int = 1,
-                   fast: bool = True) -> tuple[list[list[str]], list[str], dict]:
-    """Sections 1-3: the step table rows, the summary lines (ours/TRL, AVSPO and AAPO vs GRPO), the results.
+                   fast: bool = True, methods: bool = True, lora_ranks: tuple[int, ...] = (32,)
+                   ) -> tuple[list[list[str]], list[str], dict]:
+    """Sections 1-3: the step table rows, the summary lines (ours/TRL, AVSPO and AAPO vs GRPO (`methods`),
+    LoRA of each rank in `lora_ranks` vs full fine-tuning), the results; a config is (impl, algo, precision,
+    LoRA rank, 0 for full fine-tuning).
 
     Every config runs once per round, configs compared with each other close in time (this machine's speed
     drifts by up to 2.5x over minutes); a ratio is the median of its per-round ratios, and the table shows
     each config's run with the median step time."""
     impls = ["ours", "TRL"] if with_trl else ["ours"]
-    configs = [(impl, "grpo", p) for p in precisions for impl in impls]
-    configs += [("ours", algo, precisions[0]) for algo in ("avspo", "aapo")]
+    configs = [(impl, "grpo", p, 0) for p in precisions for impl in impls]
+    configs += [("ours", algo, precisions[0], 0) for algo in ("avspo", "aapo") if methods]
+    configs += [("ours", "grpo", precisions[0], rank) for rank in lora_ranks]
     runs: dict[tuple, list[dict]] = {config: [] for config in configs}
     for round in range(rounds):
-        for i, (impl, algo, precision) in enumerate(configs, 1):
-            print(f"[round {round + 1}/{rounds}, {i}/{len(configs)}] {impl} {algo} {precision}: "
-                  f"{warmup} warm-up + {steps} timed steps", flush=True)
-            args = reference_args(model, steps, precision, algo, micro_batch, fast)
-            runs[impl, algo, precision].append(run_isolated(measure_config, impl, args, warmup))
+        for i, (impl, algo, precision, rank) in enumerate(configs, 1):
+            print(f"[round {round + 1}/{rounds}, {i}/{len(configs)}] {impl} {algo} {precision}"
+                  f"{f' LoRA r{rank}' if rank else ''}: {warmup} warm-up + {steps} timed steps", flush=True)
+            args = reference_args(model, steps, precision, algo, micro_batch, fast, rank)
+            runs[impl, algo, precision, rank].append(run_isolated(measure_config, impl, args, warmup))
     results = {config: sorted(r, key=lambda run: run["step_s"])[(len(r) - 1) // 2]
                for config, r in runs.items()}
     rows = [step_row(*config, results[config]) for config in configs]
@@ -213,19 +262,32 @@ def bench_training(model: str, steps: int, warmup: int, precisions: list[str], w
              "zero-advantage rows (collapsed GRPO groups), TRL trains all of them"]
     for p in precisions:
         if with_trl:
-            notes.append(f"ours / TRL step time, {p}: {ratio(('ours', 'grpo', p), ('TRL', 'grpo', p))[1]}")
-    grpo = ("ours", "grpo", precisions[0])
-    adv = {algo: advantage_seconds(reference_args(model, steps, precisions[0], algo), adv_reps)
-           for algo in train.ALGOS}
-    avspo_share = 100 * adv["avspo"] / results[grpo]["step_s"]
-    notes.append("advantage step µs/call: " + ", ".join(f"{a} {s * 1e6:.0f}" for a, s in adv.items()) +
-                 f"; AVSPO's is {avspo_share:.4f}% of a GRPO step (goal < {AVSPO_GOAL}%): "
-                 f"{'met' if avspo_share < AVSPO_GOAL else 'NOT met'}")
-    for algo in ("avspo", "aapo"):
-        median, text = ratio(("ours", algo, precisions[0]), grpo)
+            text = ratio(("ours", "grpo", p, 0), ("TRL", "grpo", p, 0))[1]
+            notes.append(f"ours / TRL step time, {p}: {text}")
+    grpo = ("ours", "grpo", precisions[0], 0)
+    if methods:
+        adv = {algo: advantage_seconds(reference_args(model, steps, precisions[0], algo), adv_reps)
+               for algo in train.ALGOS}
+        avspo_share = 100 * adv["avspo"] / results[grpo]["step_s"]
+        notes.append("advantage step µs/call: " + ", ".join(f"{a} {s * 1e6:.0f}" for a, s in adv.items()) +
+                     f"; AVSPO's is {avspo_share:.4f}% of a GRPO step (goal < {AVSPO_GOAL}%): "
+                     f"{'met' if avspo_share < AVSPO_GOAL else 'NOT met'}")
+    for algo in ("avspo", "aapo") if methods else ():
+        median, text = ratio(("ours", algo, precisions[0], 0), grpo)
         met = "met" if median <= AAPO_GOAL else "NOT met"
         goal = f" (goal <= {AAPO_GOAL}x: {met})" if algo == "aapo" else ""
         notes.append(f"{algo.upper()} / GRPO step time, {precisions[0]}: {text}{goal}")
+    if lora_ranks:
+        args = reference_args(model, steps, precisions[0], micro_batch=micro_batch, fast=fast)
+        updates = run_isolated(lora_update_seconds, args, lora_ranks, max(3, rounds))
+    for rank in lora_ranks:
+        per_rep = [lora / full for lora, full in zip(updates[rank], updates[0])]
+        seconds = f"{statistics.median(updates[rank]):.2f} s against {statistics.median(updates[0]):.2f} s"
+        step = ratio(("ours", "grpo", precisions[0], rank), grpo)[1]
+        notes.append(f"LoRA r{rank} / full fine-tuning, {precisions[0]}: update time on one rollout of "
+                     f"{args.prompts_per_step * args.group_size} rows, every one trained, "
+                     f"{statistics.median(per_rep):.2f}x (reps: {', '.join(f'{r:.2f}' for r in per_rep)}; "
+                     f"{seconds}); train.py's step time {step}")
     return rows, notes, results
 
 
@@ -244,6 +306,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fast", action=argparse.BooleanOptionalAction, default=True,
                         help="ours on the fast paths (train.py --fast); --no-fast: the plain definitions")
     parser.add_argument("--skip-trl", action="store_true", help="leave out TRL's GRPOTrainer")
+    parser.add_argument("--skip-methods", action="store_true", help="leave out AVSPO and AAPO")
+    parser.add_argument("--lora-ranks", type=at_least(1), nargs="*", default=[32],
+                        help="GRPO with LoRA adapters of each rank against full fine-tuning (none: no LoRA)")
     parser.add_argument("--skip-verifier", action="store_true", help="leave out the verifier section")
     parser.add_argument("--data-dir", type=Path, default=DOWNLOADS,
                         help="GSM8K's model solutions and MATH-500, as data/prepare.py writes them")
@@ -263,7 +328,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"CPU features: {' '.join(sorted(cpu_features())) or 'none of avx2/avx512f/avx512_bf16/amx_bf16'}")
     rows, notes, results = bench_training(args.model, args.steps, args.warmup, precisions, with_trl,
                                           args.micro_batch, adv_reps=1_000 if args.quick else 10_000,
-                                          rounds=args.rounds, fast=args.fast)
+                                          rounds=args.rounds, fast=args.fast, methods=not args.skip_methods,
+                                          lora_ranks=tuple(args.lora_ranks))
     verifier = None if args.skip_verifier else verifier_rows(args.data_dir, limit=200 if args.quick else None)
     ref = reference_args(args.model, args.steps, "fp32")
     print(f"\n## Training step: {args.model}, {ref.dataset}, B={ref.prompts_per_step} x G={ref.group_size}, "

@@ -131,7 +131,7 @@ def phase_floors(r: dict, args) -> dict:
 def floor_rows(results: dict) -> tuple[list[list[str]], list[str]]:
     """The floor table: each GRPO config's generate and update times against the floors measured with it."""
     rows, params = [], None
-    for (impl, _, precision), r in results.items():
+    for (impl, _, precision, _), r in results.items():
         if "floors" not in r:
             continue
         f, params = r["floors"], r["floors"]["params"]

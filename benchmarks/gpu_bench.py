@@ -17,7 +17,11 @@
     check with no row trained fails);
   - one `train.train_step` of each method with every flag that makes other tensors meet (`OPENED`: the KL's
     reference, PPO's old log-probs, top-p, checkpointing) and torchrun's collectives through a one-process
-    nccl group (`one_process_group`): what tests/test_device.py's CPU stand-in for CUDA cannot run.
+    nccl group (`one_process_group`): what tests/test_device.py's CPU stand-in for CUDA cannot run;
+  - LoRA (train.py --lora-rank, lora.py): the fast paths against the plain ones with adapters (B drawn
+    nonzero, `with_adapters`), in bf16, and one `train.train_step` of each method at rank 2, bf16 frozen
+    weights and float32 adapters, with checkpointing, the reference the policy with its adapters off; each
+    step must move the adapters and leave every frozen weight as it was.
 Then the table: each (size, checkpointing) config is a train.py step with B prompts x G completions.
 Models are Qwen2ForCausalLM with the real Qwen2.5-0.5B / 1.5B dimensions and random weights (no download),
 bf16 working weights with float32 master weights as train.py uses on CUDA. Caveats:
@@ -49,6 +53,7 @@ import platform
 import sys
 import time
 from collections import Counter
+from functools import partial
 from pathlib import Path
 from unittest import mock
 
@@ -67,6 +72,7 @@ from decoding import decode  # noqa: E402
 from eval import score_groups  # noqa: E402
 from flags import FlagParser, at_least, in_range  # noqa: E402
 from hardware import DEVICES, pick_device, working_copy  # noqa: E402
+from lora import adapters_off, add_adapters  # noqa: E402
 from memory import GIB, STATIC, adapter_count, estimate_memory  # noqa: E402
 from model import (checkpoint_activations, completion_logprobs, load_model, sample,  # noqa: E402
                    sample_with_generate)
@@ -108,6 +114,16 @@ def build_model(size: str, device: torch.device, tokenizer):
     torch.manual_seed(0)
     with torch.device(device):
         return Qwen2ForCausalLM(config).eval()
+
+
+def with_adapters(model, name: str = "tiny-qwen2") -> None:
+    """Rank-2 LoRA adapters on `model` (lora.py), each B drawn small: at B = 0, as a run starts, they change
+    nothing and A has no gradient, so a check of their log-probs or gradients would hold them to nothing."""
+    add_adapters(model, 2, 32, name, 0)
+    with torch.no_grad():
+        for param_name, p in model.named_parameters():
+            if "lora_B" in param_name:
+                p.normal_(0, 0.01)
 
 
 def parity_reward(completion: str, gold: str) -> float:
@@ -291,18 +307,22 @@ def fast_equals_plain(device: torch.device) -> list[tuple[str, object]]:
         same = torch.equal(fast.input_ids, plain.input_ids)
         return same, "greedy decode == generate, token for token" if same else "greedy tokens differ"
 
-    def logprobs(precision: str):
+    def logprobs(precision: str, lora: bool = False):
         torch.manual_seed(0)
         rollout = sample(model, tokenizer, QUESTIONS, 4, 12, sample_completions=sample_with_generate)
         args = (rollout.input_ids, rollout.attention_mask, rollout.completion_len)
-        net = copy.deepcopy(working_copy(model, precision)).train()
+        net = copy.deepcopy(model)
+        if lora:
+            with_adapters(net)
+        net = working_copy(net, precision).train()  # under LoRA the frozen weights, in place
         mask = rollout.completion_mask.bool()
         results = []
         for fn in (completion_logprobs, packing.completion_logprobs):
-            net.zero_grad()
+            net.zero_grad(set_to_none=True)
             logp = fn(net, *args, temperature=0.7)
             (logp * mask).sum().backward()
-            results.append((logp.detach().float(), [p.grad.float() for p in net.parameters()]))
+            trained = [p for p in net.parameters() if p.requires_grad]  # under LoRA the adapters
+            results.append((logp.detach().float(), [p.grad.float() for p in trained]))
         (plain, plain_grads), (fast, fast_grads) = results
         logp_err = (plain - fast)[mask].abs().max().item()
         grad_err = max(((a - b).abs().max() / (a.abs().max() + 1e-6)).item() for a, b in zip(plain_grads,
@@ -313,7 +333,9 @@ def fast_equals_plain(device: torch.device) -> list[tuple[str, object]]:
 
     return [("fast paths: greedy decode vs generate (fp32)", greedy),
             ("fast paths: packed vs plain log-probs and gradients (fp32)", lambda: logprobs("fp32")),
-            ("fast paths: packed vs plain log-probs and gradients (bf16)", lambda: logprobs("bf16"))]
+            ("fast paths: packed vs plain log-probs and gradients (bf16)", lambda: logprobs("bf16")),
+            ("fast paths: packed vs plain log-probs and adapter gradients, LoRA (bf16)",
+             lambda: logprobs("bf16", lora=True))]
 
 
 @contextlib.contextmanager
@@ -330,35 +352,51 @@ def one_process_group(device: torch.device):
 
 
 def one_step_each(size: str, precision: str, checkpointing: bool, device: torch.device, problems,
-                  opened: bool = False):
+                  opened: bool = False, lora_rank: int = 0):
     """(name, check) pairs: one train.train_step per method on a fresh Run, train.py's paths; rewards from
     `parity_reward`, so that every method's update has rows to train (the check fails where none did).
-    `opened`: each method with `OPENED`'s flags, inside `one_process_group`."""
+    `opened`: each method with `OPENED`'s flags, inside `one_process_group`. `lora_rank`: adapters of that
+    rank, set up as run.start_run does; a step must also change them and no frozen weight."""
     if size == "tiny-qwen2":
         master, tokenizer = load_model("tiny-qwen2", device)
     else:
         tokenizer = byte_tokenizer()
         tokenizer.padding_side = "left"
         master = build_model(size, device, tokenizer)
-    policy = working_copy(master, precision)
-    reference = copy.deepcopy(policy).requires_grad_(False)
+    if lora_rank:
+        add_adapters(master, lora_rank, 32, size, 0)
+    policy = working_copy(master, precision)  # under LoRA: master itself, its frozen weights cast in place
+    if lora_rank:
+        reference = partial(adapters_off, policy)
+    else:
+        reference = partial(contextlib.nullcontext, copy.deepcopy(policy).requires_grad_(False))
     if checkpointing:
         checkpoint_activations(policy)
-    optimizer = torch.optim.AdamW(master.parameters(), lr=1e-5, weight_decay=0.0, fused=True)
+    trained = [p for p in master.parameters() if p.requires_grad]
+    frozen = [p for p in master.parameters() if not p.requires_grad]
+    optimizer = torch.optim.AdamW(trained, lr=1e-5, weight_decay=0.0, fused=True)
 
     def step(algo: str, beta: float):
         args = train.Args(algo=algo, prompts_per_step=4, group_size=4, max_new_tokens=16, micro_batch=4,
-                          lr=1e-5, precision=precision, grad_checkpointing=checkpointing,
+                          lr=1e-5, precision=precision, grad_checkpointing=checkpointing, lora_rank=lora_rank,
                           reward="benchmarks.gpu_bench:parity_reward", **{"beta": beta, **(OPENED if opened
                                                                                             else {})})
         state = run.Run(master, policy, reference, tokenizer, optimizer, train.algo_state(args),
                         load_reward(args.reward, args.reward_range), problems, [], 0, Counter())
+        before = [p.detach().clone() for p in trained], [p.double().sum().item() for p in frozen]
         with one_process_group(device) if opened else contextlib.nullcontext():
             record, _ = train.train_step(args, state, 1, 0, slice(0, args.prompts_per_step), device)
         ok = record["skipped"] == 0 and math.isfinite(record["grad_norm"]) and record["rows_trained"] > 0
-        return ok, f"rows trained {record['rows_trained']}, grad norm {record['grad_norm']:.3g}"
+        detail = f"rows trained {record['rows_trained']}, grad norm {record['grad_norm']:.3g}"
+        if lora_rank:  # the adapters moved; every frozen weight (a checksum each) did not, nor got a .grad
+            moved = sum(not torch.equal(a, p) for a, p in zip(before[0], trained))
+            still = [p.double().sum().item() for p in frozen] == before[1]
+            ok = ok and moved > 0 and still and all(p.grad is None for p in frozen)
+            detail += f", adapters moved {moved} of {len(trained)}, frozen weights unchanged: {still}"
+        return ok, detail
 
-    label = f"{size} {precision}{' ckpt' if checkpointing else ''}"
+    lora = f" LoRA r{lora_rank}" if lora_rank else ""
+    label = f"{size} {precision}{' ckpt' if checkpointing else ''}{lora}"
     if opened:
         collectives = "nccl" if device.type == "cuda" else "gloo"
         return [(f"train_step {algo}, every flag opened ({collectives}): {label}",
@@ -428,6 +466,9 @@ def smoke(device: torch.device, opts, problems, deadline: float) -> list[dict]:
                 gc.collect()
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
+    for size in ("tiny-qwen2",) if opts.tiny else ("tiny-qwen2", "0.5B"):
+        results += [checked(name, fn, deadline)
+                    for name, fn in one_step_each(size, "bf16", True, device, problems, lora_rank=2)]
     opened = one_step_each("tiny-qwen2", "bf16", True, device, problems, opened=True)
     return results + [checked(name, fn, deadline) for name, fn in opened
                       if not opts.tiny or name.startswith("train_step aapo,")]  # on the CPU: the code runs

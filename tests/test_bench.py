@@ -30,9 +30,10 @@ def test_bench_quick_prints_the_step_table(capsys, monkeypatch):
     lines = capsys.readouterr().out.splitlines()
     header = next(i for i, line in enumerate(lines) if line.startswith("| impl |"))
     assert [c.strip() for c in lines[header].strip("|").split("|")] == bench.STEP_COLUMNS
-    rows = [[c.strip() for c in line.strip("|").split("|")] for line in lines[header + 2 : header + 5]]
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in lines[header + 2 : header + 6]]
     assert [(r[0], r[1], r[2]) for r in rows] == [("ours", "grpo", "fp32"), ("ours", "avspo", "fp32"),
-                                                  ("ours", "aapo", "fp32")]
+                                                  ("ours", "aapo", "fp32"),
+                                                  ("ours", "grpo, LoRA r32", "fp32")]
     for row in rows:
         assert len(row) == len(bench.STEP_COLUMNS) and float(row[6]) > 0  # step s
         assert float(row[-1]) > 100  # peak MB: a Python process with torch loaded
@@ -50,6 +51,9 @@ def test_bench_quick_prints_the_step_table(capsys, monkeypatch):
     aapo = next(line for line in lines if "AAPO / GRPO step time" in line)
     # one ratio per round, then their median
     assert len(aapo.split("(rounds: ")[1].split(")")[0].split(", ")) == 2
+    lora = next(line for line in lines if line.startswith("- LoRA r32 / full fine-tuning, fp32: update "))
+    assert len(lora.split("(reps: ")[1].split(";")[0].split(", ")) == 3  # the update on one rollout, 3 times
+    assert len(lora.split("step time ")[1].split("(rounds: ")[1].split(", ")) == 2  # interleaved, as AAPO's
 
 
 def test_batch_shape_counts_what_a_minimal_update_trains():
@@ -181,7 +185,7 @@ def test_gpu_bench_tiny_runs_on_cpu(tmp_path, fast):
     checks = [c["check"] for c in report["smoke"]]
     if smoke:  # the fast paths against the plain ones, the attention kernels, each method in each setting
         ran = smoke_checks_ran_or_were_listed(report, proc.stdout, markdown)
-        assert sum("fast paths:" in c for c in checks) == 3 and len(checks) == 3 + 2 * 4 + 4 * 5 + 1
+        assert sum("fast paths:" in c for c in checks) == 4 and len(checks) == 4 + 2 * 4 + 4 * 5 + 5 + 1
         for head_dim in (64, 128):  # the update's and generation's attention, each path: an SDPA kernel named
             assert sum(c.endswith(f"head dim {head_dim})") for c in checks) == 4
             assert all(c["detail"].startswith("SDPA kernel: ") for c in ran
@@ -189,7 +193,9 @@ def test_gpu_bench_tiny_runs_on_cpu(tmp_path, fast):
         assert all(c["detail"].startswith("rows trained ") and int(c["detail"].split()[2].strip(",")) > 0
                    for c in ran if c["check"].startswith("train_step"))  # every method trained
         for algo in ("grpo:", "avspo:", "aapo:", "dapo:", "grpo beta 0.04:"):
-            assert sum(f"train_step {algo} tiny-qwen2" in c for c in checks) == 4  # fp32, bf16, +- ckpt
+            assert sum(f"train_step {algo} tiny-qwen2" in c for c in checks) == 5  # fp32, bf16, +- ckpt, LoRA
+            lora = next(c for c in ran if c["check"] == f"train_step {algo} tiny-qwen2 bf16 ckpt LoRA r2")
+            assert "frozen weights unchanged: True" in lora["detail"]  # and the adapters moved
         assert "train_step aapo, every flag opened (gloo): tiny-qwen2 bf16 ckpt" in checks  # 4 on a GPU
     assert "| check | ok |" in markdown if smoke else not checks
     assert report["workload"]["fast"] is (fast == "--fast")
@@ -228,7 +234,7 @@ def test_gpu_bench_smoke_past_its_budget_skips_the_rest_and_lists_them(tmp_path,
     report, markdown = json.loads(out.read_text()), out.with_suffix(".md").read_text()
     ran = smoke_checks_ran_or_were_listed(report, capsys.readouterr().out, markdown)
     assert [c["check"] for c in ran] == ["fast paths: greedy decode vs generate (fp32)"]
-    assert len(report["smoke"]) == 3 + 2 * 4 + 4 * 5 + 1  # the other 31 listed as skipped
+    assert len(report["smoke"]) == 4 + 2 * 4 + 4 * 5 + 5 + 1  # the other 37 listed as skipped
     assert table_configs_ran_or_were_skipped_for_time(report) == []  # both configs skipped, named
 
 

@@ -231,8 +231,9 @@ PARITY = "benchmarks.gpu_bench:parity_reward"  # a coin flip per completion: gro
 # Every non-default flag that changes which tensors meet, at once: the reference's log-probs and the KL,
 # PPO's old log-probs, the nucleus (decode's buffer, generate's warper), recomputation in backward.
 OPENED = ["--beta", "0.04", "--updates-per-batch", "2", "--top-p", "0.9", "--grad-checkpointing"]
-# train.Args fields the step test drives beyond their default, each with the path it opens (LoRA, when it
-# lands, joins them); `NO_PLACEMENT` says why the others make no tensor meet another elsewhere. Of eval.py's
+LORA = OPENED + ["--lora-rank", "2", "--lora-alpha", "4"]  # the adapters, and the reference with them off
+# train.Args fields the step test drives beyond their default, each with the path it opens; `NO_PLACEMENT`
+# says why the others make no tensor meet another elsewhere. Of eval.py's
 # flags, --samples 2 (G completions per prompt at a temperature) and --fast/--no-fast are driven; the others
 # pick models, texts, files and shapes.
 DRIVEN = {
@@ -244,6 +245,9 @@ DRIVEN = {
     "precision": "bf16 (a working copy beside float32 master weights) and fp32 (one network)",
     "fast": "--no-fast, CUDA's paths, and --fast, which gpu_bench.py forces there to time it",
     "reward": "a reward that splits groups (every backward runs) and the verifier (DAPO's collapsed groups)",
+    "lora_rank": "2: peft's adapters (float32) on the frozen bf16 weights, the reference with them off, "
+                 "the gradients of the adapters alone summed over processes",
+    "lora_alpha": "with --lora-rank: a Python float scaling the adapters' output on the device",
 }
 NO_PLACEMENT = {
     **dict.fromkeys(["model", "dataset", "eval_dataset", "prompt_format", "system"],
@@ -309,8 +313,10 @@ def nccl_processes(monkeypatch, world: int = 2) -> None:
 @pytest.mark.parametrize("algo, flags, fast, torchrun", [
     ("grpo", [], False, False), ("aapo", ["--precision", "fp32"], False, False), ("dapo", [], False, False),
     ("grpo", OPENED, False, False), ("avspo", OPENED, False, False), ("aapo", OPENED, False, True),
-    ("dapo", OPENED, False, True), ("grpo", OPENED, True, False), ("dapo", OPENED, True, True)],
-    ids=lambda v: "opened" if v is OPENED else "fp32" if v == ["--precision", "fp32"] else None)
+    ("dapo", OPENED, False, True), ("grpo", OPENED, True, False), ("dapo", OPENED, True, True),
+    ("aapo", LORA, False, True), ("aapo", LORA, True, False)],
+    ids=lambda v: {id(OPENED): "opened", id(LORA): "lora"}.get(id(v), "fp32" if v == ["--precision", "fp32"]
+                                                                  else None))
 def test_a_train_step_keeps_cudas_device_rules(tmp_path, monkeypatch, capsys, algo, flags, fast, torchrun):
     """One step of each method and an evaluation, as a CUDA run would place their tensors (the models, the
     rollout and advantages on the device, rewards and bookkeeping on the host), from loading the models on:
@@ -318,7 +324,8 @@ def test_a_train_step_keeps_cudas_device_rules(tmp_path, monkeypatch, capsys, al
     method with its defaults, then with every flag in `OPENED`, eval.py with --samples 2, and torchrun's
     collectives under nccl (`nccl_processes`). Completions reach stop tokens (`favour_stops`); rewards split
     the groups, so every method's backward runs, but DAPO's at --beta 0, which keeps the verifier's
-    collapsed groups to resample them. The first CUDA update crashed on `rows[...]` (issue 43)."""
+    collapsed groups to resample them; AAPO under LoRA (`LORA`), its reference the policy with the adapters
+    off. The first CUDA update crashed on `rows[...]` (issue 43)."""
     args = train.parse_args(TINY + ["--algo", algo, "--out", str(tmp_path), *flags, "--fast" if fast else
                                     "--no-fast", "--reward", "verifier" if algo == "dapo" else PARITY])
     if torchrun:
@@ -327,12 +334,14 @@ def test_a_train_step_keeps_cudas_device_rules(tmp_path, monkeypatch, capsys, al
     with owned(tmp_path / "run", "run") as files, CudaDeviceRules() as rules:
         run = run_module.start_run(args, tmp_path, DEVICE, True, train.algo_state(args),
                                    with_reference=algo == "aapo" or args.beta > 0)
-        named = {"master": run.master, "policy": run.policy, "reference": run.reference}
-        on_host = [name for name, net in named.items() if net is not None
-                   and not all(rules.on_device(t) for t in [*net.parameters(), *net.buffers()])]
+        named = {"master": run.master, "policy": run.policy}
+        if run.reference is not None:
+            with run.reference() as network:  # under LoRA, the policy itself
+                named["reference"] = network
+        on_host = [name for name, net in named.items()
+                   if not all(rules.on_device(t) for t in [*net.parameters(), *net.buffers()])]
         assert not on_host, f"on the host, not the run's device: {on_host}"
-        models = [net for net in named.values() if net is not None]
-        favour_stops(models, model.stop_token_ids(run.policy, run.tokenizer))
+        favour_stops(named.values(), model.stop_token_ids(run.policy, run.tokenizer))
         mine = slice(0, args.prompts_per_step // 2 if torchrun else args.prompts_per_step)
         record, _ = train.train_step(args, run, 1, 0, mine, DEVICE)
         assert 0 <= run_module.run_eval(args, run, files, 1) <= 1
@@ -340,8 +349,14 @@ def test_a_train_step_keeps_cudas_device_rules(tmp_path, monkeypatch, capsys, al
             eval_module.main(["--model", "tiny-qwen2", "--samples", "2", "--limit", "2", "--max-new-tokens",
                               "6", "--precision", "bf16", "--fast" if fast else "--no-fast"])
     assert record["skipped"] == 0 and record["truncated_frac"] < 1  # some rows stopped
-    bf16 = args.precision == "bf16"
-    assert (run.policy.dtype == torch.bfloat16) == bf16 == (run.policy is not run.master)
+    bf16, lora = args.precision == "bf16", args.lora_rank > 0
+    assert (run.policy.dtype == torch.bfloat16) == bf16 == (run.policy is not run.master or lora)
+    if lora:  # the frozen weights in bf16, in place; the adapters float32, with gradients on the device
+        assert run.policy is run.master and {p.dtype for p in run.policy.parameters() if not p.requires_grad
+                                             } == {torch.bfloat16}
+        trained = [p for p in run.master.parameters() if p.requires_grad]
+        assert trained and all(p.dtype == torch.float32 and rules.on_device(p) for p in trained)
+        assert {id(p) for p in run.optimizer.state} == {id(p) for p in trained}
     if algo == "dapo":  # tiny-qwen2's groups all collapse: replace_groups ran under the rules
         assert record["resampled_groups"] > 0
     if algo != "dapo" or args.beta > 0:  # a backward pass, and bf16's gradient accumulation, under the rules

@@ -16,8 +16,10 @@ import decoding
 import hardware
 import model as model_module
 import packing
+from benchmarks.gpu_bench import with_adapters
 from decoding import DecodeCache, decode, decode_step, decode_weights, packed_linear
 from hardware import accumulate_gradients, copy_weights, cpu_features, resolve_precision, working_copy
+from lora import adapters_off
 from model import completion_logprobs as plain_logprobs
 from model import load_model, next_tokens, sample, sample_with_generate
 from model_files import byte_tokenizer, tiny_qwen2
@@ -67,6 +69,23 @@ def test_greedy_decode_equals_hf_generate(tiny, eos_bias, group_size):
     for field in ("input_ids", "attention_mask", "completion_mask", "truncated"):
         assert torch.equal(getattr(fast, field), getattr(ref, field)), field
     assert fast.texts == ref.texts
+
+
+def test_greedy_decode_under_lora_equals_hf_generate(tiny):
+    """With LoRA adapters (B nonzero, so that they change the tokens) decode runs transformers' forward,
+    which adds them: token for token what generate gives, and not what the base gives."""
+    model, tokenizer = deepcopy(tiny[0]), tiny[1]
+    with_adapters(model)
+    favour_eos(model, tokenizer.eos_token_id, 0.4)
+    assert decode_weights(model, rows=4) is None  # its packed products would be the base's alone
+    fast = sample_fast(model, tokenizer, QUESTIONS, 3, 30, temperature=0)
+    ref = sample(model, tokenizer, QUESTIONS, 3, 30, temperature=0)
+    for field in ("input_ids", "attention_mask", "completion_mask", "truncated"):
+        assert torch.equal(getattr(fast, field), getattr(ref, field)), field
+    assert fast.completion_mask.sum(1).min() < 30  # some rows stopped early
+    with adapters_off(model):
+        assert not torch.equal(sample(model, tokenizer, QUESTIONS, 3, 30, temperature=0).input_ids,
+                               fast.input_ids)
 
 
 def test_decode_stops_when_every_row_has_ended(tiny, eos_bias):
@@ -388,14 +407,16 @@ def test_cpu_features_reads_this_machines_flags():
 
 
 def packed_and_plain(model, ids, attn, completion_len, temperature=0.7):
-    """(log-probs, gradients) of the sum of the real tokens' log-probs, by the plain definition then the
-    packed pass."""
+    """(log-probs, gradients of the trained parameters: under LoRA the adapters') of the sum of the real
+    tokens' log-probs, by the plain definition then the packed pass."""
     results = []
     for logprobs in (plain_logprobs, packed_logprobs):
-        model.zero_grad()
+        model.zero_grad(set_to_none=True)
         logp = logprobs(model, ids, attn, completion_len, temperature=temperature)
         (logp * attn[:, -completion_len:]).sum().backward()
-        results.append((logp.detach(), [p.grad.clone() for p in model.parameters()]))
+        trained = [p for p in model.parameters() if p.requires_grad]
+        assert trained and all(p.grad is not None for p in trained), "a trained parameter got no gradient"
+        results.append((logp.detach(), [p.grad.clone() for p in trained]))
     return results
 
 
@@ -427,6 +448,23 @@ def test_packed_logprobs_and_gradients_equal_the_plain_pass(block_model, micro_r
         assert torch.allclose(g_plain, g_packed, atol=1e-5, rtol=1e-4)
 
 
+def test_packed_logprobs_and_adapter_gradients_under_lora_equal_the_plain_pass(tiny):
+    """Under LoRA (B nonzero) the packed pass runs the block's modules, adapters included: the plain pass's
+    log-probs and adapter gradients, and log-probs other than the base's."""
+    model, tokenizer = deepcopy(tiny[0]).train(), tiny[1]
+    with_adapters(model)
+    torch.manual_seed(0)
+    rollout = sample_fast(model, tokenizer, QUESTIONS, 2, 8)
+    ids, attn, completion_len = rollout.input_ids, rollout.attention_mask, rollout.completion_len
+    (plain, plain_grads), (packed, packed_grads) = packed_and_plain(model, ids, attn, completion_len)
+    torch.testing.assert_close(packed, plain, atol=1e-5, rtol=1e-4)
+    assert len(packed_grads) == 2 * 7 * len(model.model.layers)  # A and B of 7 linear layers per block
+    for g_plain, g_packed in zip(plain_grads, packed_grads):
+        torch.testing.assert_close(g_packed, g_plain, atol=1e-5, rtol=1e-4)
+    with torch.no_grad(), adapters_off(model):
+        assert not torch.allclose(packed_logprobs(model, ids, attn, completion_len, 0.7), plain, atol=1e-3)
+
+
 @pytest.mark.parametrize("tied", [True, False])
 def test_packed_embedding_gradient_is_dense_and_skips_the_padding_token(tied):
     """SmolLM2's pad token is its EOS, <|im_end|>, which the chat template puts in every prompt: nn.Embedding
@@ -452,15 +490,21 @@ def test_packed_embedding_gradient_is_dense_and_skips_the_padding_token(tied):
         assert not embedding_grad[tokenizer.eos_token_id].any()
 
 
-def test_packed_logprobs_with_gradient_checkpointing_equal_the_plain_pass(tiny, monkeypatch):
+@pytest.mark.parametrize("lora", [False, True])
+def test_packed_logprobs_with_gradient_checkpointing_equal_the_plain_pass(tiny, monkeypatch, lora):
     """--grad-checkpointing wraps each packed block in torch's checkpoint (recomputed in backward): same
-    log-probs and gradients as without it, and as the plain path."""
+    log-probs and gradients as without it, and as the plain path, whose layers transformers checkpoints.
+    Under LoRA (B nonzero) too: the frozen embedding's output needs no gradient, which a reentrant
+    checkpoint takes for a layer with nothing to differentiate (no gradient for any adapter)."""
     model, tokenizer = tiny
     model = deepcopy(model).train()
+    if lora:
+        with_adapters(model)
     torch.manual_seed(3)
     rollout = sample_fast(model, tokenizer, QUESTIONS[:2], 3, 6)
     args = (model, rollout.input_ids, rollout.attention_mask, rollout.completion_len)
     expected = packed_and_plain(*args)
+    assert all(g.any() for g in expected[0][1]) or not lora  # every adapter's gradient, A's and B's
     model_module.checkpoint_activations(model)
     checkpointed_blocks, checkpoint = [], packing.checkpoint
 

@@ -581,7 +581,8 @@ def torchrun(*args: str, processes: int = 2) -> subprocess.CompletedProcess:
 
 
 def test_two_processes_give_the_single_process_gradient(tmp_path):
-    """Rows split over 2 gloo processes (both training, or one with no row to train): same weight change."""
+    """Rows split over 2 gloo processes (both training, or one with no row to train): same weight change.
+    Under LoRA the same adapter change, and every frozen weight unchanged, without a .grad."""
     single, split = tmp_path / "single.pt", tmp_path / "split.pt"
     proc = subprocess.run([sys.executable, "tests/distributed_update.py", str(single)], cwd=ROOT,
                           capture_output=True, text=True, timeout=300)
@@ -590,9 +591,16 @@ def test_two_processes_give_the_single_process_gradient(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     for case, one in torch.load(single).items():
         two = torch.load(split)[case]
-        assert sum(d.abs().sum() for d in one["delta"]) > 0  # the check compares a real update
-        for a, b in zip(one["delta"], two["delta"]):
-            torch.testing.assert_close(b, a, atol=1e-6, rtol=1e-4, msg=case)
+        assert sum(d.abs().sum() for d in one["delta"].values()) > 0  # the check compares a real update
+        assert one["delta"].keys() == two["delta"].keys()
+        for name, a in one["delta"].items():
+            torch.testing.assert_close(two["delta"][name], a, atol=1e-6, rtol=1e-4, msg=f"{case}: {name}")
+        frozen = one["frozen"].keys()  # the frozen parameters' names: none under full fine-tuning
+        assert bool(frozen) == case.startswith("LoRA") and frozen == two["frozen"].keys()
+        assert not any([*one["frozen"].values(), *two["frozen"].values()]), f"{case}: a frozen .grad"
+        assert all(not one["delta"][name].any() for name in frozen), case  # exactly unchanged
+        for kind in ("lora_A", "lora_B") if frozen else ():  # A has a gradient too (B nonzero)
+            assert all(d.any() for name, d in one["delta"].items() if kind in name), (case, kind)
         # not train_tokens: split, rows share other micro-batches
         for key in ("loss", "grad_norm", "rows_trained"):
             assert two["stats"][key] == pytest.approx(one["stats"][key], rel=1e-4, abs=1e-7), (case, key)
