@@ -233,7 +233,8 @@ def test_the_bf16_working_copy_and_reference_keep_float32_buffers(tmp_path):
     args = train.Args(model="tiny-qwen2", algo="aapo", precision="bf16")
     run = run_module.start_run(args, tmp_path, CPU, True, train.algo_state(args), with_reference=True)
     assert_bf16_with_float32_buffers(run.policy)
-    assert_bf16_with_float32_buffers(run.reference)
+    with run.reference() as reference:
+        assert_bf16_with_float32_buffers(reference)
 
 
 def test_bf16_copy_logprobs_at_long_positions_equal_a_bf16_load(tmp_path):

@@ -7,6 +7,8 @@ import re
 import signal
 import subprocess
 import sys
+from contextlib import nullcontext
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -195,7 +197,8 @@ def test_with_a_kl_penalty_no_row_is_skipped(tiny, rollout):
     model, ref_model = (load_model("tiny-qwen2", torch.device("cpu"))[0] for _ in range(2))
     advantages = torch.tensor([0.0, 0.0, 0.0, 0.0, 1.5, -0.5, -0.5, -0.5])  # first group collapsed
     sgd = torch.optim.SGD(model.parameters(), lr=1e-3)
-    stats = train.update_policy(model, model, sgd, rollout, advantages, ref_model.requires_grad_(False),
+    reference = partial(nullcontext, ref_model.requires_grad_(False))  # as run.Run holds it
+    stats = train.update_policy(model, model, sgd, rollout, advantages, reference,
                                 train.Args(beta=0.1, micro_batch=3))
     assert stats["rows_trained"] == 8 and stats["kl"] is not None
 
