@@ -90,9 +90,10 @@ def base_of(folder: Path) -> str:
 
 
 def load_adapters(model, folder: Path):
-    """`model` (the base) with the adapters saved in `folder`, trainable; returns it."""
+    """`model` (the base) with the adapters saved in `folder`, trainable; returns it. A base with adapters of
+    its own (a --lora-rank run started from another one's checkpoint) has them merged in first."""
     from peft import LoraConfig, inject_adapter_in_model, set_peft_model_state_dict
-    inject_adapter_in_model(LoraConfig.from_pretrained(str(folder)), model)
+    inject_adapter_in_model(LoraConfig.from_pretrained(str(folder)), merged(model))
     weights = load_file(str(folder / ADAPTERS), device=str(next(model.parameters()).device))
     result = set_peft_model_state_dict(model, weights)
     if missing := [k for k in result.missing_keys if "lora_" in k]:
@@ -101,8 +102,11 @@ def load_adapters(model, folder: Path):
 
 
 def merged(model):
-    """`model` with each adapter added into its layer's weight (W + alpha / r B A) and peft's layers replaced
-    by the plain ones: a model transformers alone can load."""
+    """`model` with any adapters it carries added into their layers' weights (W + alpha / r B A), peft's
+    layers replaced by the plain ones and every weight trainable again: a model transformers alone can load,
+    and one a run can start from."""
+    if not has_adapters(model):
+        return model
     from peft.tuners.lora import LoraLayer
     for name, module in list(model.named_modules()):
         if isinstance(module, LoraLayer):
@@ -110,4 +114,4 @@ def merged(model):
             parent, _, child = name.rpartition(".")
             setattr(model.get_submodule(parent), child, module.get_base_layer())
     del model.peft_config
-    return model
+    return model.requires_grad_(True)

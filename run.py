@@ -24,7 +24,7 @@ from data.tasks import Problem, load_eval_problems, load_problems
 from decoding import FAST_ON, decode
 from eval import evaluate, score_groups
 from hardware import cast_weights, pick_device, where, working_copy
-from lora import adapters_off, add_adapters, has_adapters
+from lora import adapters_off, add_adapters, has_adapters, merged
 from memory import describe_estimate, estimate_memory
 from metrics import collapse_warning, early_steps, show_group
 from model import (Rollout, checkpoint_activations, completion_logprobs, context_warning, format_prompts,
@@ -96,6 +96,8 @@ def start_run(args, run_dir: Path, device: torch.device, is_main: bool, state: d
         print(f"[{args.algo}] warning: {checkpoint_damage(run_dir / 'checkpoint')}: resuming from the whole "
               f"checkpoint before it, {checkpoint}")
     master, tokenizer = load_model(str(checkpoint / "model") if checkpoint else args.model, device)
+    if not checkpoint:  # --model may be a LoRA run's checkpoint: this run starts from its policy as one model
+        merged(master)
     if args.lora_rank and not checkpoint:  # resumed, the checkpoint holds the adapters (model.load_model)
         add_adapters(master, args.lora_rank, args.lora_alpha, args.model, args.seed)
     policy = working_copy(master, args.precision)  # bf16: on CUDA and on CPUs with native bf16 (auto)
@@ -103,7 +105,7 @@ def start_run(args, run_dir: Path, device: torch.device, is_main: bool, state: d
     if with_reference and args.lora_rank:
         reference = partial(adapters_off, policy)  # the base: no second copy of the weights
     elif with_reference:
-        frozen = cast_weights(load_model(args.model, device)[0].requires_grad_(False), policy.dtype)
+        frozen = cast_weights(merged(load_model(args.model, device)[0]).requires_grad_(False), policy.dtype)
         reference = partial(contextlib.nullcontext, frozen)
     if args.grad_checkpointing:
         checkpoint_activations(policy)

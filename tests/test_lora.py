@@ -281,3 +281,30 @@ def test_ppo_epochs_take_the_old_log_probs_with_the_adapters_on_and_the_referenc
     passes = [call[:2] for call in train_steps(run, args, 1, record_logprobs(monkeypatch))[0]]
     micro = sum(grad for grad, _ in passes) // 2  # micro-batches: each trains once per update
     assert micro and passes == [(False, True)] * micro + [(False, False)] * micro + [(True, True)] * 2 * micro
+
+
+def test_a_run_starts_from_a_lora_checkpoint_as_one_model_and_loads_back_from_its_own(tmp_path, parity):
+    """--model <a LoRA run's checkpoint>: a new run starts from the policy it holds (its adapters merged in),
+    trained in full or with fresh adapters; eval.py reads such a run's checkpoint back as the run saw it."""
+    first = tmp_path / "first"
+    train.main(TINY + parity + ["--lora-rank", "4", "--lr", "5e-2", "--steps", "2", "--eval-every", "0",
+                                "--out", str(first)])
+    checkpoint = str(first / "grpo" / "checkpoint")
+    adapted = load_model(checkpoint, torch.device("cpu"))[0]
+    common = TINY[2:] + parity + ["--model", checkpoint, "--precision", "fp32"]
+    for rank in ("0", "4"):
+        run = start(common + ["--lora-rank", rank], tmp_path, with_reference=True)
+        ids, attn, c = rows(run.policy, run.tokenizer)
+        with torch.no_grad(), run.reference() as reference:
+            want = completion_logprobs(adapted, ids, attn, c)
+            torch.testing.assert_close(completion_logprobs(run.policy, ids, attn, c), want, atol=1e-5, rtol=0)
+            torch.testing.assert_close(completion_logprobs(reference, ids, attn, c), want, atol=1e-5, rtol=0)
+        trained = [n for n, p in run.master.named_parameters() if p.requires_grad]
+        assert all("lora_" in n for n in trained) == (rank == "4") and trained, rank
+    second = tmp_path / "second"  # trained on top of the first, then read back by eval.py: its first eval
+    train.main(TINY + parity + ["--model", checkpoint, "--lora-rank", "4", "--eval-every", "0", "--lr",
+                                "5e-2", "--steps", "2", "--eval-size", "8", "--out", str(second)])
+    in_run = [r["completion"] for r in read_jsonl(second / "grpo" / "eval_records.jsonl")]
+    evaluation.main(["--model", str(second / "grpo" / "checkpoint"), "--max-new-tokens", "8", "--limit", "8",
+                     "--out", str(tmp_path / "eval"), "--reward", "user_parity:parity"])
+    assert [r["completion"] for r in read_jsonl(next((tmp_path / "eval").glob("samples-*.jsonl")))] == in_run
