@@ -633,8 +633,10 @@ def list_problem(args: argparse.Namespace) -> str | None:
             return f"{flag(name)} {getattr(args, name)}: need a comma list of integers >= {least}"
     for name in RATES:
         try:
-            assert all(0 < float(x) < math.inf for x in getattr(args, name).split(","))
-        except (ValueError, AssertionError):
+            positive = all(0 < float(x) < math.inf for x in getattr(args, name).split(","))
+        except ValueError:
+            positive = False
+        if not positive:
             return f"{flag(name)} {getattr(args, name)}: need a comma list of positive numbers"
     for name in [*CHOICES, *INTEGERS, *RATES]:  # a seed twice would count one run twice in the bootstrap
         items = [int(x) if name in INTEGERS else float(x) if name in RATES else x

@@ -130,7 +130,6 @@ def measure_config(impl: str, args: train.Args, warmup: int) -> dict:
     return result
 
 
-
 def lora_update_seconds(args: train.Args, ranks: tuple[int, ...], reps: int) -> dict[int, list[float]]:
     """{rank: seconds of each of `reps` train.update_policy calls}, rank 0 full fine-tuning, on one rollout of
     the config's first prompts with advantages +-1 (every row trained), the ranks interleaved: the same
@@ -138,8 +137,9 @@ def lora_update_seconds(args: train.Args, ranks: tuple[int, ...], reps: int) -> 
     master, tokenizer = load_model(args.model, torch.device("cpu"))
     problems = load_problems(args.dataset, "train", args.seed)[: args.prompts_per_step]
     torch.manual_seed(0)
+    paths = run.fast_or_plain(args.fast, master.device)
     rollout = sample(master, tokenizer, [p.question for p in problems], args.group_size, args.max_new_tokens,
-                     args.temperature, sample_completions=run.fast_or_plain(args.fast, master.device)[0],
+                     args.temperature, sample_completions=paths.sample_completions,
                      instructions=[p.instruction for p in problems])
     advantages = torch.tensor([1.0, -1.0]).repeat(len(rollout.texts) // 2)
     nets = {0: master}
