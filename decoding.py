@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from transformers import DynamicCache, PreTrainedModel
 
-from lora import has_adapters
+from lora import applied_weight
 from model import next_tokens
 
 FAST_ON = ("cpu",)  # device types where this file's and packing.py's paths were shown equal and faster
@@ -86,24 +86,26 @@ def decode_weights(model: PreTrainedModel, rows: int) -> tuple[list[tuple[Callab
     """The products of `decode_step` for batches of about `rows` rows: per layer (qkv, o, gate_up, down), and
     the output layer. q/k/v and gate/up are each one matrix (4 products per layer instead of 7: fewer, larger
     calls), every product packed by `packed_linear`, the output layer too (the largest weight: for SmolLM2's
-    49k vocabulary, 113 MB in fp32). None for blocks `decode_step` does not implement (other than the
-    Llama/Qwen2 block) and for models with LoRA adapters; those decode with transformers' forward."""
+    49k vocabulary, 113 MB in fp32). Under LoRA each weight is the one its layer applies (`applied_weight`:
+    the adapters merged in while they are on, the base's with `adapters_off`), merged once per call to
+    `decode`, as full fine-tuning's bf16 copy is refreshed once per step. None for blocks `decode_step` does
+    not implement (other than the Llama/Qwen2 block); those decode with transformers' forward."""
     config = model.config
     if not writes_out_block(config) or config.hidden_act != "silu" or getattr(config, "mlp_bias", False):
-        return None
-    if has_adapters(model):  # LoRA (lora.py): packing the frozen weights would leave the adapters out
         return None
     layers = []
     for layer in model.model.layers:
         attn, mlp = layer.self_attn, layer.mlp
         biases = [attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias]
         qkv_bias = None if biases[0] is None else torch.cat(biases)
-        qkv_weight = torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight])
+        qkv_weight = torch.cat([applied_weight(attn.q_proj), applied_weight(attn.k_proj),
+                                applied_weight(attn.v_proj)])
+        gate_up_weight = torch.cat([applied_weight(mlp.gate_proj), applied_weight(mlp.up_proj)])
         layers.append((packed_linear(qkv_weight, qkv_bias, rows),
-                       packed_linear(attn.o_proj.weight, attn.o_proj.bias, rows),
-                       packed_linear(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]), None, rows),
-                       packed_linear(mlp.down_proj.weight, None, rows)))
-    return layers, packed_linear(model.lm_head.weight, model.lm_head.bias, rows)
+                       packed_linear(applied_weight(attn.o_proj), attn.o_proj.bias, rows),
+                       packed_linear(gate_up_weight, None, rows),
+                       packed_linear(applied_weight(mlp.down_proj), None, rows)))
+    return layers, packed_linear(applied_weight(model.lm_head), model.lm_head.bias, rows)
 
 
 def rms_norm(x: torch.Tensor, norm: torch.nn.Module) -> torch.Tensor:

@@ -65,6 +65,16 @@ def adapters_off(model):
             layer.enable_adapters(True)
 
 
+def applied_weight(linear: torch.nn.Module) -> torch.Tensor:
+    """The weight that `linear` applies to its input: its own, or for a layer with adapters on, the adapted
+    W + alpha / r B A (summed in float32, returned in W's dtype: rounded as a bf16 copy of float32 weights
+    is), for code that runs the weights itself (decoding.py's `decode_weights`)."""
+    if not hasattr(linear, "lora_A") or linear.disable_adapters or linear.merged:  # peft's layers have lora_A
+        return linear.weight
+    delta = sum(linear.get_delta_weight(name) for name in linear.active_adapters)
+    return (linear.weight.float() + delta).to(linear.weight.dtype)
+
+
 def save_adapters(model, folder: Path) -> None:
     """The adapters' float32 weights and their config into `folder`, as peft's save_pretrained writes them."""
     from peft import get_peft_model_state_dict

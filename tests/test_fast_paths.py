@@ -10,6 +10,7 @@ from functools import partial
 import pytest
 import torch
 import torch.nn.functional as F
+from peft import LoraConfig, inject_adapter_in_model
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, Qwen2ForCausalLM
 
 import decoding
@@ -18,8 +19,9 @@ import model as model_module
 import packing
 from benchmarks.gpu_bench import with_adapters
 from decoding import DecodeCache, decode, decode_step, decode_weights, packed_linear
-from hardware import accumulate_gradients, copy_weights, cpu_features, resolve_precision, working_copy
-from lora import adapters_off
+from hardware import (accumulate_gradients, cast_weights, copy_weights, cpu_features, resolve_precision,
+                      working_copy)
+from lora import adapters_off, add_adapters
 from model import completion_logprobs as plain_logprobs
 from model import load_model, next_tokens, sample, sample_with_generate
 from model_files import byte_tokenizer, tiny_qwen2
@@ -71,21 +73,32 @@ def test_greedy_decode_equals_hf_generate(tiny, eos_bias, group_size):
     assert fast.texts == ref.texts
 
 
-def test_greedy_decode_under_lora_equals_hf_generate(tiny):
-    """With LoRA adapters (B nonzero, so that they change the tokens) decode runs transformers' forward,
-    which adds them: token for token what generate gives, and not what the base gives."""
+@pytest.mark.filterwarnings("ignore:Model has `tie_word_embeddings=True`")  # the output layer's adapters
+@pytest.mark.parametrize("on_output_layer", [False, True])
+def test_greedy_decode_under_lora_equals_hf_generate(tiny, on_output_layer):
+    """With LoRA adapters (B nonzero, so that they change the tokens) decode_step runs each layer's weight
+    with its adapters merged in (`lora.applied_weight`), and the base's with the adapters off (the reference
+    policy, whose completions AAPO samples): token for token what generate gives, both ways. Also with
+    adapters on the output layer, which train.py leaves alone but a folder of a user's adapters may not."""
     model, tokenizer = deepcopy(tiny[0]), tiny[1]
-    with_adapters(model)
-    favour_eos(model, tokenizer.eos_token_id, 0.4)
-    assert decode_weights(model, rows=4) is None  # its packed products would be the base's alone
-    fast = sample_fast(model, tokenizer, QUESTIONS, 3, 30, temperature=0)
-    ref = sample(model, tokenizer, QUESTIONS, 3, 30, temperature=0)
-    for field in ("input_ids", "attention_mask", "completion_mask", "truncated"):
-        assert torch.equal(getattr(fast, field), getattr(ref, field)), field
-    assert fast.completion_mask.sum(1).min() < 30  # some rows stopped early
+    if on_output_layer:
+        linears = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head"]
+        inject_adapter_in_model(LoraConfig(r=2, lora_alpha=32, target_modules=linears), model)
+    else:
+        add_adapters(model, 2, 32, "tiny-qwen2", 0)  # as train.py --lora-rank 2 does
+    torch.manual_seed(0)
+    for name, param in model.named_parameters():
+        if "lora_B" in name:
+            param.data.normal_(0, 0.1)  # large: the greedy tokens then change from step to step
+    assert decode_weights(model, rows=4) is not None  # the written-out block, not transformers' forward
+    on = [sampler(model, tokenizer, QUESTIONS, 3, 30, temperature=0) for sampler in (sample_fast, sample)]
     with adapters_off(model):
-        assert not torch.equal(sample(model, tokenizer, QUESTIONS, 3, 30, temperature=0).input_ids,
-                               fast.input_ids)
+        off = [sampler(model, tokenizer, QUESTIONS, 3, 30, temperature=0) for sampler in (sample_fast, sample)]
+    for fast, ref in (on, off):
+        for field in ("input_ids", "attention_mask", "completion_mask", "truncated"):
+            assert torch.equal(getattr(fast, field), getattr(ref, field)), field
+    assert on[0].completion_len == 30 and len(set(on[0].texts)) > 1  # decode_step makes 29 tokens per row
+    assert not torch.equal(on[0].input_ids, off[0].input_ids)  # the adapters change the tokens
 
 
 def test_decode_stops_when_every_row_has_ended(tiny, eos_bias):
@@ -130,10 +143,19 @@ def block_model(request):
 
 
 @torch.no_grad()
-def test_decode_step_logits_equal_the_transformers_forward(block_model):
+@pytest.mark.parametrize("lora", [None, "fp32", "bf16"])
+def test_decode_step_logits_equal_the_transformers_forward(block_model, lora):
     """Step by step, left padding and a row leaving included: decode_step's logits = HF's forward with its
-    cache."""
+    cache. Under LoRA (B nonzero) too, with the adapters merged into each weight (`lora.applied_weight`):
+    in float32, and with the frozen weights in bf16 as a LoRA run on a bf16 CPU holds them (rounding apart:
+    the merged weight is rounded to bf16, where peft adds the float32 adapters' output to the bf16 base's)."""
     model, tokenizer = block_model
+    if lora:
+        model = deepcopy(model)
+        with_adapters(model)
+        if lora == "bf16":
+            cast_weights(model, torch.bfloat16, frozen_only=True)  # as hardware.working_copy does under LoRA
+    tolerance = {"atol": 3e-2, "rtol": 0} if lora == "bf16" else {"atol": 1e-5, "rtol": 1e-5}
     enc = tokenizer(QUESTIONS[:2], return_tensors="pt", padding=True, add_special_tokens=False)
     positions = (enc["attention_mask"].cumsum(1) - 1).clamp(min=0)
     reference, ours = DynamicCache(config=model.config), DynamicCache(config=model.config)
@@ -153,7 +175,7 @@ def test_decode_step_logits_equal_the_transformers_forward(block_model):
         mask = torch.cat([mask, mask.new_ones(len(mask), 1)], dim=1)
         expected = model(tokens[:, None], mask, position[:, None], reference, use_cache=True).logits[:, -1]
         got = decode_step(model, weights, tokens, position, ours, mask.shape[1] - 1, mask.bool())
-        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(got, expected, **tolerance)
         tokens, position = expected.argmax(-1), position + 1
 
 
