@@ -194,34 +194,51 @@ def run_all(tasks: list[tuple], jobs: int) -> list:
 
     Runs are small (16-64 rows): on 2 cores two 1-thread runs side by side did ~15% more work per second than
     one 2-thread run (measured). Spawned, not forked: a forked child inherits torch's thread pool in a bad
-    state."""
+    state. After a failure or a SIGTERM no run starts: the pool hands tasks to its workers ahead of time,
+    which cancelling cannot take back, so the workers are told through `stopping` (`with_threads`)."""
     if jobs == 1:
         return [fn(*a) for fn, *a in tasks]
     threads = max(1, (os.cpu_count() or 1) // jobs)
-    # a worker ignores SIGTERM outside train.main, whose own handler ends the step under way and saves it
-    with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn"), initializer=signal.signal,
-                             initargs=(signal.SIGTERM, signal.SIG_IGN)) as pool:
+    spawn = multiprocessing.get_context("spawn")
+    stopping = spawn.Event()
+    with ProcessPoolExecutor(jobs, mp_context=spawn, initializer=start_worker, initargs=(stopping,)) as pool:
         try:
             futures = [pool.submit(with_threads, threads, *task) for task in tasks]
             done, _ = wait(futures, return_when=FIRST_EXCEPTION)
-        except SystemExit:  # SIGTERM (`end_with_workers`): no queued run starts; those under way save and end
+        except SystemExit:  # SIGTERM (`exit_on_sigterm`): passed on; each run under way saves its step and ends
+            stopping.set()
+            for worker in multiprocessing.active_children():
+                os.kill(worker.pid, signal.SIGTERM)
             pool.shutdown(cancel_futures=True)
             raise
         if any(f.exception() for f in done):  # say so now, not after every queued run; those under way finish
+            stopping.set()
             pool.shutdown(cancel_futures=True)
         return [f.result() for f in futures]
 
 
-def end_with_workers(signum: int, frame) -> None:
-    """SIGTERM (a scheduler's, `timeout`'s) reaches this process alone: passed on to the workers, each run
-    under way ends its step, saves it and exits as train.py does (143); then this process exits 143 too."""
-    for worker in multiprocessing.active_children():
-        os.kill(worker.pid, signal.SIGTERM)
+def exit_on_sigterm(signum: int, frame) -> None:
+    """SIGTERM (a scheduler's, `timeout`'s) reaches this process alone: it exits 143 as train.py does, once
+    `run_all` has passed the signal on to its workers."""
     sys.exit(128 + signum)
 
 
+STOPPING = None  # in a worker of `run_all`: its event, set when no more runs may start (`start_worker`)
+
+
+def start_worker(stopping) -> None:
+    """A worker of `run_all`: it ignores SIGTERM outside train.main, whose own handler ends the step under way
+    and saves it, and keeps `stopping` for `with_threads`."""
+    global STOPPING
+    STOPPING = stopping
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
 def with_threads(threads: int, fn: Callable, *args):
-    """fn(*args) in a worker process limited to `threads` intra-op threads."""
+    """fn(*args) in a worker process limited to `threads` intra-op threads; nothing (None) once `run_all` has
+    set the stop event."""
+    if STOPPING.is_set():
+        return None
     torch.set_num_threads(threads)
     return fn(*args)
 
@@ -873,5 +890,5 @@ def run_parts(args: argparse.Namespace, parts: list[str], out: Folder, figures: 
 
 
 if __name__ == "__main__":
-    signal.signal(signal.SIGTERM, end_with_workers)  # as Ctrl-C: runs under way save their step
+    signal.signal(signal.SIGTERM, exit_on_sigterm)  # as Ctrl-C: runs under way save their step
     main()

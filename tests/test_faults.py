@@ -403,9 +403,10 @@ def test_a_stopped_run_says_what_it_saved_even_when_nothing():
 
 
 def test_sigterm_to_experiments_ends_its_workers_each_saved(tmp_path):
-    """Two runs of 1000 steps in two pool workers; SIGTERM to experiments.py alone: each run saves its step
-    and ends (no orphan goes on logging), and experiments.py exits 143."""
-    cmd = [sys.executable, "experiments.py", "--quick", "--only", "compare", "--methods", "grpo,avspo",
+    """Two runs of 1000 steps in two pool workers, a third queued; SIGTERM to experiments.py alone: each run
+    saves its step and ends (no orphan goes on logging), the third never starts (though the pool has handed it
+    to a worker already), and experiments.py exits 143."""
+    cmd = [sys.executable, "experiments.py", "--quick", "--only", "compare", "--methods", "grpo,avspo,dapo",
            "--seeds", "0", "--jobs", "2", "--steps", "1000", "--eval-every", "1000", "--out", str(tmp_path),
            "--figures", str(tmp_path / "figures")]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -427,6 +428,7 @@ def test_sigterm_to_experiments_ends_its_workers_each_saved(tmp_path):
     for run, steps in zip(runs, logged):
         assert 1 <= steps < 1000  # stopped, not run to the end
         assert torch.load(run / "checkpoint" / "state.pt", weights_only=True)["step"] == steps
+    assert not (tmp_path / "compare" / "seed0-dapo").exists()
 
 
 def test_a_bad_reward_on_one_torchrun_process_ends_every_process_with_its_line(tmp_path):
