@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from transformers import DynamicCache, PreTrainedModel
 
-from lora import applied_weight
+from lora import adapter_output, has_adapters, has_variants
 from model import next_tokens
 
 FAST_ON = ("cpu",)  # device types where this file's and packing.py's paths were shown equal and faster
@@ -82,30 +82,49 @@ def writes_out_block(config) -> bool:
             and not getattr(config, "attention_dropout", 0.0))
 
 
+def plus_adapters(product: Callable, linears: list[torch.nn.Module]) -> Callable:
+    """`product` of the weights of `linears` side by side, plus what their LoRA adapters add to each one's
+    columns (`lora.adapter_output`, zeros for a layer without), in the product's dtype, as peft's forward
+    adds them; `product` itself where no adapter is on."""
+    outputs = [adapter_output(linear) for linear in linears]
+    if not any(outputs):
+        return product
+
+    def run(x: torch.Tensor) -> torch.Tensor:
+        base = product(x)
+        added = [output(x) if output else x.new_zeros(*x.shape[:-1], linear.weight.shape[0])
+                 for output, linear in zip(outputs, linears)]
+        return (base + torch.cat(added, dim=-1)).to(base.dtype)
+    return run
+
+
 def decode_weights(model: PreTrainedModel, rows: int) -> tuple[list[tuple[Callable, ...]], Callable] | None:
     """The products of `decode_step` for batches of about `rows` rows: per layer (qkv, o, gate_up, down), and
     the output layer. q/k/v and gate/up are each one matrix (4 products per layer instead of 7: fewer, larger
     calls), every product packed by `packed_linear`, the output layer too (the largest weight: for SmolLM2's
-    49k vocabulary, 113 MB in fp32). Under LoRA each weight is the one its layer applies (`applied_weight`:
-    the adapters merged in while they are on, the base's with `adapters_off`), merged once per call to
-    `decode`, as full fine-tuning's bf16 copy is refreshed once per step. None for blocks `decode_step` does
-    not implement (other than the Llama/Qwen2 block); those decode with transformers' forward."""
+    49k vocabulary, 113 MB in fp32). Under LoRA each product adds its layers' adapters (`plus_adapters`),
+    which `adapters_off` turns off. None for blocks `decode_step` does not implement (other than the
+    Llama/Qwen2 block) and for LoRA variants (DoRA, ...); those decode with transformers' forward."""
     config = model.config
     if not writes_out_block(config) or config.hidden_act != "silu" or getattr(config, "mlp_bias", False):
         return None
+    if has_adapters(model) and has_variants(model):
+        return None
+
+    def product(linears: list[torch.nn.Module], bias: torch.Tensor | None = None) -> Callable:
+        """One product for the weights of `linears` side by side."""
+        weight = linears[0].weight if len(linears) == 1 else torch.cat([linear.weight for linear in linears])
+        return plus_adapters(packed_linear(weight, bias, rows), linears)
+
     layers = []
     for layer in model.model.layers:
         attn, mlp = layer.self_attn, layer.mlp
         biases = [attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias]
         qkv_bias = None if biases[0] is None else torch.cat(biases)
-        qkv_weight = torch.cat([applied_weight(attn.q_proj), applied_weight(attn.k_proj),
-                                applied_weight(attn.v_proj)])
-        gate_up_weight = torch.cat([applied_weight(mlp.gate_proj), applied_weight(mlp.up_proj)])
-        layers.append((packed_linear(qkv_weight, qkv_bias, rows),
-                       packed_linear(applied_weight(attn.o_proj), attn.o_proj.bias, rows),
-                       packed_linear(gate_up_weight, None, rows),
-                       packed_linear(applied_weight(mlp.down_proj), None, rows)))
-    return layers, packed_linear(applied_weight(model.lm_head), model.lm_head.bias, rows)
+        layers.append((product([attn.q_proj, attn.k_proj, attn.v_proj], qkv_bias),
+                       product([attn.o_proj], attn.o_proj.bias), product([mlp.gate_proj, mlp.up_proj]),
+                       product([mlp.down_proj])))
+    return layers, product([model.lm_head], model.lm_head.bias)
 
 
 def rms_norm(x: torch.Tensor, norm: torch.nn.Module) -> torch.Tensor:

@@ -205,15 +205,15 @@ def run_all(tasks: list[tuple], jobs: int) -> list:
         try:
             futures = [pool.submit(with_threads, threads, *task) for task in tasks]
             done, _ = wait(futures, return_when=FIRST_EXCEPTION)
-        except SystemExit:  # SIGTERM (`exit_on_sigterm`): passed on; each run under way saves its step and ends
+            if any(f.exception() for f in done):  # said now, not after every queued run; those under way end
+                stopping.set()
+                pool.shutdown(cancel_futures=True)
+        except SystemExit:  # SIGTERM (`exit_on_sigterm`), passed on: each run under way saves its step, ends
             stopping.set()
             for worker in multiprocessing.active_children():
                 os.kill(worker.pid, signal.SIGTERM)
             pool.shutdown(cancel_futures=True)
             raise
-        if any(f.exception() for f in done):  # say so now, not after every queued run; those under way finish
-            stopping.set()
-            pool.shutdown(cancel_futures=True)
         return [f.result() for f in futures]
 
 
@@ -617,7 +617,8 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--precision-seeds", default="0,1,2,3", help="precision: seeds, each run in bf16 and fp32")
     p.add_argument("--precision-steps", type=COUNT, default=train.Args.steps, help="precision: steps per run")
     p.add_argument("--full-lrs", default="1e-5,2e-5,4e-5", help="lora: full fine-tuning's learning rates")
-    p.add_argument("--lora-lrs", default="1e-4,2e-4,4e-4,8e-4", help="lora: LoRA's learning rates (each rank)")
+    p.add_argument("--lora-lrs", default="1e-4,2e-4,4e-4,8e-4",
+                   help="lora: LoRA's learning rates (each rank)")
     p.add_argument("--sweep-seed", type=at_least(0), default=100,
                    help="lora: the seed of the learning-rate sweep (not one of --seeds)")
     p.add_argument("--step-seconds", type=SECONDS, default=13.0,

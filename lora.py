@@ -25,6 +25,7 @@ peft is imported only where it is used: importing it takes about 2 s, and full f
 import contextlib
 import json
 from pathlib import Path
+from typing import Callable
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -65,14 +66,27 @@ def adapters_off(model):
             layer.enable_adapters(True)
 
 
-def applied_weight(linear: torch.nn.Module) -> torch.Tensor:
-    """The weight that `linear` applies to its input: its own, or for a layer with adapters on, the adapted
-    W + alpha / r B A (summed in float32, returned in W's dtype: rounded as a bf16 copy of float32 weights
-    is), for code that runs the weights itself (decoding.py's `decode_weights`)."""
+def adapter_output(linear: torch.nn.Module) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """x -> what the adapters of `linear` add to its output, (alpha / r) B A x over its active adapters,
+    computed as peft's lora.Linear.forward computes it (x cast to the adapters' float32, B's bias if it has
+    one), for code that runs the layer's weight itself (decoding.py's `decode_weights`); None where adapters
+    add nothing (a plain layer, adapters off, adapters merged in). Apart from W, not merged into it: in a bf16
+    model, W + (alpha / r) B A would be rounded to bf16 where peft rounds the sum of the two outputs, and the
+    policy that samples would differ (by bf16 rounding) from the one whose log-probs the update follows."""
     if not hasattr(linear, "lora_A") or linear.disable_adapters or linear.merged:  # peft's layers have lora_A
-        return linear.weight
-    delta = sum(linear.get_delta_weight(name) for name in linear.active_adapters)
-    return (linear.weight.float() + delta).to(linear.weight.dtype)
+        return None
+    names = [name for name in linear.active_adapters if name in linear.lora_A]
+
+    def output(x: torch.Tensor) -> torch.Tensor:
+        return sum(linear.lora_B[name](linear.lora_A[name](x.to(linear.lora_A[name].weight.dtype)))
+                   * linear.scaling[name] for name in names)
+    return output
+
+
+def has_variants(model) -> bool:
+    """Whether an adapter of `model` is a LoRA variant (DoRA and others, peft's lora_variant) whose forward is
+    more than W x + (alpha / r) B A x: `adapter_output` does not compute those."""
+    return any(getattr(module, "lora_variant", None) for module in model.modules())
 
 
 def save_adapters(model, folder: Path) -> None:
@@ -125,3 +139,4 @@ def merged(model):
             setattr(model.get_submodule(parent), child, module.get_base_layer())
     del model.peft_config
     return model.requires_grad_(True)
+

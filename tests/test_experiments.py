@@ -228,8 +228,8 @@ def test_run_all_in_parallel_processes_keeps_the_task_order():
 
 def test_run_all_stops_queued_runs_when_one_fails(tmp_path):
     """A failed run is reported once the runs under way end, and the runs still queued do not start, not even
-    those the pool has handed to a worker ahead of time (it hands 3 to its 2 workers): a touch could start only
-    once a 3 s sleep ends, long after the failure."""
+    those the pool has handed to a worker ahead of time (it hands 3 to its 2 workers): a touch could start
+    only once a 3 s sleep ends, long after the failure."""
     tasks = [(operator.truediv, 1, 0), (time.sleep, 3), (time.sleep, 3)]
     tasks += [(Path.touch, tmp_path / str(i)) for i in range(4)]
     with pytest.raises(ZeroDivisionError):
