@@ -39,8 +39,8 @@ README quotes).
    full fine-tuning over --full-lrs, LoRA over --lora-lrs (Schulman et al.: LoRA's best is ~10x full
    fine-tuning's; 8e-4 was added when rank 1's best lay at 4e-4, the top of the first grid); the rule: the
    rate whose final model is the most accurate (greedy, on that seed's whole held-out split), the smaller on
-   a tie. Verdict on "matches" (`verdict`): confirmed when the Δ interval
-   lies within +-MARGIN, refuted when it lies wholly outside, inconclusive otherwise. Only with --only lora.
+   a tie. Verdict on "matches" (`verdict`): confirmed when the Δ interval lies within +-MARGIN, refuted when
+   it lies wholly outside, inconclusive otherwise. Only with --only lora.
 
 Finished runs are reused and unfinished ones resume from their last checkpoint, so a rerun (after Ctrl-C, in
 another session, or with more --seeds) only fills gaps; a run is reused or resumed only when its config.json

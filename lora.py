@@ -76,6 +76,8 @@ def adapter_output(linear: torch.nn.Module) -> Callable[[torch.Tensor], torch.Te
     if not hasattr(linear, "lora_A") or linear.disable_adapters or linear.merged:  # peft's layers have lora_A
         return None
     names = [name for name in linear.active_adapters if name in linear.lora_A]
+    if not names:
+        return None
 
     def output(x: torch.Tensor) -> torch.Tensor:
         return sum(linear.lora_B[name](linear.lora_A[name](x.to(linear.lora_A[name].weight.dtype)))
@@ -139,4 +141,3 @@ def merged(model):
             setattr(model.get_submodule(parent), child, module.get_base_layer())
     del model.peft_config
     return model.requires_grad_(True)
-
