@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from transformers import DynamicCache, PreTrainedModel
 
-from lora import adapter_output, has_adapters, has_variants
+from lora import adapter_output, has_variants
 from model import next_tokens
 
 FAST_ON = ("cpu",)  # device types where this file's and packing.py's paths were shown equal and faster
@@ -108,7 +108,7 @@ def decode_weights(model: PreTrainedModel, rows: int) -> tuple[list[tuple[Callab
     config = model.config
     if not writes_out_block(config) or config.hidden_act != "silu" or getattr(config, "mlp_bias", False):
         return None
-    if has_adapters(model) and has_variants(model):
+    if has_variants(model):
         return None
 
     def product(linears: list[torch.nn.Module], bias: torch.Tensor | None = None) -> Callable:
