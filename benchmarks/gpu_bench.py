@@ -126,6 +126,9 @@ def with_adapters(model, name: str = "tiny-qwen2") -> None:
                 p.normal_(0, 0.01)
 
 
+PARITY = "benchmarks.gpu_bench:parity_reward"
+
+
 def parity_reward(completion: str, gold: str) -> float:
     """The parity of the sum of the completion's character codes, a coin flip per completion on random
     weights: a group of G is split but with probability 2^(1 - G), so the methods' updates have rows to
@@ -351,10 +354,10 @@ def one_process_group(device: torch.device):
         dist.destroy_process_group()
 
 
-def one_step_each(size: str, precision: str, checkpointing: bool, device: torch.device, problems,
+def one_step_each(size: str, precision: str, checkpointing: bool, device: torch.device, problems, reward,
                   opened: bool = False, lora_rank: int = 0):
     """(name, check) pairs: one train.train_step per method on a fresh Run, train.py's paths; rewards from
-    `parity_reward`, so that every method's update has rows to train (the check fails where none did).
+    `reward`, `PARITY`'s, so that every method's update has rows to train (the check fails where none did).
     `opened`: each method with `OPENED`'s flags, inside `one_process_group`. `lora_rank`: adapters of that
     rank, set up as run.start_run does; a step must also change them and no frozen weight."""
     if size == "tiny-qwen2":
@@ -379,10 +382,10 @@ def one_step_each(size: str, precision: str, checkpointing: bool, device: torch.
     def step(algo: str, beta: float):
         args = train.Args(algo=algo, prompts_per_step=4, group_size=4, max_new_tokens=16, micro_batch=4,
                           lr=1e-5, precision=precision, grad_checkpointing=checkpointing, lora_rank=lora_rank,
-                          reward="benchmarks.gpu_bench:parity_reward", **{"beta": beta, **(OPENED if opened
+                          reward=PARITY, **{"beta": beta, **(OPENED if opened
                                                                                             else {})})
-        state = run.Run(master, policy, reference, tokenizer, optimizer, train.algo_state(args),
-                        load_reward(args.reward, args.reward_range), problems, [], 0, Counter())
+        state = run.Run(master, policy, reference, tokenizer, optimizer, train.algo_state(args), reward,
+                        problems, [], 0, Counter())
         before = [p.detach().clone() for p in trained], [p.double().sum().item() for p in frozen]
         with one_process_group(device) if opened else contextlib.nullcontext():
             record, _ = train.train_step(args, state, 1, 0, slice(0, args.prompts_per_step), device)
@@ -453,13 +456,14 @@ def kernel_checks(head_dim: int, device: torch.device) -> list[tuple[str, object
 def smoke(device: torch.device, opts, problems, deadline: float) -> list[dict]:
     """The checks of the module docstring, each time-boxed by `deadline` and failing alone."""
     results = [checked(name, fn, deadline) for name, fn in fast_equals_plain(device)]
+    reward = load_reward(PARITY)  # in its own process, as a user's reward: one for all (~2 s to start)
     for head_dim in HEAD_DIMS:
         results += [checked(name, fn, deadline) for name, fn in kernel_checks(head_dim, device)]
     for size in ("tiny-qwen2",) if opts.tiny else ("tiny-qwen2", "0.5B"):
         for precision in ("fp32", "bf16"):
             for checkpointing in (False, True):
                 try:
-                    checks = one_step_each(size, precision, checkpointing, device, problems)
+                    checks = one_step_each(size, precision, checkpointing, device, problems, reward)
                 except Exception as e:  # the model did not build: name it, go on
                     checks = [(f"build {size} {precision}", lambda e=e: (False, f"{type(e).__name__}: {e}"))]
                 results += [checked(name, fn, deadline) for name, fn in checks]
@@ -468,8 +472,8 @@ def smoke(device: torch.device, opts, problems, deadline: float) -> list[dict]:
                     torch.cuda.empty_cache()
     for size in ("tiny-qwen2",) if opts.tiny else ("tiny-qwen2", "0.5B"):
         results += [checked(name, fn, deadline)
-                    for name, fn in one_step_each(size, "bf16", True, device, problems, lora_rank=2)]
-    opened = one_step_each("tiny-qwen2", "bf16", True, device, problems, opened=True)
+                    for name, fn in one_step_each(size, "bf16", True, device, problems, reward, lora_rank=2)]
+    opened = one_step_each("tiny-qwen2", "bf16", True, device, problems, reward, opened=True)
     return results + [checked(name, fn, deadline) for name, fn in opened
                       if not opts.tiny or name.startswith("train_step aapo,")]  # on the CPU: the code runs
 
