@@ -37,8 +37,8 @@ README quotes).
    as compare (its flags, seeds and paired bootstrap, Δ against full fine-tuning), each arm at its own
    learning rate. The rate is chosen per arm by a sweep on one seed that is not among --seeds (--sweep-seed):
    full fine-tuning over --full-lrs, LoRA over --lora-lrs (Schulman et al.: LoRA's best is ~10x full
-   fine-tuning's; 8e-4 was added when rank 1's best lay at 4e-4, the top of the first grid); the rule: the
-   rate whose final model is the most accurate (greedy, on that seed's whole held-out split), the smaller on
+   fine-tuning's; 8e-4, then 1.6e-3, added when a rank's best lay at the top of the grid); the rule: the rate
+   whose final model is the most accurate (greedy, on that seed's whole held-out split), the smaller on
    a tie. Verdict on "matches" (`verdict`): confirmed when the Δ interval lies within +-MARGIN, refuted when
    it lies wholly outside, inconclusive otherwise. Only with --only lora.
 
@@ -617,7 +617,7 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--precision-seeds", default="0,1,2,3", help="precision: seeds, each run in bf16 and fp32")
     p.add_argument("--precision-steps", type=COUNT, default=train.Args.steps, help="precision: steps per run")
     p.add_argument("--full-lrs", default="1e-5,2e-5,4e-5", help="lora: full fine-tuning's learning rates")
-    p.add_argument("--lora-lrs", default="1e-4,2e-4,4e-4,8e-4",
+    p.add_argument("--lora-lrs", default="1e-4,2e-4,4e-4,8e-4,1.6e-3",
                    help="lora: LoRA's learning rates (each rank)")
     p.add_argument("--sweep-seed", type=at_least(0), default=100,
                    help="lora: the seed of the learning-rate sweep (not one of --seeds)")
