@@ -357,7 +357,7 @@ def one_process_group(device: torch.device):
 def one_step_each(size: str, precision: str, checkpointing: bool, device: torch.device, problems, reward,
                   opened: bool = False, lora_rank: int = 0):
     """(name, check) pairs: one train.train_step per method on a fresh Run, train.py's paths; rewards from
-    `reward`, `PARITY`'s, so that every method's update has rows to train (the check fails where none did).
+    `reward` (`PARITY`'s), so that every method's update has rows to train (the check fails where none did).
     `opened`: each method with `OPENED`'s flags, inside `one_process_group`. `lora_rank`: adapters of that
     rank, set up as run.start_run does; a step must also change them and no frozen weight."""
     if size == "tiny-qwen2":
@@ -382,8 +382,7 @@ def one_step_each(size: str, precision: str, checkpointing: bool, device: torch.
     def step(algo: str, beta: float):
         args = train.Args(algo=algo, prompts_per_step=4, group_size=4, max_new_tokens=16, micro_batch=4,
                           lr=1e-5, precision=precision, grad_checkpointing=checkpointing, lora_rank=lora_rank,
-                          reward=PARITY, **{"beta": beta, **(OPENED if opened
-                                                                                            else {})})
+                          reward=PARITY, **{"beta": beta, **(OPENED if opened else {})})
         state = run.Run(master, policy, reference, tokenizer, optimizer, train.algo_state(args), reward,
                         problems, [], 0, Counter())
         before = [p.detach().clone() for p in trained], [p.double().sum().item() for p in frozen]
