@@ -27,6 +27,7 @@ from model import load_model, next_tokens, sample, sample_with_generate
 from model_files import byte_tokenizer, tiny_qwen2
 from packing import TokenLogProbs
 from packing import completion_logprobs as packed_logprobs
+from test_lora import LINEAR
 
 sample_fast = partial(sample, sample_completions=decode)  # what train.py samples with (--fast)
 QUESTIONS = ["2+3?", "What is 17 * 4?", "hi", "a"]  # different lengths: left padding is exercised
@@ -73,12 +74,6 @@ def test_greedy_decode_equals_hf_generate(tiny, eos_bias, group_size):
     assert fast.texts == ref.texts
 
 
-LINEARS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-
-
-LINEARS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-
-
 @pytest.mark.filterwarnings("ignore:Model has `tie_word_embeddings=True`")  # adapters on the output layer,
 @pytest.mark.filterwarnings("ignore:`lora_bias=True` was passed")  # a bias in B: peft warns it cannot merge
 @pytest.mark.parametrize("adapters", ["train.py's", "on q and v", "on the output layer, B with a bias"])
@@ -90,7 +85,7 @@ def test_greedy_decode_under_lora_equals_hf_generate(tiny, adapters):
     model, tokenizer = deepcopy(tiny[0]), tiny[1]
     configs = {"on q and v": LoraConfig(r=2, lora_alpha=32, target_modules=["q_proj", "v_proj"]),
                "on the output layer, B with a bias": LoraConfig(r=2, lora_alpha=32, lora_bias=True,
-                                                               target_modules=LINEARS + ["lm_head"])}
+                                                               target_modules=[*LINEAR, "lm_head"])}
     if adapters in configs:
         inject_adapter_in_model(configs[adapters], model)
     else:
@@ -117,7 +112,7 @@ def test_lora_variants_decode_with_the_transformers_forward(tiny):
     says None, and decode runs peft's own forward (a path that
     test_other_architectures_decode_with_the_transformers_forward checks)."""
     model = deepcopy(tiny[0])
-    inject_adapter_in_model(LoraConfig(r=2, lora_alpha=32, target_modules=LINEARS, use_dora=True), model)
+    inject_adapter_in_model(LoraConfig(r=2, lora_alpha=32, target_modules=list(LINEAR), use_dora=True), model)
     assert decode_weights(model, rows=4) is None
 
 
