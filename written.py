@@ -10,12 +10,21 @@ through a symlink (O_NOFOLLOW, O_EXCL), and no file but a script's own is opened
 
 A file's identity is its size and its sha256, a folder's those of every file in it: content, not a name or
 an inode, so that a run folder copied or checked out elsewhere is still known (experiments.py's logs are
-committed). Like git's index, the record also keeps each file's inode and mtime, so a file that kept both is
-not read again (a checkpoint's weights are hashed once, when written).
+committed). Like git's index, the record also keeps each file's inode, mtime and ctime, so a file that kept
+all three is not read again (a checkpoint's weights are hashed once, when written); ctime is git's answer to
+an edit whose mtime was put back (`cp -p`, `rsync -t`, `tar`), which `utime` cannot set.
 
 A change is recorded before it is made, as the states the file may be in after it, so a script killed at any
-moment leaves a record that still knows its files; a temporary file is recorded by its random name before it
-is made, and is known by that name alone until it is whole.
+moment leaves a record that still knows its files. A temporary is recorded by its random name before it is
+made, and by its inode once made: a leftover is removed only while it is still that inode (or still empty),
+never because a record names it. An append records the text it adds, so that a line cut short (a full disk,
+a kill) is known as the script's own and cut back (`remove_temporaries`).
+
+The record is input from a stranger (run folders are shared and committed), read like git's trees: a name
+that is not a plain name inside its folder (`..`, absolute, a separator, NUL), or a record of another shape,
+is a damaged record, refused in one line before anything is touched. And every change goes through the
+folder's open descriptor (`dir_fd`), so a folder moved, or swapped for a symlink, while a script runs cannot
+redirect a write. A refusal writes nothing: a folder's record is first written by its first change.
 
 Each folder holds one kind of thing (KINDS) and is written by the scripts that kind names: a folder of another
 kind is refused (eval.py's --out at a run folder, say).
@@ -31,6 +40,7 @@ import re
 import secrets
 import shutil
 import stat
+import weakref
 from pathlib import Path
 
 RECORD = ".written.json"
@@ -44,8 +54,11 @@ KINDS = {  # what a folder holds: which scripts write it
     "model-cache": "the converted models of model_files.py (GROUP_RL_CACHE)",
     "merged": "merge.py's models, LoRA adapters merged into their base",
 }
-ANY_FILE, ANY_DIR = "any file", "any folder"  # a temporary being written: known by its reserved name alone
+ANY_FILE, ANY_DIR = "any file", "any folder"  # a temporary's kind: known by its name and its inode
 TEMPORARY = re.compile(r"\.[0-9a-f]{8}\.tmp\Z")  # the names `Folder.fresh` makes
+RECORD_TMP = re.compile(re.escape(RECORD) + TEMPORARY.pattern)
+HEX64 = re.compile(r"[0-9a-f]{64}\Z")
+HERE = Path("/proc/self/fd")  # a descriptor as a path, where the system has one (Linux)
 
 
 class NotWritten(Exception):
@@ -53,121 +66,214 @@ class NotWritten(Exception):
     the message is the one line to print."""
 
 
-def _file_state(path: Path, st: os.stat_result, known: list) -> list:
-    """[size, sha256, inode, mtime_ns]; the sha256 from `known` where size, inode and mtime are unchanged."""
-    for then in known:
-        if then[0] == st.st_size and then[2:] == [st.st_ino, st.st_mtime_ns]:
-            return then
-    return [st.st_size, sha256(path), st.st_ino, st.st_mtime_ns]
+class Damaged(ValueError):
+    """A record that written.py did not write: what is wrong with it."""
 
 
-def sha256(path: Path) -> str:
-    """The file's content hash, its identity here and the model cache's key."""
-    with path.open("rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
+def plain_name(name, separators: bool = False) -> bool:
+    """A name that stays inside its folder: not empty, '.' or '..', no NUL or newline, not absolute, and no
+    separator unless `separators` (a file's path inside a recorded folder), each part plain then too."""
+    if not isinstance(name, str) or not name or "\0" in name or "\n" in name:
+        return False
+    parts = name.split("/") if separators else [name]
+    return all(part and part not in (".", "..") and "/" not in part for part in parts)
 
 
-def state(path: Path, accepted: list = ()) -> dict | str | None:
-    """What is at `path` now: None (nothing), {"file": [size, sha256, inode, mtime]}, {"dir": {relative path:
-    the same}} or "other" (a symlink, a device, a folder holding one). `accepted` lends its hashes."""
-    try:
-        st = os.lstat(path)
-    except FileNotFoundError:
+def checked_file(entry) -> list:
+    """[size, sha256, inode, mtime_ns, ctime_ns]; records before Dec 2026 have no ctime, and are hashed."""
+    if (isinstance(entry, list) and len(entry) in (4, 5) and isinstance(entry[1], str) and HEX64.match(entry[1])
+            and all(type(n) is int and n >= 0 for n in entry[:1] + entry[2:])):
+        return entry
+    raise Damaged(f"a file entry {str(entry)[:60]}")
+
+
+def checked_state(then):
+    """A recorded state as written.py writes it, or Damaged. The plain strings of records before Dec 2026
+    (a temporary known by name alone) become a temporary known to be empty."""
+    if then in (ANY_FILE, ANY_DIR):
+        return {"temporary": then, "inode": 0}
+    if then is None:
         return None
-    if stat.S_ISREG(st.st_mode):
-        return {"file": _file_state(path, st, [s["file"] for s in accepted if isinstance(s, dict)
-                                                and "file" in s])}
-    if not stat.S_ISDIR(st.st_mode):
-        return "other"
-    known = [s["dir"] for s in accepted if isinstance(s, dict) and "dir" in s]
-    tree = {}
-    for root, dirs, files in os.walk(path):
-        for name in dirs + files:
-            entry = Path(root, name)
-            entry_st = os.lstat(entry)
-            if stat.S_ISDIR(entry_st.st_mode):
-                continue
-            if not stat.S_ISREG(entry_st.st_mode):
-                return "other"
-            rel = str(entry.relative_to(path))
-            tree[rel] = _file_state(entry, entry_st, [k[rel] for k in known if rel in k])
-    return {"dir": tree}
+    if isinstance(then, dict) and then.keys() == {"temporary", "inode"} and then["temporary"] in (
+            ANY_FILE, ANY_DIR) and type(then["inode"]) is int and then["inode"] >= 0:
+        return then
+    if isinstance(then, dict) and set(then) in ({"file"}, {"file", "appended", "onto"}):
+        checked_file(then["file"])
+        if "appended" in then and not (isinstance(then["appended"], str) and checked_file(then["onto"])):
+            raise Damaged("an append's entry")
+        return then
+    if isinstance(then, dict) and then.keys() == {"dir"} and isinstance(then["dir"], dict):
+        for rel, entry in then["dir"].items():
+            if not plain_name(rel, separators=True):
+                raise Damaged(f"the name {rel!r} inside a folder")
+            checked_file(entry)
+        return then
+    raise Damaged(f"a state {str(then)[:60]}")
 
 
-def same(now, then) -> bool:
-    """Whether state `now` is the recorded state `then` (the content: size and hash)."""
-    if then == ANY_FILE or then == ANY_DIR:
-        return isinstance(now, dict) and ("file" if then == ANY_FILE else "dir") in now
-    if now is None or then is None or now == "other":
-        return now is then
-    if "file" in then:
-        return "file" in now and now["file"][:2] == then["file"][:2]
-    return ("dir" in now and now["dir"].keys() == then["dir"].keys()
-            and all(now["dir"][rel][:2] == then["dir"][rel][:2] for rel in then["dir"]))
+def checked_record(saved) -> tuple[str, str, dict]:
+    """(kind, tmp, files) of a record as written.py writes it; Damaged names the first thing that is not."""
+    if not isinstance(saved, dict) or not {"kind", "files"} <= saved.keys() <= {"kind", "files", "tmp", "pid"}:
+        raise Damaged("not a record's fields")
+    if saved["kind"] not in KINDS or not isinstance(saved["files"], dict):
+        raise Damaged("not a record's kind and files")
+    tmp = saved.get("tmp")
+    if tmp is not None and not (isinstance(tmp, str) and RECORD_TMP.match(tmp)):
+        raise Damaged(f"the temporary {str(tmp)[:60]!r}")
+    files = {}
+    for name, states in saved["files"].items():
+        if not plain_name(name) or name == RECORD:
+            raise Damaged(f"the name {name[:60]!r}, not a plain name inside the folder")
+        if not isinstance(states, list) or not states:
+            raise Damaged(f"the states of {name!r}")
+        files[name] = [checked_state(then) for then in states]
+    return saved["kind"], tmp, files
 
 
-def describe(path: Path, now) -> str:
-    return "a symlink" if path.is_symlink() else "not a plain file or folder" if now == "other" else "changed"
+def temporary(then) -> bool:
+    return isinstance(then, dict) and "temporary" in then
 
 
 class Folder:
-    """A folder a script writes, and its record: open one with `owned` (or `Folder.subfolder` inside one)."""
+    """A folder a script writes, and its record: open one with `owned` (or `Folder.subfolder` inside one).
+    Every change goes through `fd`, the folder held open; `at` is that descriptor as a path, for what a
+    library fills (`filling`); `path` is the folder's name, for messages and reading."""
 
-    def __init__(self, path: Path, kind: str):
-        self.path, self.kind = Path(path), kind
-        record = self.path / RECORD
-        if record.is_symlink() or record.exists() and not record.is_file():
-            raise NotWritten(f"{record} is not a record this project wrote: move it, or choose another "
-                             "folder")
-        if not record.exists():
-            if names := sorted(p.name for p in self.path.iterdir()):
+    def __init__(self, path: Path, kind: str, fd: int):
+        self.path, self.kind, self.fd = Path(path), kind, fd
+        self.at = HERE / str(fd) if HERE.is_dir() else self.path
+        self.saved = False  # whether this process has written the record: a refusal writes nothing
+        st = self.lstat(RECORD)
+        if st is not None and not stat.S_ISREG(st.st_mode):
+            raise NotWritten(f"{self.path / RECORD} is not a record this project wrote: move it, or choose "
+                             "another folder")
+        if st is None:
+            if names := sorted(os.listdir(fd)):
                 raise NotWritten(f"{self.path} holds files and no record of what a script wrote there "
                                  f"({', '.join(names[:3])}{', ...' if names[3:] else ''}): move them, or "
                                  "choose another folder")
             self.files: dict[str, list] = {}
             self.record_tmp = self.fresh(RECORD)
-            self.save()
             return
         try:
-            saved = json.loads(record.read_text())
-            self.files = saved["files"]
-            written_kind = saved["kind"]
-            self.record_tmp = saved.get("tmp") or self.fresh(RECORD)  # absent in records before Dec 2026
-        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError):
-            raise NotWritten(f"{record} is damaged: restore it, or choose another folder") from None
+            if st.st_size > 2**30:
+                raise Damaged("over 1 GiB")
+            with self.open(RECORD, os.O_RDONLY) as f:
+                written_kind, tmp, self.files = checked_record(json.load(f))
+        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError, Damaged) as e:
+            why = f" ({e})" if isinstance(e, Damaged) else ""
+            raise NotWritten(f"{self.path / RECORD} is damaged{why}: restore it, or choose another "
+                             "folder") from None
+        self.record_tmp = tmp or self.fresh(RECORD)  # absent in records before Dec 2026
         if written_kind != kind:
-            raise NotWritten(f"{self.path} holds {KINDS.get(written_kind, written_kind)}, not "
-                             f"{KINDS[kind]}: choose another folder")
-        left = self.path / self.record_tmp  # a record part-written when its writer was killed
-        if left.is_file() and not left.is_symlink():
-            left.unlink()
+            raise NotWritten(f"{self.path} holds {KINDS[written_kind]}, not {KINDS[kind]}: choose another "
+                             "folder")
+        self.files = {name: states for name, states in self.files.items()  # temporaries gone since
+                      if not (TEMPORARY.search(name) and self.lstat(name) is None)}
+
+    # ------------------------------------------------------------------ the folder, through its descriptor
+    def lstat(self, name: str) -> os.stat_result | None:
+        try:
+            return os.stat(name, dir_fd=self.fd, follow_symlinks=False)
+        except FileNotFoundError:
+            return None
+
+    def open(self, name: str, flags: int):
+        """A file of this folder, never through a symlink, as a binary file object."""
+        fd = os.open(name, flags | os.O_NOFOLLOW, 0o644, dir_fd=self.fd)
+        return os.fdopen(fd, "rb" if flags == os.O_RDONLY else "ab" if flags & os.O_APPEND else "wb")
+
+    def state(self, name: str, accepted: list = ()) -> dict | str | None:
+        """What is at `name` now: None (nothing), {"file": [size, sha256, inode, mtime, ctime]}, {"dir":
+        {relative path: the same}} or "other" (a symlink, a device, a folder holding one). `accepted` lends
+        its hashes."""
+        if (st := self.lstat(name)) is None:
+            return None
+        if stat.S_ISREG(st.st_mode):
+            with self.open(name, os.O_RDONLY) as f:
+                return {"file": _file_state(f, st, [s["file"] for s in accepted if isinstance(s, dict)
+                                                    and "file" in s])}
+        if not stat.S_ISDIR(st.st_mode):
+            return "other"
+        known = [s["dir"] for s in accepted if isinstance(s, dict) and "dir" in s]
+        tree = {}
+        for root, dirs, files, root_fd in os.fwalk(name, dir_fd=self.fd):
+            for entry in dirs + files:
+                entry_st = os.stat(entry, dir_fd=root_fd, follow_symlinks=False)
+                if stat.S_ISDIR(entry_st.st_mode):
+                    continue
+                if not stat.S_ISREG(entry_st.st_mode):
+                    return "other"
+                rel = os.path.relpath(os.path.join(root, entry), name)
+                with os.fdopen(os.open(entry, os.O_RDONLY | os.O_NOFOLLOW, dir_fd=root_fd), "rb") as f:
+                    tree[rel] = _file_state(f, entry_st, [k[rel] for k in known if rel in k])
+        return {"dir": tree}
 
     def save(self) -> None:
         """The record, whole: written to the temporary named in the record itself ("tmp"), then renamed into
         place, so that one part-written when its writer was killed is known by name. Names removed as planned
         are dropped."""
         self.files = {name: states for name, states in self.files.items()
-                      if not (states[-1] is None and not os.path.lexists(self.path / name))}
-        tmp = self.path / self.record_tmp
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
-        with os.fdopen(fd, "w") as f:
-            json.dump({"kind": self.kind, "pid": os.getpid(), "tmp": self.record_tmp, "files": self.files}, f)
-        os.replace(tmp, self.path / RECORD)
+                      if not (states[-1] is None and self.lstat(name) is None)}
+        with contextlib.suppress(FileNotFoundError):  # a record part-written when its writer was killed
+            if stat.S_ISREG(os.stat(self.record_tmp, dir_fd=self.fd, follow_symlinks=False).st_mode):
+                os.unlink(self.record_tmp, dir_fd=self.fd)
+        with self.open(self.record_tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL) as f:
+            f.write(json.dumps({"kind": self.kind, "tmp": self.record_tmp, "files": self.files}).encode())
+        os.replace(self.record_tmp, RECORD, src_dir_fd=self.fd, dst_dir_fd=self.fd)
+        self.saved = True
 
+    # ------------------------------------------------------------------ whose a file is
     def now(self, name: str):
         """The state of `name` now, if it is this folder's (recorded, and in a recorded state); else
-        NotWritten. Nothing there (never written, or removed since) is None: this folder's to create."""
+        NotWritten. Nothing there (never written, or removed since) is None: this folder's to create. A
+        temporary is known by its inode (or, before it was made, by being empty), not read."""
         path, states = self.path / name, self.files.get(name, [None])
-        if (now := state(path, states)) is None:
+        if (st := self.lstat(name)) is None:
             return None
+        for then in filter(temporary, states):
+            if kind_of(st) == then["temporary"] and (st.st_ino == then["inode"]
+                                                     or then["inode"] == 0 and self.empty(name, st)):
+                return then
+        now = self.state(name, [then for then in states if not temporary(then)])
         for i, then in enumerate(states):
             if isinstance(then, dict) and same(now, then):
-                states[i] = now  # the same content, maybe under a new inode or mtime (a copy): not read again
-        if not any(same(now, then) for then in states):
-            whose = (describe(path, now) + " since a script wrote it" if name in self.files
-                     else "not written here")
-            raise NotWritten(f"{path} is {whose}: it is left as it is; move it, or choose another folder")
-        return now
+                states[i] = now | {k: then[k] for k in ("appended", "onto") if k in then}  # not read again
+        if any(same(now, then) for then in states):
+            return now
+        if (partial := self.partial_append(name, now, states)) is not None:
+            return partial
+        whose = describe(st, now) + " since a script wrote it" if name in self.files else "not written here"
+        raise NotWritten(f"{path} is {whose}: it is left as it is; move it, or choose another folder")
+
+    def empty(self, name: str, st: os.stat_result) -> bool:
+        if stat.S_ISREG(st.st_mode):
+            return st.st_size == 0
+        fd = self.descend(name)
+        try:
+            return not os.listdir(fd)
+        finally:
+            os.close(fd)
+
+    def descend(self, name: str) -> int:
+        return os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=self.fd)
+
+    def partial_append(self, name: str, now, states: list) -> dict | None:
+        """{"file": ..., "cut": size} when `name` is the file as it was before the last recorded append plus
+        a part of the appended text (the script's own write, stopped by a full disk or a kill); else None."""
+        if not isinstance(now, dict) or "file" not in now:
+            return None
+        for then in states:
+            if not (isinstance(then, dict) and "appended" in then):
+                continue
+            size, digest = then["onto"][:2]
+            with self.open(name, os.O_RDONLY) as f:
+                data = f.read(then["file"][0])
+            head, tail = data[:size], data[size:]
+            if (size < len(data) < then["file"][0] and hashlib.sha256(head).hexdigest() == digest
+                    and then["appended"].encode().startswith(tail)):
+                return now | {"cut": size}
+        return None
 
     def ours(self, name: str) -> bool:
         try:
@@ -177,10 +283,20 @@ class Folder:
 
     def foreign(self) -> list[str]:
         """The names here that are not this folder's (a subfolder with a record of its own is), sorted."""
-        return sorted(p.name for p in self.path.iterdir()
-                      if p.name not in (RECORD, self.record_tmp) and not self.ours(p.name)
-                      and not (p.is_dir() and not p.is_symlink() and (p / RECORD).is_file()))
+        return sorted(name for name in os.listdir(self.fd)
+                      if name not in (RECORD, self.record_tmp) and not self.ours(name)
+                      and not self.holds_record(name))
 
+    def holds_record(self, name: str) -> bool:
+        with contextlib.suppress(OSError):
+            fd = self.descend(name)
+            try:
+                return stat.S_ISREG(os.stat(RECORD, dir_fd=fd, follow_symlinks=False).st_mode)
+            finally:
+                os.close(fd)
+        return False
+
+    # ------------------------------------------------------------------ changes, each recorded first
     def expect(self, name: str, now, after) -> None:
         """Record, before the change is made, the states `name` may then be in: `now` or `after`."""
         self.files[name] = [now, after]
@@ -189,80 +305,112 @@ class Folder:
     def fresh(self, name: str) -> str:
         """A random name beside `name` that nothing here has: `name`.<8 hex>.tmp."""
         return next(t for t in (f"{name}.{secrets.token_hex(4)}.tmp" for _ in itertools.count())
-                    if not os.path.lexists(self.path / t))
+                    if self.lstat(t) is None)
 
     def reserve(self, name: str, kind: str = ANY_FILE) -> Path:
-        """A fresh temporary beside `name`, recorded by its random name before it is made."""
+        """A fresh temporary beside `name`, empty, made here: recorded by its random name before it is made,
+        then by its inode. Returns it as a path through the folder's descriptor."""
         tmp = self.fresh(name)
-        self.expect(tmp, None, kind)
-        return self.path / tmp
+        self.expect(tmp, None, {"temporary": kind, "inode": 0})
+        if kind == ANY_DIR:
+            os.mkdir(tmp, dir_fd=self.fd)
+        else:
+            os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644, dir_fd=self.fd))
+        self.expect(tmp, None, {"temporary": kind, "inode": self.lstat(tmp).st_ino})
+        return self.at / tmp
 
     def remove_temporaries(self) -> None:
-        """What a write stopped part-way left: the temporaries recorded by name, whole or not (a kill just
-        before the rename that puts one in place)."""
+        """What a write stopped part-way left: the temporaries recorded here, whole or not (a kill just before
+        the rename that puts one in place), and the part of a line that an append left (cut back)."""
         for name in [name for name in self.files if TEMPORARY.search(name)]:
             self.remove(name)
+        for name in list(self.files):
+            with contextlib.suppress(NotWritten):
+                if (now := self.now(name)) is not None and "cut" in now:
+                    self.cut(name, now)
+
+    def cut(self, name: str, partial: dict) -> dict:
+        """A part-written append undone: the file as it was before it. Returns that state."""
+        states = self.files[name]
+        before = next(then for then in states if isinstance(then, dict) and "onto" in then)["onto"]
+        self.expect(name, partial, {"file": before})
+        with self.open(name, os.O_WRONLY) as f:
+            f.truncate(partial["cut"])
+        return self.now(name)
 
     def write(self, name: str, data: str | bytes) -> Path:
         """`name` whole, or left as it was: a reserved temporary, then renamed into place."""
         self.now(name)
-        tmp = self.reserve(name)
+        tmp = self.reserve(name).name
         try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
-            with os.fdopen(fd, "wb") as f:
+            with self.open(tmp, os.O_WRONLY) as f:
                 f.write(data.encode() if isinstance(data, str) else data)
-            return self.rename(tmp.name, name)
+            return self.rename(tmp, name)
         except Exception:  # a full disk: the temporary goes, `name` stays as it was
-            self.remove(tmp.name)
+            self.remove(tmp)
             raise
 
     def append(self, name: str, text: str) -> None:
-        """`text` at the end of `name` (made if absent), recorded first as the file it will then be."""
+        """`text` at the end of `name` (made if absent), recorded first as the file it will then be, with the
+        text itself: a part of it left by a failed write is known as this script's (`partial_append`)."""
         now, data = self.now(name), text.encode()
-        digest = hashlib.sha256((self.path / name).read_bytes() if now else b"")
+        if now is not None and "cut" in now:
+            now = self.cut(name, now)
+        before = [now["file"][0], now["file"][1]] if now else [0, hashlib.sha256(b"").hexdigest()]
+        digest = hashlib.sha256()
+        if now:
+            with self.open(name, os.O_RDONLY) as f:
+                digest = hashlib.file_digest(f, "sha256")
         digest.update(data)
-        size = (now["file"][0] if now else 0) + len(data)
-        self.expect(name, now, {"file": [size, digest.hexdigest(), 0, 0]})  # inode, mtime unknown: hashed
-        flags = os.O_WRONLY | os.O_APPEND | os.O_NOFOLLOW | (0 if now else os.O_CREAT | os.O_EXCL)
-        with os.fdopen(os.open(self.path / name, flags, 0o644), "wb") as f:
+        after = {"file": [before[0] + len(data), digest.hexdigest(), 0, 0, 0],  # inode, times unknown: hashed
+                 "appended": text, "onto": before + [0, 0, 0]}
+        self.expect(name, now, after)
+        flags = os.O_WRONLY | os.O_APPEND | (0 if now else os.O_CREAT | os.O_EXCL)
+        with self.open(name, flags) as f:
             f.write(data)
 
     def remove(self, name: str) -> None:
         """`name`, a file or a folder, if it is this folder's; nothing if it is not there."""
         if (now := self.now(name)) is None:
             return
-        if "dir" in now:  # renamed away first: a folder removed part-way is a temporary, not a changed one
+        st = self.lstat(name)
+        if stat.S_ISDIR(st.st_mode):  # renamed away first: a folder removed part-way is a temporary
+            gone = self.fresh(name)
             self.files[name] = [now, None]
-            gone = self.reserve(name, ANY_DIR)
-            os.rename(self.path / name, gone)
-            shutil.rmtree(gone)
-            self.files[gone.name] = [None]
+            self.expect(gone, None, {"temporary": ANY_DIR, "inode": st.st_ino})
+            os.rename(name, gone, src_dir_fd=self.fd, dst_dir_fd=self.fd)
+            shutil.rmtree(gone, dir_fd=self.fd)
+            self.files[gone] = [None]
         else:
             self.expect(name, now, None)
-            (self.path / name).unlink()
+            os.unlink(name, dir_fd=self.fd)
         self.save()
 
     def rename(self, src: str, dst: str) -> Path:
         """`src` to `dst` (which is absent, or a file of this folder's)."""
         moved, replaced = self.now(src), self.now(dst)
-        if replaced is not None and "dir" in replaced:
+        if replaced is not None and stat.S_ISDIR(self.lstat(dst).st_mode):
             raise NotWritten(f"{self.path / dst} is a folder: remove it before renaming {src} to it")
+        if temporary(moved):  # a filled temporary: known by its content from now on
+            moved = self.state(src)
         self.files[src] = [moved, None]
         self.expect(dst, replaced, moved)
-        os.replace(self.path / src, self.path / dst)
+        os.replace(src, dst, src_dir_fd=self.fd, dst_dir_fd=self.fd)
+        if "file" in moved:  # a rename moves a file's ctime: the shortcut keeps the hash it has
+            st = self.lstat(dst)
+            moved = {"file": moved["file"][:2] + [st.st_ino, st.st_mtime_ns, st.st_ctime_ns]}
         self.files[dst] = [moved]
         self.save()
         return self.path / dst
 
     @contextlib.contextmanager
     def filling(self, name: str):
-        """A new folder to fill, reserved beside `name`; once filled, its tree is recorded and it is renamed
-        to `name` (which must be absent). A failure part-way removes what was filled."""
+        """A new folder to fill, reserved beside `name` (a path through the folder's descriptor); once
+        filled, its tree is recorded and it is renamed to `name` (which must be absent). A failure part-way
+        removes what was filled."""
         tmp = self.reserve(name, ANY_DIR)
-        tmp.mkdir()
         try:
             yield tmp
-            self.files[tmp.name] = [ANY_DIR, self.now(tmp.name)]  # the tree as filled: hashed once, here
             self.rename(tmp.name, name)
         except BaseException:
             self.remove(tmp.name)
@@ -278,44 +426,97 @@ class Folder:
             self.remove(name)
 
     def subfolder(self, name: str, kind: str) -> "Folder":
-        """A folder inside this one, with its own record (made when absent); covered by this one's lock."""
+        """A folder inside this one, with its own record (made when absent), held open by its own
+        descriptor; covered by this one's lock."""
         path = self.path / name
-        if path.is_symlink() or path.exists() and not path.is_dir():
-            raise NotWritten(f"{path} is {'a symlink' if path.is_symlink() else 'a file'}, not a folder a "
-                             "script wrote: it is left as it is; move it, or choose another folder")
-        path.mkdir(exist_ok=True)
-        return Folder(path, kind)
+        st = self.lstat(name)
+        if st is not None and not stat.S_ISDIR(st.st_mode):
+            raise NotWritten(f"{path} is {'a symlink' if stat.S_ISLNK(st.st_mode) else 'a file'}, not a "
+                             "folder a script wrote: it is left as it is; move it, or choose another folder")
+        if st is None:
+            self.save()  # a change here: this folder's record first, so that a folder of runs is known
+            os.mkdir(name, dir_fd=self.fd)
+        folder = Folder(path, kind, self.descend(name))
+        weakref.finalize(folder, os.close, folder.fd)
+        return folder
+
+
+def _file_state(f, st: os.stat_result, known: list) -> list:
+    """[size, sha256, inode, mtime_ns, ctime_ns] of the open file `f`; the sha256 from `known` where size,
+    inode, mtime and ctime are unchanged (git's index: an edit with its mtime put back changes the ctime)."""
+    for then in known:
+        if then[0] == st.st_size and then[2:] == [st.st_ino, st.st_mtime_ns, st.st_ctime_ns]:
+            return then
+    return [st.st_size, hashlib.file_digest(f, "sha256").hexdigest(), st.st_ino, st.st_mtime_ns,
+            st.st_ctime_ns]
+
+
+def kind_of(st: os.stat_result) -> str | None:
+    """The kind of temporary a file or folder could be."""
+    return ANY_FILE if stat.S_ISREG(st.st_mode) else ANY_DIR if stat.S_ISDIR(st.st_mode) else None
+
+
+def sha256(path: Path) -> str:
+    """The file's content hash, its identity here and the model cache's key."""
+    with path.open("rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def same(now, then) -> bool:
+    """Whether state `now` is the recorded state `then` (the content: size and hash)."""
+    if now is None or then is None or now == "other" or temporary(then):
+        return now is then
+    if "file" in then:
+        return "file" in now and now["file"][:2] == then["file"][:2]
+    return ("dir" in now and now["dir"].keys() == then["dir"].keys()
+            and all(now["dir"][rel][:2] == then["dir"][rel][:2] for rel in then["dir"]))
+
+
+def describe(st: os.stat_result, now) -> str:
+    return ("a symlink" if stat.S_ISLNK(st.st_mode) else "not a plain file or folder" if now == "other"
+            else "changed")
 
 
 @contextlib.contextmanager
 def owned(path: Path, kind: str, wait: bool = False):
     """The folder at `path` (made if absent) with its record, owned by this process alone while inside: an
     exclusive lock on the folder itself (flock, released however the process ends). Another owner means
-    NotWritten naming its process, or, with `wait`, waiting for it (the model cache's conversions)."""
+    NotWritten naming its process, or, with `wait`, waiting for it (the model cache's conversions). A
+    folder made here and left without a record (a refusal) is removed again."""
     path = Path(path)
+    made = [p for p in [path, *path.parents] if not os.path.lexists(p)]
     try:
         path.mkdir(parents=True, exist_ok=True)
         fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     except OSError as e:  # a file where the folder should be, a read-only place
         raise NotWritten(f"{path}: not a folder this script can write ({e.strerror}): choose another "
                          "folder") from None
+    folder = None
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
         except BlockingIOError:
-            raise NotWritten(f"{path} is in use by process {recorded_pid(path)} (another run): wait for it "
-                             "to end, or choose another folder") from None
-        folder = Folder(path, kind)
-        with contextlib.suppress(OSError):  # a read-only folder may still be read, its owner then unnamed
-            folder.save()  # its process id, for the line another owner prints
+            raise NotWritten(f"{path} is in use by process {owner(fd)} (another run): wait for it to end, "
+                             "or choose another folder") from None
+        folder = Folder(path, kind, fd)
         yield folder
     finally:
+        if folder is not None:
+            folder.fd = -1  # the descriptor closes here: a Folder kept past this block writes nothing
         os.close(fd)
+        if made and not (path / RECORD).exists():
+            for p in made:
+                with contextlib.suppress(OSError):  # one that now holds something is the user's, or another's
+                    p.rmdir()
 
 
-def recorded_pid(path: Path) -> str:
-    """The process that owns the folder at `path` (the last to write its record), or '?'."""
-    try:
-        return str(json.loads((path / RECORD).read_text())["pid"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return "?"
+def owner(fd: int) -> str:
+    """The process holding the lock on the folder open at `fd`, from /proc/locks (Linux), or '?'."""
+    st = os.fstat(fd)
+    where = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/locks").read_text().splitlines():
+            fields = line.split()  # "1: FLOCK ADVISORY WRITE <pid> <major:minor:inode> 0 EOF"; "->": a waiter
+            if fields[1:2] == ["FLOCK"] and fields[-3] == where:
+                return fields[-4]
+    return "?"

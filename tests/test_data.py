@@ -210,8 +210,8 @@ def test_a_symlink_at_a_file_prepare_writes_stops_it_in_one_line_and_its_target_
                                                                                      name):
     prepare, _ = sources
     out = tmp_path / "downloads"
-    with owned(out, "downloads"):  # a folder prepare.py writes, as it leaves one
-        pass
+    with owned(out, "downloads") as folder:  # a folder prepare.py writes, as it leaves one
+        folder.save()
     target = tmp_path / "target"
     target.write_text("the user's")
     (out / name).symlink_to(target)

@@ -160,8 +160,8 @@ def test_eval_out_at_a_users_folder_touches_none_of_its_files(tmp_path, monkeypa
 @pytest.mark.parametrize("name", ["summary.json", "samples-tiny-qwen2.jsonl"])
 def test_a_symlink_at_a_file_eval_writes_stops_it_in_one_line_and_its_target_stays(tmp_path, monkeypatch,
                                                                                   name):
-    with owned(tmp_path / "out", "eval"):  # a folder eval.py writes, as a finished evaluation leaves it
-        pass
+    with owned(tmp_path / "out", "eval") as folder:  # a folder eval.py writes, as an evaluation leaves it
+        folder.save()
     target = tmp_path / "target"
     target.write_text("the user's")
     (tmp_path / "out" / name).symlink_to(target)

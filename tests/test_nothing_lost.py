@@ -132,10 +132,10 @@ def test_eval_results_are_written_whole_or_not_at_all(tmp_path, monkeypatch, cap
     assert f"wrote {tmp_path / 'summary.json'}" in capsys.readouterr().out
     real_replace = os.replace
 
-    def disk_full(src, dst):  # where written.py renames summary.json's temporary into place
+    def disk_full(src, dst, **dir_fds):  # where written.py renames summary.json's temporary into place
         if Path(dst).name == "summary.json":
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-        return real_replace(src, dst)
+        return real_replace(src, dst, **dir_fds)
 
     monkeypatch.setattr(os, "replace", disk_full)
     with pytest.raises(SystemExit) as exit_info:
@@ -244,7 +244,8 @@ def test_train_refuses_a_bad_flag_in_one_line_before_any_model(flags, monkeypatc
 
 def runs_folder(out: Path) -> Path:
     """<out> as train.py leaves it: a folder of runs, with its record (written.py)."""
-    with owned(out, "runs"):
+    with owned(out, "runs") as folder:
+        folder.save()  # a record as a run leaves it (owning alone writes nothing)
         return out
 
 
@@ -461,8 +462,9 @@ def test_a_leftover_temporary_is_cleared_on_the_next_start(finished_run, tmp_pat
     """A save killed while it filled its folder: the record names the temporary, the next start removes it."""
     out = copy_of(finished_run, tmp_path)
     with owned(out, "runs") as runs:
-        leftover = runs.subfolder("grpo", "run").reserve("checkpoint", ANY_DIR)
-    (leftover / "model").mkdir(parents=True)
+        leftover = out / "grpo" / runs.subfolder("grpo", "run").reserve("checkpoint", ANY_DIR).name
+    (leftover / "model").mkdir()
+    (leftover / "model" / "w.bin").write_bytes(b"part of a checkpoint")
     train.main(FINISHED + ["--out", str(out), "--resume"])
     assert not leftover.exists()
 

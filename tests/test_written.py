@@ -218,10 +218,10 @@ def test_a_write_that_fails_leaves_no_temporary_and_the_file_as_it_was(tmp_path,
 
         real_replace = os.replace
 
-        def disk_full(src, dst):  # at the rename into place; the record is still written
+        def disk_full(src, dst, **dir_fds):  # at the rename into place; the record is still written
             if Path(dst).name == "summary.json":
                 raise OSError(28, "No space left on device")
-            real_replace(src, dst)
+            real_replace(src, dst, **dir_fds)
 
         monkeypatch.setattr(os, "replace", disk_full)
         with pytest.raises(OSError, match="No space left"):
