@@ -166,7 +166,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="default: 0 (greedy) for 1 sample, else 1.0")
     p.add_argument("--max-new-tokens", type=at_least(1), default=256, help="completion length limit")
     p.add_argument("--batch-size", type=at_least(1), default=32, help="prompts per generate call")
-    p.add_argument("--out", type=folder, default="",
+    p.add_argument("--out", type=folder, default=None,
                    help="folder for summary.json and per-model samples JSONL")
     p.add_argument("--seed", type=at_least(-2**63, 2**64 - 1), default=0,  # torch.manual_seed's range
                    help="sampling seed")

@@ -585,7 +585,7 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", type=folder, default="runs/experiments",
                    help="the runs; git keeps their logs, not their checkpoints (.gitignore)")
     p.add_argument("--only", default="difficulty,compare,readings,scatter", help="parts to run, comma list")
-    p.add_argument("--figures", type=folder, default="",
+    p.add_argument("--figures", type=folder, default=None,
                    help="where results.json and the PNGs go (default: <out>/figures); `--figures docs` "
                    "rewrites the committed ones")
     p.add_argument("--quick", action="store_true", help="tiny model, tiny sizes: checks the whole pipeline")

@@ -69,7 +69,10 @@ def names_from(choices: tuple[str, ...]):
 
 def folder(text: str) -> str:
     """An argparse type: a path that is a folder, or can become one (no file in the way), else a one-line
-    error naming the file."""
+    error naming the file. A blank name, or a blank part (`--out ' '`), is refused: a folder named by
+    spaces is one no one asked for."""
+    if not text.strip() or any(part and not part.strip() for part in text.split("/")):
+        raise argparse.ArgumentTypeError(f"{text!r} is a blank name, not a folder")
     existing = next(p for p in [Path(text), *Path(text).parents] if p.exists())
     if not existing.is_dir():
         raise argparse.ArgumentTypeError(f"{existing} is a file, not a folder")

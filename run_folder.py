@@ -31,6 +31,7 @@ class RunFolderError(Exception):
 RESUMABLE = ("resume", "overwrite", "out", "save_every", "eval_every", "micro_batch", "grad_checkpointing",
              "log_samples", "show_group")
 CHECKPOINTS = ("checkpoint", "checkpoint.old")  # the newest whole one, and the one before while a save ends
+LOGS = ("config.json", "metrics.jsonl", "evals.jsonl")  # the run's record of itself, which --resume needs
 PLOT = "curves.png"  # in <out>, beside the run folders
 
 
@@ -82,6 +83,16 @@ def no_whole_checkpoint(folder: Folder) -> str | None:
             f"weights, or --out {free_out(str(run_dir.parent))} starts another beside it")
 
 
+def logs_gone(folder: Folder) -> str | None:
+    """Why --resume may not continue the run in a run folder: a log it continues from (LOGS, all written at
+    the run's start) is gone, so that it would resume under other flags, or summarise part of the run; None
+    when all are there (a changed one is `not_the_runs`'s)."""
+    if gone := [name for name in LOGS if not os.path.lexists(folder.path / name)]:
+        return (f"--resume: {folder.path} has lost its {', '.join(gone)}, which --resume continues from: "
+                f"restore {'it' if len(gone) == 1 else 'them'}, or --overwrite starts the run again")
+    return None
+
+
 def not_the_runs(folder: Folder) -> str | None:
     """Why no run may use this run folder, with or without --overwrite: one line naming a file in it that no
     run wrote (`Folder.foreign`: a user's, or a run's file changed since, a symlink in its place), which is
@@ -111,7 +122,7 @@ def folder_problem(args, out: Folder) -> str | None:
         except NotWritten as e:  # a file or a symlink in its place, a folder of someone else's
             return str(e)
         if args.resume and holds_a_run(folder):
-            problem = (no_whole_checkpoint(folder)
+            problem = (no_whole_checkpoint(folder) or logs_gone(folder)
                        or resume_conflicts(folder.path, dataclasses.replace(args, algo=algo)))
         else:
             problem = None if args.overwrite else earlier_run(folder, args.out)
@@ -320,8 +331,10 @@ def log_step(folder: Folder, record: dict, totals: dict) -> dict:
 
 
 def log_eval(folder: Folder, step: int, result: dict) -> float:
-    """An evaluation's accuracies into evals.jsonl, its records problem by problem into eval_records.jsonl."""
+    """An evaluation's records problem by problem into eval_records.jsonl (the latest evaluation only), then
+    its accuracies into evals.jsonl. In that order: a run killed between the two has not logged the
+    evaluation, so --resume does it again (`run.first_eval`) and eval_records.jsonl never lags evals.jsonl."""
+    write_jsonl(folder, "eval_records.jsonl", result["records"])
     append_jsonl(folder, "evals.jsonl", {"step": step, "eval_accuracy": result["accuracy"],
                                          "eval_accuracy_by_level": result["accuracy_by_level"]})
-    write_jsonl(folder, "eval_records.jsonl", result["records"])  # the latest evaluation only
     return result["accuracy"]

@@ -1,0 +1,136 @@
+"""A refusal is a read (issue 61): each script that refuses says why in one line and leaves every byte and
+every mtime as it was, its folder's record included. And what --resume needs of a run's own record of itself:
+its config and logs, an evaluation's two logs that never disagree."""
+
+import errno
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+import experiments
+import merge
+import run as run_module
+import run_folder
+import train
+from data import prepare
+from tests.test_nothing_lost import FINISHED, copy_of, finished_run, no_model_in_a_run  # noqa: F401
+from tests.test_record import snapshot
+from written import NotWritten, owned
+
+
+def refuses(script, folder: Path, says: str) -> None:
+    """`script` exits with one line containing `says`, and nothing under `folder` (itself included) moved."""
+    before = snapshot(folder), os.stat(folder).st_mtime_ns
+    with pytest.raises(SystemExit) as exit_info:
+        script()
+    line = str(exit_info.value.code)
+    assert says in line and "\n" not in line, line
+    assert (snapshot(folder), os.stat(folder).st_mtime_ns) == before
+
+
+@pytest.mark.parametrize("case", ["again", "other flags", "a log gone"])
+def test_train_refusals_write_nothing(finished_run, tmp_path, monkeypatch, case):
+    out = copy_of(finished_run, tmp_path)
+    no_model_in_a_run(monkeypatch)
+    flags = FINISHED + ["--out", str(out)]
+    if case == "other flags":
+        flags += ["--resume", "--lr", "1"]
+    elif case == "a log gone":
+        (out / "grpo" / "metrics.jsonl").unlink()
+        flags += ["--resume"]
+    says = {"again": "holds an earlier run", "other flags": "--lr 2e-05 -> 1.0, unlike its config.json",
+            "a log gone": "has lost its metrics.jsonl, which --resume continues from"}[case]
+    refuses(lambda: train.main(flags), tmp_path, says)
+
+
+@pytest.mark.parametrize("gone", ["config.json", "evals.jsonl"])
+def test_resume_without_the_runs_config_or_evaluations_is_one_line(finished_run, tmp_path, monkeypatch, gone):
+    """Before, a run whose config.json was gone resumed under any flags (no config, no conflict), and one
+    whose evals.jsonl was gone summarised part of the run."""
+    out = copy_of(finished_run, tmp_path)
+    (out / "grpo" / gone).unlink()
+    no_model_in_a_run(monkeypatch)
+    refuses(lambda: train.main(FINISHED + ["--out", str(out), "--resume", "--lr", "1"]), tmp_path,
+            f"{out / 'grpo'} has lost its {gone}, which --resume continues from: restore it, or --overwrite")
+
+
+def test_eval_experiments_merge_and_prepare_refusals_write_nothing(finished_run, tmp_path, monkeypatch):
+    import eval as evaluation
+    run = copy_of(finished_run, tmp_path)
+    refuses(lambda: evaluation.main(["--model", "tiny-qwen2", "--out", str(run / "grpo")]), tmp_path,
+            "holds a run of train.py")
+    with owned(tmp_path / "ex", "experiments") as out:
+        out.subfolder("figures", "experiments").write("results.json", "{}")
+    (tmp_path / "ex" / "figures" / "results.json").write_text("[]")  # the user's edit
+    refuses(lambda: experiments.main(["--only", "compare", "--out", str(tmp_path / "ex")]), tmp_path,
+            "results.json is changed since a script wrote it")
+    monkeypatch.setattr(merge, "adapter_folder", lambda checkpoint: Path(checkpoint))
+    monkeypatch.setattr(merge, "load_model", lambda *args: (None, None))  # the refusal comes at <out>
+    refuses(lambda: merge.main([str(run), str(run / "grpo")]), tmp_path, "holds a run of train.py")
+    with owned(tmp_path / "dl", "downloads") as downloads:
+        downloads.write("notes.txt", "mine")
+    (tmp_path / "dl" / "gsm8k_train.jsonl").write_text("the user's own")
+    refuses(lambda: prepare.main(["gsm8k", "--out", str(tmp_path / "dl")]), tmp_path,
+            "gsm8k_train.jsonl is not written here")
+
+
+def test_a_folder_made_for_a_script_that_then_refuses_is_removed_again(tmp_path):
+    with pytest.raises(NotWritten):
+        with owned(tmp_path / "new" / "nested", "run"):
+            raise NotWritten("refused")
+    assert os.listdir(tmp_path) == []
+    with owned(tmp_path / "new" / "nested", "run") as folder:
+        folder.write("a", "1")  # a change: the folder stays, with its record
+    assert sorted(os.listdir(tmp_path / "new" / "nested")) == [".written.json", "a"]
+
+
+@pytest.mark.parametrize("out", [" ", "runs/ /x", "\t"])
+def test_a_blank_out_is_refused_in_one_line(tmp_path, capsys, out):
+    with pytest.raises(SystemExit):
+        train.main(["--out", out])
+    assert "is a blank name, not a folder" in capsys.readouterr().err
+    assert os.listdir(tmp_path) == []
+
+
+def test_a_run_stopped_between_an_evaluations_two_logs_resumes_with_them_agreeing(tmp_path, monkeypatch):
+    """The run stops (a full disk) after the first of an evaluation's two writes, whichever comes first:
+    after --resume, eval_records.jsonl holds the evaluation whose accuracy evals.jsonl logs last. Each
+    evaluation is tagged by its call (the accuracy says which call it was, as do its records)."""
+    calls = []
+    real_evaluate = run_module.evaluate
+
+    def tagged(*args, **kwargs):
+        calls.append(len(calls) + 1)
+        result = real_evaluate(*args, **kwargs)
+        return result | {"accuracy": calls[-1] / 1000, "records": [r | {"call": calls[-1]}
+                                                                    for r in result["records"]]}
+
+    monkeypatch.setattr(run_module, "evaluate", tagged)
+    writes = []
+    real_write, real_append = run_folder.write_jsonl, run_folder.append_jsonl
+
+    def second_write_of_the_last_evaluation_fails(real):
+        def write(folder, name, *rest):
+            if name in ("evals.jsonl", "eval_records.jsonl") and len(calls) == 2:
+                writes.append(name)
+                if len(writes) == 2:
+                    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            return real(folder, name, *rest)
+        return write
+
+    monkeypatch.setattr(run_folder, "write_jsonl", second_write_of_the_last_evaluation_fails(real_write))
+    monkeypatch.setattr(run_folder, "append_jsonl", second_write_of_the_last_evaluation_fails(real_append))
+    out = tmp_path / "out"
+    with pytest.raises(SystemExit, match="No space left"):
+        train.main(FINISHED + ["--out", str(out)])
+    monkeypatch.setattr(run_folder, "write_jsonl", real_write)
+    monkeypatch.setattr(run_folder, "append_jsonl", real_append)
+    train.main(FINISHED + ["--out", str(out), "--resume"])
+    evals = [json.loads(line) for line in (out / "grpo" / "evals.jsonl").read_text().splitlines()]
+    records = [json.loads(line) for line in (out / "grpo" / "eval_records.jsonl").read_text().splitlines()]
+    assert [e["step"] for e in evals] == [0, 2]
+    assert {r["call"] for r in records} == {round(evals[-1]["eval_accuracy"] * 1000)}
+    shutil.rmtree(out)
