@@ -21,7 +21,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, P
 
 from hardware import pick_device
 from lora import ADAPTER_CONFIG, adapter_folder, base_of, load_adapters
-from model_files import byte_tokenizer, gguf_folder, smollm2_folder, tiny_qwen2
+from model_files import byte_tokenizer, gguf_folder, settled, smollm2_folder, tiny_qwen2
 
 # ----------------------------------------------------------------------------- loading
 
@@ -29,7 +29,7 @@ from model_files import byte_tokenizer, gguf_folder, smollm2_folder, tiny_qwen2
 def model_source(name: str) -> str:
     """What from_pretrained reads for `name`: an alias's or a .gguf file's converted folder, a checkpoint's
     model folder, a folder, or a hub id."""
-    path = Path(name).expanduser()
+    path = settled(Path(name).expanduser())  # a checkpoint being saved: the new one, once in place
     if name == "smollm2-135m":
         path = smollm2_folder()
     elif path.suffix == ".gguf":

@@ -18,6 +18,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 import zipfile
 from pathlib import Path
 from typing import Callable
@@ -94,6 +95,23 @@ def cached(key: str, convert: Callable[[Path], None]) -> Path:
     except (OSError, NotWritten) as e:  # read-only, a file in its place, a full disk, a changed folder
         raise FileNotFoundError(f"the model cache (GROUP_RL_CACHE): {e}") from None  # e names the path
     return cache_dir / key
+
+
+SAVE_WAIT = 10.0  # seconds a reader waits for a checkpoint that its run is putting in place (milliseconds)
+
+
+def settled(path: Path) -> Path:
+    """`path`, once whole: a run saving a checkpoint renames checkpoint/ to checkpoint.old, then the new one to
+    checkpoint/ (run_folder.save_checkpoint), so a reader that comes in between waits for the new one. One
+    that does not come in SAVE_WAIT seconds is a FileNotFoundError in one line."""
+    before = path.with_name(path.name + ".old")
+    deadline = time.monotonic() + SAVE_WAIT
+    while not path.exists() and before.exists() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    if not path.exists() and before.exists():
+        raise FileNotFoundError(f"{path} is being saved by its run: try again in a moment (or read "
+                                f"{before.name}, the one before)")
+    return path
 
 
 def gguf_folder(gguf_path: Path) -> Path:

@@ -8,11 +8,8 @@ with `NotWritten`, one line naming the path, with or without --overwrite: a user
 file's name, a file changed since, a symlink, a folder that holds files and no record. Nothing is written
 through a symlink (O_NOFOLLOW, O_EXCL), and no file but a script's own is opened for writing.
 
-A file's identity is its size and its sha256, a folder's those of every file in it: content, not a name or
-an inode, so that a run folder copied or checked out elsewhere is still known (experiments.py's logs are
-committed). Like git's index, the record also keeps each file's inode, mtime and ctime, so a file that kept
-all three is not read again (a checkpoint's weights are hashed once, when written); ctime is git's answer to
-an edit whose mtime was put back (`cp -p`, `rsync -t`, `tar`), which `utime` cannot set.
+A file's identity is its content (records.py): a run folder copied or checked out elsewhere is still known
+(experiments.py's logs are committed), and a file whose inode, mtime and ctime held is not read again.
 
 A change is recorded before it is made, as the states the file may be in after it, so a script killed at any
 moment leaves a record that still knows its files. A temporary is recorded by its random name before it is
@@ -20,11 +17,10 @@ made, and by its inode once made: a leftover is removed only while it is still t
 never because a record names it. An append records the text it adds, so that a line cut short (a full disk,
 a kill) is known as the script's own and cut back (`remove_temporaries`).
 
-The record is input from a stranger (run folders are shared and committed), read like git's trees: a name
-that is not a plain name inside its folder (`..`, absolute, a separator, NUL), or a record of another shape,
-is a damaged record, refused in one line before anything is touched. And every change goes through the
-folder's open descriptor (`dir_fd`), so a folder moved, or swapped for a symlink, while a script runs cannot
-redirect a write. A refusal writes nothing: a folder's record is first written by its first change.
+The record is a stranger's input (records.py): a damaged one is refused in one line before anything is
+touched. Every change goes through the folder's open descriptor (`dir_fd`), so a folder moved, or swapped for
+a symlink, while a script runs cannot redirect a write. A refusal writes nothing: a folder's record is first
+written by its first change.
 
 Each folder holds one kind of thing (KINDS) and is written by the scripts that kind names: a folder of another
 kind is refused (eval.py's --out at a run folder, say).
@@ -36,102 +32,21 @@ import hashlib
 import itertools
 import json
 import os
-import re
 import secrets
 import shutil
 import stat
 import weakref
 from pathlib import Path
 
-RECORD = ".written.json"
-KINDS = {  # what a folder holds: which scripts write it
-    "runs": "train.py's runs (--out: a folder per algorithm and curves.png; experiments.py adds "
-            "machines.jsonl and final_eval.jsonl)",
-    "run": "a run of train.py (its logs, checkpoint/, summary.json)",
-    "eval": "eval.py's results",
-    "experiments": "experiments.py's runs, results.json and figures",
-    "downloads": "data/prepare.py's downloads",
-    "model-cache": "the converted models of model_files.py (GROUP_RL_CACHE)",
-    "merged": "merge.py's models, LoRA adapters merged into their base",
-}
-ANY_FILE, ANY_DIR = "any file", "any folder"  # a temporary's kind: known by its name and its inode
-TEMPORARY = re.compile(r"\.[0-9a-f]{8}\.tmp\Z")  # the names `Folder.fresh` makes
-RECORD_TMP = re.compile(re.escape(RECORD) + TEMPORARY.pattern)
-HEX64 = re.compile(r"[0-9a-f]{64}\Z")
+from records import (ANY_DIR, ANY_FILE, KINDS, RECORD, TEMPORARY, Damaged, checked_record, describe,
+                     file_state, kind_of, same, sha256, temporary)
+
 HERE = Path("/proc/self/fd")  # a descriptor as a path, where the system has one (Linux)
 
 
 class NotWritten(Exception):
     """A path this script may not touch (not its own, changed since, a symlink) or may not use now (in use):
     the message is the one line to print."""
-
-
-class Damaged(ValueError):
-    """A record that written.py did not write: what is wrong with it."""
-
-
-def plain_name(name, separators: bool = False) -> bool:
-    """A name that stays inside its folder: not empty, '.' or '..', no NUL or newline, not absolute, and no
-    separator unless `separators` (a file's path inside a recorded folder), each part plain then too."""
-    if not isinstance(name, str) or not name or "\0" in name or "\n" in name:
-        return False
-    parts = name.split("/") if separators else [name]
-    return all(part and part not in (".", "..") and "/" not in part for part in parts)
-
-
-def checked_file(entry) -> list:
-    """[size, sha256, inode, mtime_ns, ctime_ns]; records before Dec 2026 have no ctime, and are hashed."""
-    if (isinstance(entry, list) and len(entry) in (4, 5) and isinstance(entry[1], str) and HEX64.match(entry[1])
-            and all(type(n) is int and n >= 0 for n in entry[:1] + entry[2:])):
-        return entry
-    raise Damaged(f"a file entry {str(entry)[:60]}")
-
-
-def checked_state(then):
-    """A recorded state as written.py writes it, or Damaged. The plain strings of records before Dec 2026
-    (a temporary known by name alone) become a temporary known to be empty."""
-    if then in (ANY_FILE, ANY_DIR):
-        return {"temporary": then, "inode": 0}
-    if then is None:
-        return None
-    if isinstance(then, dict) and then.keys() == {"temporary", "inode"} and then["temporary"] in (
-            ANY_FILE, ANY_DIR) and type(then["inode"]) is int and then["inode"] >= 0:
-        return then
-    if isinstance(then, dict) and set(then) in ({"file"}, {"file", "appended", "onto"}):
-        checked_file(then["file"])
-        if "appended" in then and not (isinstance(then["appended"], str) and checked_file(then["onto"])):
-            raise Damaged("an append's entry")
-        return then
-    if isinstance(then, dict) and then.keys() == {"dir"} and isinstance(then["dir"], dict):
-        for rel, entry in then["dir"].items():
-            if not plain_name(rel, separators=True):
-                raise Damaged(f"the name {rel!r} inside a folder")
-            checked_file(entry)
-        return then
-    raise Damaged(f"a state {str(then)[:60]}")
-
-
-def checked_record(saved) -> tuple[str, str, dict]:
-    """(kind, tmp, files) of a record as written.py writes it; Damaged names the first thing that is not."""
-    if not isinstance(saved, dict) or not {"kind", "files"} <= saved.keys() <= {"kind", "files", "tmp", "pid"}:
-        raise Damaged("not a record's fields")
-    if saved["kind"] not in KINDS or not isinstance(saved["files"], dict):
-        raise Damaged("not a record's kind and files")
-    tmp = saved.get("tmp")
-    if tmp is not None and not (isinstance(tmp, str) and RECORD_TMP.match(tmp)):
-        raise Damaged(f"the temporary {str(tmp)[:60]!r}")
-    files = {}
-    for name, states in saved["files"].items():
-        if not plain_name(name) or name == RECORD:
-            raise Damaged(f"the name {name[:60]!r}, not a plain name inside the folder")
-        if not isinstance(states, list) or not states:
-            raise Damaged(f"the states of {name!r}")
-        files[name] = [checked_state(then) for then in states]
-    return saved["kind"], tmp, files
-
-
-def temporary(then) -> bool:
-    return isinstance(then, dict) and "temporary" in then
 
 
 class Folder:
@@ -142,7 +57,6 @@ class Folder:
     def __init__(self, path: Path, kind: str, fd: int):
         self.path, self.kind, self.fd = Path(path), kind, fd
         self.at = HERE / str(fd) if HERE.is_dir() else self.path
-        self.saved = False  # whether this process has written the record: a refusal writes nothing
         st = self.lstat(RECORD)
         if st is not None and not stat.S_ISREG(st.st_mode):
             raise NotWritten(f"{self.path / RECORD} is not a record this project wrote: move it, or choose "
@@ -191,7 +105,7 @@ class Folder:
             return None
         if stat.S_ISREG(st.st_mode):
             with self.open(name, os.O_RDONLY) as f:
-                return {"file": _file_state(f, st, [s["file"] for s in accepted if isinstance(s, dict)
+                return {"file": file_state(f, st, [s["file"] for s in accepted if isinstance(s, dict)
                                                     and "file" in s])}
         if not stat.S_ISDIR(st.st_mode):
             return "other"
@@ -206,7 +120,7 @@ class Folder:
                     return "other"
                 rel = os.path.relpath(os.path.join(root, entry), name)
                 with os.fdopen(os.open(entry, os.O_RDONLY | os.O_NOFOLLOW, dir_fd=root_fd), "rb") as f:
-                    tree[rel] = _file_state(f, entry_st, [k[rel] for k in known if rel in k])
+                    tree[rel] = file_state(f, entry_st, [k[rel] for k in known if rel in k])
         return {"dir": tree}
 
     def save(self) -> None:
@@ -215,13 +129,11 @@ class Folder:
         are dropped."""
         self.files = {name: states for name, states in self.files.items()
                       if not (states[-1] is None and self.lstat(name) is None)}
-        with contextlib.suppress(FileNotFoundError):  # a record part-written when its writer was killed
-            if stat.S_ISREG(os.stat(self.record_tmp, dir_fd=self.fd, follow_symlinks=False).st_mode):
-                os.unlink(self.record_tmp, dir_fd=self.fd)
+        if (left := self.lstat(self.record_tmp)) and stat.S_ISREG(left.st_mode):  # its writer was killed
+            os.unlink(self.record_tmp, dir_fd=self.fd)
         with self.open(self.record_tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL) as f:
             f.write(json.dumps({"kind": self.kind, "tmp": self.record_tmp, "files": self.files}).encode())
         os.replace(self.record_tmp, RECORD, src_dir_fd=self.fd, dst_dir_fd=self.fd)
-        self.saved = True
 
     # ------------------------------------------------------------------ whose a file is
     def now(self, name: str):
@@ -249,23 +161,24 @@ class Folder:
     def empty(self, name: str, st: os.stat_result) -> bool:
         if stat.S_ISREG(st.st_mode):
             return st.st_size == 0
-        fd = self.descend(name)
-        try:
+        with self.inside(name) as fd:
             return not os.listdir(fd)
+
+    @contextlib.contextmanager
+    def inside(self, name: str):
+        """The folder `name` of this one, open (never through a symlink) while inside."""
+        fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=self.fd)
+        try:
+            yield fd
         finally:
             os.close(fd)
-
-    def descend(self, name: str) -> int:
-        return os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=self.fd)
 
     def partial_append(self, name: str, now, states: list) -> dict | None:
         """{"file": ..., "cut": size} when `name` is the file as it was before the last recorded append plus
         a part of the appended text (the script's own write, stopped by a full disk or a kill); else None."""
-        if not isinstance(now, dict) or "file" not in now:
-            return None
-        for then in states:
-            if not (isinstance(then, dict) and "appended" in then):
-                continue
+        for then in [then for then in states if isinstance(then, dict) and "appended" in then]:
+            if not isinstance(now, dict) or "file" not in now:
+                return None
             size, digest = then["onto"][:2]
             with self.open(name, os.O_RDONLY) as f:
                 data = f.read(then["file"][0])
@@ -288,12 +201,8 @@ class Folder:
                       and not self.holds_record(name))
 
     def holds_record(self, name: str) -> bool:
-        with contextlib.suppress(OSError):
-            fd = self.descend(name)
-            try:
-                return stat.S_ISREG(os.stat(RECORD, dir_fd=fd, follow_symlinks=False).st_mode)
-            finally:
-                os.close(fd)
+        with contextlib.suppress(OSError), self.inside(name) as fd:
+            return stat.S_ISREG(os.stat(RECORD, dir_fd=fd, follow_symlinks=False).st_mode)
         return False
 
     # ------------------------------------------------------------------ changes, each recorded first
@@ -315,7 +224,7 @@ class Folder:
         if kind == ANY_DIR:
             os.mkdir(tmp, dir_fd=self.fd)
         else:
-            os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644, dir_fd=self.fd))
+            self.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL).close()
         self.expect(tmp, None, {"temporary": kind, "inode": self.lstat(tmp).st_ino})
         return self.at / tmp
 
@@ -333,7 +242,7 @@ class Folder:
         """A part-written append undone: the file as it was before it. Returns that state."""
         states = self.files[name]
         before = next(then for then in states if isinstance(then, dict) and "onto" in then)["onto"]
-        self.expect(name, partial, {"file": before})
+        self.expect(name, {"file": partial["file"]}, {"file": before})
         with self.open(name, os.O_WRONLY) as f:
             f.truncate(partial["cut"])
         return self.now(name)
@@ -436,45 +345,12 @@ class Folder:
         if st is None:
             self.save()  # a change here: this folder's record first, so that a folder of runs is known
             os.mkdir(name, dir_fd=self.fd)
-        folder = Folder(path, kind, self.descend(name))
+        fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=self.fd)
+        folder = Folder(path, kind, fd)
         weakref.finalize(folder, os.close, folder.fd)
+        if st is None:
+            folder.save()  # made here: known as a script's, whatever writes in it next (train.py's runs)
         return folder
-
-
-def _file_state(f, st: os.stat_result, known: list) -> list:
-    """[size, sha256, inode, mtime_ns, ctime_ns] of the open file `f`; the sha256 from `known` where size,
-    inode, mtime and ctime are unchanged (git's index: an edit with its mtime put back changes the ctime)."""
-    for then in known:
-        if then[0] == st.st_size and then[2:] == [st.st_ino, st.st_mtime_ns, st.st_ctime_ns]:
-            return then
-    return [st.st_size, hashlib.file_digest(f, "sha256").hexdigest(), st.st_ino, st.st_mtime_ns,
-            st.st_ctime_ns]
-
-
-def kind_of(st: os.stat_result) -> str | None:
-    """The kind of temporary a file or folder could be."""
-    return ANY_FILE if stat.S_ISREG(st.st_mode) else ANY_DIR if stat.S_ISDIR(st.st_mode) else None
-
-
-def sha256(path: Path) -> str:
-    """The file's content hash, its identity here and the model cache's key."""
-    with path.open("rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
-
-
-def same(now, then) -> bool:
-    """Whether state `now` is the recorded state `then` (the content: size and hash)."""
-    if now is None or then is None or now == "other" or temporary(then):
-        return now is then
-    if "file" in then:
-        return "file" in now and now["file"][:2] == then["file"][:2]
-    return ("dir" in now and now["dir"].keys() == then["dir"].keys()
-            and all(now["dir"][rel][:2] == then["dir"][rel][:2] for rel in then["dir"]))
-
-
-def describe(st: os.stat_result, now) -> str:
-    return ("a symlink" if stat.S_ISLNK(st.st_mode) else "not a plain file or folder" if now == "other"
-            else "changed")
 
 
 @contextlib.contextmanager

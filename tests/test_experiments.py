@@ -386,6 +386,7 @@ def test_figures_in_a_users_folder_are_refused_and_the_users_files_left_as_they_
     assert tree(figures) == {"results.json": b'{"mine": 1}', "early_acr_vs_accuracy.png": b"my figure"}
     assert not (tmp_path / "out" / "scatter").exists()
     with owned(tmp_path / "ours", "experiments") as folder:  # experiments.py's folder, the figure the user's
+        folder.save()
         (folder.path / "early_acr_vs_accuracy.png").write_bytes(b"my figure")
     with pytest.raises(SystemExit) as exit_info:
         experiments.main([*SCATTER, "--out", str(tmp_path / "out"), "--figures", str(tmp_path / "ours")])

@@ -268,6 +268,8 @@ def test_a_line_a_full_disk_cut_short_is_the_scripts_own_and_is_cut_back(tmp_pat
         assert path.read_text() == '{"step": 1}\n'
         folder.append("metrics.jsonl", '{"step": 2}\n')
     assert path.read_text() == '{"step": 1}\n{"step": 2}\n'
+    with owned(tmp_path / "run", "run") as folder:  # the record of the cut reads back as written.py's
+        assert folder.foreign() == []
 
 
 @pytest.mark.parametrize("edit", ["other bytes", "the whole line and more"])

@@ -134,3 +134,23 @@ def test_a_run_stopped_between_an_evaluations_two_logs_resumes_with_them_agreein
     assert [e["step"] for e in evals] == [0, 2]
     assert {r["call"] for r in records} == {round(evals[-1]["eval_accuracy"] * 1000)}
     shutil.rmtree(out)
+
+
+def test_a_checkpoint_read_between_its_saves_two_renames_is_the_new_one_or_one_line(finished_run, tmp_path,
+                                                                                    monkeypatch):
+    """Before, a reader that came between checkpoint/ -> checkpoint.old and the new one -> checkpoint/ was told
+    "unknown model" (1 read in 18 during training). It now waits for the new one, or says it is being saved."""
+    import threading
+
+    import model_files
+    from model import model_source
+    run = copy_of(finished_run, tmp_path) / "grpo"
+    (run / "checkpoint").rename(run / "checkpoint.old")  # the save between its renames
+    back = threading.Timer(0.3, lambda: shutil.copytree(run / "checkpoint.old", run / "checkpoint"))
+    back.start()
+    assert model_source(str(run / "checkpoint")) == str(run / "checkpoint" / "model")
+    back.join()
+    shutil.rmtree(run / "checkpoint")
+    monkeypatch.setattr(model_files, "SAVE_WAIT", 0.2)
+    with pytest.raises(FileNotFoundError, match="checkpoint is being saved by its run: try again"):
+        model_source(str(run / "checkpoint"))
