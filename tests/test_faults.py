@@ -119,27 +119,32 @@ def test_train_py_stops_on_a_bad_reward_in_one_line(rewards, name, tmp_path, cap
     assert "Traceback" not in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("name, timeout, says", [
-    ("breaks_later", "5", "returned nan"),  # in its own process
-    ("raises_later", "0", "raised ZeroDivisionError: the reward's own bug on the completion")],  # in the run's
-    ids=["nan-own-process", "raises-in-process"])
+@pytest.mark.parametrize("name, timeout, steps, eval_every, says", [
+    ("breaks_later", "5", 4, 0, "returned nan"),  # in step 3, in its own process
+    ("raises_later", "0", 4, 0, "raised ZeroDivisionError: the reward's own bug on the completion"),  # the run's
+    ("raises_later", "0", 2, 1, "raised ZeroDivisionError")],  # in the evaluation after step 1
+    ids=["nan-own-process", "raises-in-process", "raises-in-an-evaluation"])
 def test_a_bad_reward_mid_run_loses_no_finished_step(rewards, tmp_path, monkeypatch, capsys, name, timeout,
-                                                     says):
-    """--save-every 10, the reward breaks (a NaN) or raises in step 3: one line, steps 1 and 2 are saved, and
-    --resume with the reward fixed goes on from step 3, each step logged once."""
+                                                     steps, eval_every, says):
+    """--save-every 10, the reward breaks (a NaN) or raises in step 3 (or in the evaluation after step 1):
+    one line, the steps before are saved, and --resume with the reward fixed goes on, each step logged
+    once, each evaluation too."""
     out = tmp_path / "out"  # not tmp_path, which holds user_rewards.py: a folder no run may use (issue 54)
-    flags = TINY + ["--steps", "4", "--eval-every", "0", "--reward", f"user_rewards:{name}", "--reward-timeout",
-                    timeout, "--out", str(out)]
+    flags = TINY + ["--steps", str(steps), "--eval-every", str(eval_every), "--reward", f"user_rewards:{name}",
+                    "--reward-timeout", timeout, "--out", str(out)]
     # the reward reads its limit: the evaluation before training (4 problems), then 2 steps of 2 prompts x 4
-    monkeypatch.setenv("BREAK_AFTER", str(4 + 2 * 8))
+    # (or 1 step, and then its evaluation)
+    monkeypatch.setenv("BREAK_AFTER", str(4 + 8 * (steps // 2)))
     with pytest.raises(SystemExit) as exit_info:
         train.main(flags)
     assert str(exit_info.value.code).startswith(f"error: reward 'user_rewards:{name}' {says}")
     assert "train.py" not in capsys.readouterr().err  # the reward's traceback alone, if any
-    assert torch.load(out / "grpo" / "checkpoint" / "state.pt", weights_only=False)["step"] == 2
+    assert torch.load(out / "grpo" / "checkpoint" / "state.pt", weights_only=False)["step"] == steps // 2
     monkeypatch.delenv("BREAK_AFTER")
     train.main(flags + ["--resume"])
-    assert [r["step"] for r in read_jsonl(out / "grpo" / "metrics.jsonl")] == [1, 2, 3, 4]
+    assert [r["step"] for r in read_jsonl(out / "grpo" / "metrics.jsonl")] == list(range(1, steps + 1))
+    every = eval_every or steps  # 0: before and after
+    assert [r["step"] for r in read_jsonl(out / "grpo" / "evals.jsonl")] == [0, *range(every, steps + 1, every)]
 
 
 def test_virtual_rewards_follow_the_declared_range():
