@@ -1130,8 +1130,8 @@ def load_reward(spec: str = "verifier", reward_range: tuple[float, float] = (0.0
       a warning the first time (TRL's convention: the reward does not apply).
 
     A bad spec, or a function of neither shape, raises ValueError in one line naming what was expected; a
-    module that does not import (a SyntaxError, a NameError) too, naming file:line. Ctrl-C or SIGTERM while the
-    module imports (one that hangs) ends the process with one line and exit code 130 or 143.
+    module that does not import (a SyntaxError, a NameError) too, naming file:line. Ctrl-C or SIGTERM while
+    the module imports (one that hangs) ends the process with one line and exit code 130 or 143.
 
     Any reward but the verifier (pure Python, bounded work: it runs here) runs in a process of its own
     (`RewardWorker`), each call limited to `time_limit` seconds: a call past it scores 0, and its
@@ -1197,7 +1197,7 @@ def _batch_reward(spec: str) -> tuple[Reward, bool]:
 @contextlib.contextmanager
 def _interruptible():
     """Inside the block a first Ctrl-C or SIGTERM raises KeyboardInterrupt(its number), whatever handler the
-    script set: train.py's only asks its loop to stop, which an import that never returns would never reach."""
+    script set: train.py's only asks its loop to stop, which an import that never returns never reaches."""
     if threading.current_thread() is not threading.main_thread():  # only the main thread gets signals
         yield
         return
@@ -1320,13 +1320,13 @@ def _trl_style(fn: Callable, signature: inspect.Signature, spec: str) -> Reward:
 # the run waits for each call at most `time_limit` seconds, then kills the process, scores that call's
 # completions 0 and starts another. `verify`, pure Python with bounded work, runs in the run's own process.
 #
-# The process the run starts (`supervise`) runs no user code: it forks the worker, which imports the reward and
-# serves the calls (`serve`), and stays above it as its subreaper (Linux's PR_SET_CHILD_SUBREAPER). Whatever
-# the reward starts (a pool, a server, a shell command, a daemon, a child in a session of its own) stays below
-# it, as an orphan is handed to it rather than to init; and it kills all of that with the worker: at the time
-# limit and at the run's end (the run asks with SIGTERM), when the run dies, even SIGKILLed (the kernel's
-# SIGTERM, `die_with`), and when the worker dies (a crash, os._exit in the reward). Off Linux, only the
-# process group is reached.
+# The process the run starts (`supervise`) runs no user code: it forks the worker, which imports the reward
+# and serves the calls (`serve`), and stays above it as its subreaper (Linux's PR_SET_CHILD_SUBREAPER).
+# Whatever the reward starts (a pool, a server, a shell command, a daemon, a child in a session of its own,
+# which no process group reaches) stays below it, as an orphan is handed to it rather than to init; and it
+# kills all of that with the worker: at the time limit and at the run's end (the run asks with SIGTERM), when
+# the run dies, even SIGKILLed (the kernel's SIGTERM, `die_with`), and when the worker dies (a crash, os._exit
+# in the reward). Off Linux, only the process group is reached.
 #
 # The two talk over a socket pair, one pickle a message (multiprocessing's Connection): first (sys.path,
 # spec), answered by "ready"; then each call's (id, questions, completions, golds), answered by (id, "ok",
@@ -1397,8 +1397,8 @@ class RewardWorker:
         limit = max(IMPORT_LIMIT, self.time_limit)
         if not self.channel.poll(limit):
             self.stop()
-            raise RewardError(f"reward {self.spec!r}: its process had not imported it after {limit:g} s "
-                              f"(the longer of --reward-timeout and {IMPORT_LIMIT:g} s): does its import hang?")
+            raise RewardError(f"reward {self.spec!r}: its process had not imported it after {limit:g} s (the "
+                              f"longer of --reward-timeout and {IMPORT_LIMIT:g} s): does its import hang?")
         self.receive()
 
     def stop(self) -> None:
@@ -1436,6 +1436,7 @@ def supervise(run: int, channel_fd: int) -> None:
     then kills everything below it (`end_below`) and exits with the worker's exit code."""
     waited = {signal.SIGTERM, signal.SIGCHLD}
     mask = signal.pthread_sigmask(signal.SIG_BLOCK, waited)  # kept pending for sigwait, never lost
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # a SIG_IGN inherited from the run would reap for it
     if not die_with(run, signal.SIGTERM):
         return
     if LINUX:

@@ -121,7 +121,7 @@ def test_train_py_stops_on_a_bad_reward_in_one_line(rewards, name, tmp_path, cap
 
 @pytest.mark.parametrize("name, timeout, steps, eval_every, says", [
     ("breaks_later", "5", 4, 0, "returned nan"),  # in step 3, in its own process
-    ("raises_later", "0", 4, 0, "raised ZeroDivisionError: the reward's own bug on the completion"),  # the run's
+    ("raises_later", "0", 4, 0, "raised ZeroDivisionError: the reward's own bug on the completion"),  # here
     ("raises_later", "0", 2, 1, "raised ZeroDivisionError")],  # in the evaluation after step 1
     ids=["nan-own-process", "raises-in-process", "raises-in-an-evaluation"])
 def test_a_bad_reward_mid_run_loses_no_finished_step(rewards, tmp_path, monkeypatch, capsys, name, timeout,
@@ -130,8 +130,8 @@ def test_a_bad_reward_mid_run_loses_no_finished_step(rewards, tmp_path, monkeypa
     one line, the steps before are saved, and --resume with the reward fixed goes on, each step logged
     once, each evaluation too."""
     out = tmp_path / "out"  # not tmp_path, which holds user_rewards.py: a folder no run may use (issue 54)
-    flags = TINY + ["--steps", str(steps), "--eval-every", str(eval_every), "--reward", f"user_rewards:{name}",
-                    "--reward-timeout", timeout, "--out", str(out)]
+    flags = TINY + ["--steps", str(steps), "--eval-every", str(eval_every), "--reward",
+                    f"user_rewards:{name}", "--reward-timeout", timeout, "--out", str(out)]
     # the reward reads its limit: the evaluation before training (4 problems), then 2 steps of 2 prompts x 4
     # (or 1 step, and then its evaluation)
     monkeypatch.setenv("BREAK_AFTER", str(4 + 8 * (steps // 2)))
@@ -144,7 +144,8 @@ def test_a_bad_reward_mid_run_loses_no_finished_step(rewards, tmp_path, monkeypa
     train.main(flags + ["--resume"])
     assert [r["step"] for r in read_jsonl(out / "grpo" / "metrics.jsonl")] == list(range(1, steps + 1))
     every = eval_every or steps  # 0: before and after
-    assert [r["step"] for r in read_jsonl(out / "grpo" / "evals.jsonl")] == [0, *range(every, steps + 1, every)]
+    evaluated = [r["step"] for r in read_jsonl(out / "grpo" / "evals.jsonl")]
+    assert evaluated == [0, *range(every, steps + 1, every)]
 
 
 def test_virtual_rewards_follow_the_declared_range():

@@ -186,7 +186,8 @@ def test_what_a_reward_returns_is_a_float_where_it_returns_it(worker_rewards, ti
     with pytest.raises(RewardError, match=r"returned tensor\(\[1\., 0\.\]\), a Tensor, not a number, for "
                                           "completion 0 of the batch, 'several'"):
         reward(["q"], ["several"], ["g"])
-    rewards = load_reward("worker_rewards:trl_tensor", time_limit=time_limit)(["q"] * 2, ["a", "b"], ["g"] * 2)
+    trl = load_reward("worker_rewards:trl_tensor", time_limit=time_limit)
+    rewards = trl(["q"] * 2, ["a", "b"], ["g"] * 2)
     assert rewards == [0.5, 0.5] and {type(r) for r in rewards} == {float}
 
 
@@ -197,7 +198,7 @@ def test_a_reward_whose_import_hangs_in_its_process_ends_at_the_import_s_limit(t
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.setattr(verifier, "IMPORT_LIMIT", 1.0)
     worker = RewardWorker("hangs_there:fn", 0.5, one_by_one=True)
-    with fails_after(60), pytest.raises(RewardError, match="'hangs_there:fn': its process had not imported it "
-                                                            r"after 1 s \(the longer of --reward-timeout"):
+    says = r"'hangs_there:fn': its process had not imported it after 1 s \(the longer of --reward-timeout"
+    with fails_after(60), pytest.raises(RewardError, match=says):
         worker(["q"], ["a"], ["g"])
     assert worker.process is None and not worker.end.alive  # ended and reaped
