@@ -209,8 +209,8 @@ def before_failed_step(args, run: Run, folder: Folder, step: int, error: Excepti
 def after_step(args, run: Run, folder: Folder, record: dict, totals: dict, stop: bool,
                samples: list[dict]) -> dict:
     """Process 0, after each step: log it and (--log-samples) its groups, warn once if the early ACR says the
-    setup wastes its samples, save, evaluate and show one group. Returns the run's totals so far
-    (`log_step`)."""
+    setup wastes its samples, save, evaluate (a RewardError there: saved first) and show one group. Returns
+    the run's totals so far (`log_step`)."""
     totals = log_step(folder, record, totals)
     step = record["step"]
     evaluating = eval_due(args, step) and (not stop or step == args.steps)  # Ctrl-C skips it (`first_eval`)
@@ -219,10 +219,16 @@ def after_step(args, run: Run, folder: Folder, record: dict, totals: dict, stop:
             append_jsonl(folder, "samples.jsonl", sample)
     if step == early_steps(args.steps) and (warning := collapse_warning(folder.path, args.group_size)):
         tqdm.write(f"[{args.algo}] {warning}")  # the paper's early-ACR diagnostic
-    if args.save_every and (step % args.save_every == 0 or step == args.steps or stop):
+    saving = args.save_every and (step % args.save_every == 0 or step == args.steps or stop)
+    if saving:
         save_checkpoint(folder, run.master, run.tokenizer, run.optimizer, step, run.state)
     if evaluating:
-        accuracy = run_eval(args, run, folder, step)
+        try:
+            accuracy = run_eval(args, run, folder, step)
+        except RewardError:  # the step is whole: saved, its evaluation redone by --resume (`first_eval`)
+            if args.save_every and not saving:
+                save_checkpoint(folder, run.master, run.tokenizer, run.optimizer, step, run.state)
+            raise
         if args.show_group:
             show_group(args.algo, step, accuracy, samples)
     return totals

@@ -1130,8 +1130,8 @@ def load_reward(spec: str = "verifier", reward_range: tuple[float, float] = (0.0
       a warning the first time (TRL's convention: the reward does not apply).
 
     A bad spec, or a function of neither shape, raises ValueError in one line naming what was expected; a
-    module that does not import (a SyntaxError, a NameError) too, naming file:line. Ctrl-C while the module
-    imports (one that hangs) ends the process with one line and exit code 130.
+    module that does not import (a SyntaxError, a NameError) too, naming file:line. Ctrl-C or SIGTERM while
+    the module imports (one that hangs) ends the process with one line and exit code 130 or 143.
 
     Any reward but the verifier (pure Python, bounded work: it runs here) runs in a process of its own
     (`RewardWorker`), each call limited to `time_limit` seconds: a call past it scores 0, and its
@@ -1165,10 +1165,12 @@ def _batch_reward(spec: str) -> tuple[Reward, bool]:
             module = importlib.import_module(module_name)
     except ImportError as err:
         raise ValueError(f"reward spec {spec!r}: no module {module_name!r} ({err})") from err
-    except KeyboardInterrupt as err:  # Ctrl-C while it hangs: comes before the scripts' own handlers
-        print(f"interrupted (Ctrl-C) while importing the reward module {module_name!r}, at {_where(err)}",
+    except KeyboardInterrupt as err:  # a signal while it hangs: comes before the scripts' own handlers
+        signum = err.args[0] if err.args else signal.SIGINT  # `_interruptible` says which
+        name = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
+        print(f"interrupted ({name}) while importing the reward module {module_name!r}, at {_where(err)}",
               file=sys.stderr)
-        sys.exit(128 + signal.SIGINT)
+        sys.exit(128 + signum)
     except Exception as err:  # the module's bug (SyntaxError, NameError, ...): where it is, not a traceback
         what = err.msg if isinstance(err, SyntaxError) else err
         raise ValueError(f"reward spec {spec!r}: the module {module_name!r} does not import: {_where(err)}: "
@@ -1194,16 +1196,21 @@ def _batch_reward(spec: str) -> tuple[Reward, bool]:
 
 @contextlib.contextmanager
 def _interruptible():
-    """Inside the block a first Ctrl-C raises KeyboardInterrupt, whatever handler the script set: train.py's
-    only asks its loop to stop, which an import that never returns would never reach."""
+    """Inside the block a first Ctrl-C or SIGTERM raises KeyboardInterrupt(its number), whatever handler the
+    script set: train.py's only asks its loop to stop, which an import that never returns never reaches."""
     if threading.current_thread() is not threading.main_thread():  # only the main thread gets signals
         yield
         return
-    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt(signum)
+
+    previous = {signum: signal.signal(signum, interrupt) for signum in (signal.SIGINT, signal.SIGTERM)}
     try:
         yield
     finally:
-        signal.signal(signal.SIGINT, previous)
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
 
 
 def _where(err: BaseException) -> str:
@@ -1215,40 +1222,62 @@ def _where(err: BaseException) -> str:
 
 
 def per_completion(fn: Callable[[str, str], float], spec: str = "verifier") -> Reward:
-    """A batch reward from f(completion, gold) -> float, called once per completion. If it raises (a bug in
-    a user's reward), one line names the spec, the problem and the completion before its traceback."""
-    def reward(questions: list[str], completions: list[str], golds: list[str]) -> list:
+    """A batch reward from f(completion, gold) -> float, called once per completion, each value made a float
+    at the call (`as_float`). If it raises (a bug in a user's reward): RewardError (`raised`)."""
+    def reward(questions: list[str], completions: list[str], golds: list[str]) -> list[float | str]:
         rewards = []
         for question, completion, gold in zip(questions, completions, golds):
             try:
-                rewards.append(fn(completion, gold))
-            except Exception:
-                print(f"error: reward {spec!r} raised on the completion {completion[:60]!r} of problem "
-                      f"{question[:60]!r} (gold {gold!r}):", file=sys.stderr)
-                raise
+                rewards.append(as_float(fn(completion, gold)))
+            except Exception as err:
+                raise raised(spec, err, f"the completion {completion[:60]!r} of problem {question[:60]!r}, "
+                                        f"gold {gold[:60]!r}") from None
         return rewards
     return reward
 
 
+def as_float(value) -> float | str:
+    """A reward's value as a Python float, made where the reward returns it: in a reward's own process before
+    it crosses the pipe, where a tensor would cross as shared memory, and fail. Real numbers of any kind
+    count, as in TRL: Python's (bool too), numpy's scalars (numpy.bool_ too) and 0-d tensors on any device.
+    Anything else comes back as a description ("'1', a str, not a number"), for `checked` to refuse."""
+    if getattr(value, "ndim", None) == 0 and hasattr(value, "item"):
+        value = value.item()  # a numpy scalar or 0-d array; a 0-d tensor, copied to the host from a GPU
+    if not isinstance(value, numbers.Real):
+        return f"{value!r}, a {type(value).__name__}, not a number"
+    try:
+        return float(value)
+    except OverflowError:  # 10**400: no float holds it
+        return f"an {type(value).__name__} beyond a float's range"
+
+
+def raised(spec: str, err: Exception, on: str) -> RewardError:
+    """The error that ends a run whose reward raised `err` on `on` (a completion, a batch), the same in the
+    run's process and in a reward's own: one line naming the reward and the exception. The user's traceback
+    goes to stderr before it, from the reward's own frame, marked as the reward's."""
+    print(f"reward {spec!r} raised; its traceback, in the reward's code:", file=sys.stderr)
+    traceback.print_exception(type(err), err, err.__traceback__.tb_next, file=sys.stderr)
+    what = " ".join(f"{type(err).__name__}: {err}".split())
+    return RewardError(f"reward {spec!r} raised {what} on {on} (its traceback above)")
+
+
 def checked(reward: Reward, spec: str, reward_range: tuple[float, float]) -> Reward:
-    """`reward` with every value checked where it enters the run: a real number (not a string, not None),
-    finite, inside reward_range; else RewardError, one line naming the spec, the problem and the
-    completion. A string "1" would train as 1.0 unseen, and a NaN would silently skip every update. Real
-    numbers of any kind count, as in TRL: Python's, numpy's scalars (numpy.bool_ too) and 0-d tensors."""
+    """`reward` (a float, or a description of what was no number, for each completion: `as_float`) with every
+    value checked where it enters the run: a number, finite, inside reward_range; else RewardError, one line
+    naming the spec, the problem and the completion. A string "1" would train as 1.0 unseen, and a NaN would
+    silently skip every update."""
     lo, hi = reward_range
 
     def checked_reward(questions: list[str], completions: list[str], golds: list[str]) -> list[float]:
-        rewards = [value.item() if getattr(value, "ndim", None) == 0 and hasattr(value, "item") else value
-                   for value in reward(questions, completions, golds)]  # numpy scalars, 0-d tensors
+        rewards = reward(questions, completions, golds)
         for i, (value, question) in enumerate(zip(rewards, questions)):
             problem = f"completion {i} of the batch, {completions[i][:60]!r}, of problem {question[:60]!r}"
-            if not isinstance(value, numbers.Real):
-                raise RewardError(f"reward {spec!r} returned {value!r}, a {type(value).__name__}, not a "
-                                  f"number, for {problem}")
+            if isinstance(value, str):
+                raise RewardError(f"reward {spec!r} returned {value}, for {problem}")
             if not (math.isfinite(value) and lo <= value <= hi):
                 raise RewardError(f"reward {spec!r} returned {value} for {problem}: rewards must be finite "
                                   f"and within --reward-range {lo:g},{hi:g}")
-        return [float(value) for value in rewards]
+        return rewards
     return checked_reward
 
 
@@ -1262,24 +1291,24 @@ def _trl_style(fn: Callable, signature: inspect.Signature, spec: str) -> Reward:
         raise ValueError(f"reward spec {spec!r}: a TRL-style reward is called with prompts=, completions= "
                          f"and {TRL_GOLD}= (the golds); {fn.__name__}{signature} can't be ({err})") from None
 
-    def reward(questions: list[str], completions: list[str], golds: list[str]) -> list[float]:
+    def reward(questions: list[str], completions: list[str], golds: list[str]) -> list[float | str]:
         batch = {"prompts": [[{"role": "user", "content": q}] for q in questions],
                  "completions": [[{"role": "assistant", "content": c}] for c in completions],
                  TRL_GOLD: list(golds)}
-        try:
-            rewards = list(fn(**{n: batch[n] for n in names}))
-        except Exception:  # the user's bug: its traceback follows
-            print(f"error: reward {spec!r} raised on a batch of {len(completions)} completions (one call), "
-                  f"the first of problem {questions[0][:60]!r}:", file=sys.stderr)
-            raise
+        try:  # a list, or a tensor of one reward each: each a float here (`as_float`)
+            returned = list(fn(**{n: batch[n] for n in names}))
+            rewards = [0.0 if r is None else as_float(r) for r in returned]
+        except Exception as err:
+            raise raised(spec, err, f"a batch of {len(completions)} completions (one call), the first of "
+                                    f"problem {questions[0][:60]!r}") from None
         if len(rewards) != len(completions):
-            raise ValueError(f"reward {spec!r}: {len(rewards)} rewards for {len(completions)} completions")
-        nones = sum(r is None for r in rewards)
+            raise RewardError(f"reward {spec!r}: {len(rewards)} rewards for {len(completions)} completions")
+        nones = sum(r is None for r in returned)
         if nones and not warned:  # TRL warns too: a None means "does not apply", scored 0 here
             warned.append(True)
             print(f"warning: reward {spec!r} returned None for {nones} of {len(rewards)} "
                   "completions: they score 0 (warned once per run)", file=sys.stderr)
-        return [0.0 if r is None else r for r in rewards]  # checked where they enter (`checked`)
+        return rewards  # checked where they enter (`checked`)
     warned: list[bool] = []
     return reward
 
@@ -1291,17 +1320,25 @@ def _trl_style(fn: Callable, signature: inspect.Signature, spec: str) -> Reward:
 # the run waits for each call at most `time_limit` seconds, then kills the process, scores that call's
 # completions 0 and starts another. `verify`, pure Python with bounded work, runs in the run's own process.
 #
-# That process leads a process group of its own (a new session), killed whole (`end_group`), so that what the
-# reward started (a pool, a server, a shell command) ends with it: at the time limit, at the run's end, and,
-# by the group's guard (`guard_group`), whenever the process dies otherwise, the run SIGKILLed included.
+# The process the run starts (`supervise`) runs no user code: it forks the worker, which imports the reward
+# and serves the calls (`serve`), and stays above it as its subreaper (Linux's PR_SET_CHILD_SUBREAPER).
+# Whatever the reward starts (a pool, a server, a shell command, a daemon, a child in a session of its own,
+# which no process group reaches) stays below it, as an orphan is handed to it rather than to init; and it
+# kills all of that with the worker: at the time limit and at the run's end (the run asks with SIGTERM), when
+# the run dies, even SIGKILLed (the kernel's SIGTERM, `die_with`), and when the worker dies (a crash, os._exit
+# in the reward). Off Linux, only the process group is reached.
 #
 # The two talk over a socket pair, one pickle a message (multiprocessing's Connection): first (sys.path,
 # spec), answered by "ready"; then each call's (id, questions, completions, golds), answered by (id, "ok",
-# rewards) or (id, "raised", the exception in one line, its traceback printed by the child). An answer is
-# taken only for the call it names: a stray one (from a process the reward forked, say) never shifts the rest.
+# rewards: a float each, or what was no number described, `as_float`) or (id, "raised", the one line of
+# `raised`, its traceback printed by the worker). An answer is taken only for the call it names: a stray one
+# (from a process the reward forked, say) never shifts the rest.
 
 
-WORKER_FLAG = "--reward-worker"  # `python verifier.py --reward-worker`: serve(), started by a run
+WORKER_FLAG = "--reward-worker"  # `python verifier.py --reward-worker`: supervise(), started by a run
+IMPORT_LIMIT = 60.0  # seconds the worker may take to import the reward, at least: a fresh interpreter imports
+# what the run had imported already (torch alone takes seconds, far more on a loaded machine)
+LINUX = sys.platform.startswith("linux")
 
 
 class RewardWorker:
@@ -1336,10 +1373,7 @@ class RewardWorker:
             if call != self.calls:  # a stray: a second answer from a process the reward forked, say
                 continue
             if status == "raised":
-                what = (repr(completions[0][:60]) if self.one_by_one
-                        else f"a batch of {len(completions)} completions")
-                raise RewardError(f"reward {self.spec!r} raised {value} on {what} of problem "
-                                  f"{questions[0][:60]!r} (its traceback above)")
+                raise RewardError(value)
             return value
         self.stop()  # stuck: the next call starts a fresh process
         self.counts["reward_timeouts"] += len(completions)
@@ -1351,15 +1385,20 @@ class RewardWorker:
         return [0.0] * len(completions)
 
     def start(self) -> None:
-        """The child, ready to take calls once it has imported the reward (not timed: a slow import is no
-        hang; a bad spec was refused before any model loaded)."""
+        """The child, ready to take calls once it has imported the reward, which may take the time limit but
+        at least IMPORT_LIMIT seconds (a slow import is no hang, one that never ends is: RewardError)."""
         self.channel, its_end = Pipe()
-        self.process = subprocess.Popen(  # serve()
+        self.process = subprocess.Popen(  # supervise()
             [sys.executable, __file__, WORKER_FLAG, str(os.getpid()), str(its_end.fileno())],
             stdin=subprocess.DEVNULL, pass_fds=[its_end.fileno()], start_new_session=True)
         its_end.close()
-        self.end = weakref.finalize(self, end_group, self.process)  # never outlives the run, however it ends
+        self.end = weakref.finalize(self, end_worker, self.process)  # never outlives the run, however it ends
         self.channel.send((sys.path, self.spec))
+        limit = max(IMPORT_LIMIT, self.time_limit)
+        if not self.channel.poll(limit):
+            self.stop()
+            raise RewardError(f"reward {self.spec!r}: its process had not imported it after {limit:g} s (the "
+                              f"longer of --reward-timeout and {IMPORT_LIMIT:g} s): does its import hang?")
         self.receive()
 
     def stop(self) -> None:
@@ -1376,10 +1415,9 @@ class RewardWorker:
                               "during a call") from None
 
 
-def end_group(process: subprocess.Popen) -> None:
-    """Kill a reward's process and everything it started (its process group), then reap it."""
-    with contextlib.suppress(ProcessLookupError):  # the whole group has ended already
-        os.killpg(process.pid, signal.SIGKILL)  # before the wait: until reaped, its pid names only its group
+def end_worker(process: subprocess.Popen) -> None:
+    """End a reward's process and everything below it (`supervise` ends it all on SIGTERM), then reap it."""
+    process.terminate()
     process.wait()
 
 
@@ -1387,30 +1425,83 @@ def die_with(parent: int, signum: int = signal.SIGKILL) -> bool:
     """On Linux the kernel sends `signum` to this process when the thread that started it, the `parent`'s,
     ends, even by SIGKILL and while a reward spins in C code (PR_SET_PDEATHSIG); elsewhere the run's finalizer
     stops the worker. False if the parent has ended already."""
-    if sys.platform.startswith("linux"):
+    if LINUX:
         ctypes.CDLL(None).prctl(1, signum)  # 1: PR_SET_PDEATHSIG
     return os.getppid() == parent  # else it ended before the line above
 
 
-def guard_group(worker: int, channel: int) -> None:
-    """Fork the group's guard, which kills the worker's process group once the worker ends, whichever way:
-    SIGKILLed with its run (`die_with`), a crash, os._exit in the reward. The reward's own processes, which no
-    PR_SET_PDEATHSIG reaches, end with it. (Off Linux only the run's finalizer does this.)"""
-    if os.fork():
+def supervise(run: int, channel_fd: int) -> None:
+    """The process that the run `run` starts for a reward: the worker's parent and the subreaper of all below
+    it. It waits until the worker ends or SIGTERM comes (from the run, or from the kernel as the run ends),
+    then kills everything below it (`end_below`) and exits with the worker's exit code."""
+    waited = {signal.SIGTERM, signal.SIGCHLD}
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, waited)  # kept pending for sigwait, never lost
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # a SIG_IGN inherited from the run would reap for it
+    if not die_with(run, signal.SIGTERM):
         return
-    os.close(channel)  # the run reads the worker's end as the end of its answers
-    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})  # kept pending for sigwait, never lost
-    if die_with(worker, signal.SIGTERM):
-        signal.sigwait({signal.SIGTERM})
-    os.killpg(0, signal.SIGKILL)
+    if LINUX:
+        ctypes.CDLL(None).prctl(36, 1)  # 36: PR_SET_CHILD_SUBREAPER: orphans below come here, not to init
+    supervisor = os.getpid()
+    worker = os.fork()
+    if worker == 0:
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+        if die_with(supervisor):
+            serve(channel_fd)
+        return
+    os.close(channel_fd)  # the run reads the worker's end alone: its answers end when the worker does
+    code = None
+    while code is None and signal.sigwait(waited) == signal.SIGCHLD:
+        code = reap(worker)
+    sys.exit(end_below(worker, code))
 
 
-def serve(run: int, channel_fd: int) -> None:
-    """The child of the process `run`: build the reward, then answer calls until the run closes the socket."""
-    if not die_with(run):
-        return
+def reap(worker: int) -> int | None:
+    """Reap every child of this process that has ended (the worker, or an orphan handed to it): the worker's
+    exit code if it was among them."""
+    code = None
+    with contextlib.suppress(ChildProcessError):  # no child left
+        while (ended := os.waitpid(-1, os.WNOHANG))[0]:
+            if ended[0] == worker:
+                code = exit_code(ended[1])
+    return code
+
+
+def end_below(worker: int, code: int | None) -> int:
+    """Kill every process below this one and reap it; the worker's exit code (`code`, if it was reaped). Only
+    this process's own children are killed, each round: it alone reaps them, so none of their pids can name
+    another process meanwhile. Their children then come to it (a subreaper), and the next round kills them."""
+    if not LINUX:
+        os.killpg(0, signal.SIGKILL)  # the group alone is reachable there (this process too)
+    while True:
+        for child in children(os.getpid()):
+            os.kill(child, signal.SIGKILL)
+        try:
+            pid, status = os.waitpid(-1, 0)
+        except ChildProcessError:  # nothing left below
+            return 1 if code is None else code
+        if pid == worker:
+            code = exit_code(status)
+
+
+def exit_code(status: int) -> int:
+    """A wait status as a shell's exit code: 128 + the signal that killed it."""
+    code = os.waitstatus_to_exitcode(status)
+    return 128 - code if code < 0 else code
+
+
+def children(parent: int) -> list[int]:
+    """The pids of `parent`'s children, from /proc."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        with contextlib.suppress(OSError), open(f"/proc/{pid}/stat", "rb") as stat:  # OSError: it has ended
+            if int(stat.read().rpartition(b")")[2].split()[1]) == parent:  # "pid (name) state ppid ..."
+                found.append(int(pid))
+    return found
+
+
+def serve(channel_fd: int) -> None:
+    """The worker: build the reward, then answer calls until the run closes the socket."""
     os.dup2(2, 1)  # the reward's own prints go to stderr: the run's stdout holds the run's lines
-    guard_group(os.getpid(), channel_fd)
     channel = Connection(channel_fd)
     sys.path[:], spec = channel.recv()
     reward = _batch_reward(spec)[0]
@@ -1423,9 +1514,8 @@ def serve(run: int, channel_fd: int) -> None:
             return
         try:
             answer = (call, "ok", reward(questions, completions, golds))
-        except Exception as e:  # the user's bug: its traceback here, one line for the run's error
-            traceback.print_exc()
-            answer = (call, "raised", f"{type(e).__name__}: {e}")
+        except RewardError as e:  # it raised (its traceback printed here), or returned too few: one line
+            answer = (call, "raised", str(e))
         if os.getpid() != worker:  # a process the reward forked returned here: it must not answer, nor read
             os._exit(0)
         channel.send(answer)
@@ -1435,4 +1525,4 @@ if __name__ == "__main__":
     if len(sys.argv) != 4 or sys.argv[1] != WORKER_FLAG or not all(a.isdigit() for a in sys.argv[2:]):
         sys.exit(f"verifier.py is a module (the reward); `python verifier.py {WORKER_FLAG} <pid> <fd>` is "
                  "the process a run starts for a reward with a time limit")
-    serve(int(sys.argv[2]), int(sys.argv[3]))
+    supervise(int(sys.argv[2]), int(sys.argv[3]))

@@ -26,7 +26,7 @@ from eval import main as eval_main
 from lora import has_adapters
 from model import load_model
 from run_folder import read_jsonl
-from verifier import RewardError, checked, load_reward
+from verifier import RewardError, checked, load_reward, per_completion
 from written import RECORD, owned
 
 TINY = ["--model", "tiny-qwen2", "--max-new-tokens", "8", "--group-size", "4", "--eval-size", "4"]
@@ -41,6 +41,7 @@ def string(completion, gold): return "1"
 def five(completion, gold): return 5.0
 def negative(completion, gold): return -3.0
 def none(completion, gold): return None
+def huge(completion, gold): return 10**400
 def raises(completion, gold): return {"x": 1}[completion]
 def parity(completion, gold): return float(len(completion) % 2)
 def trl_strings(prompts, completions, **kwargs): return ["1"] * len(completions)
@@ -50,6 +51,13 @@ def breaks_later(completion, gold):
     global calls
     calls += 1
     return float("nan") if calls > limit else float(len(completion) % 2)
+
+def raises_later(completion, gold):  # reads its limit when called: in the run's process, imported before it
+    global calls
+    calls += 1
+    if calls > int(os.environ.get("BREAK_AFTER", 10**9)):
+        raise ZeroDivisionError("the reward's own bug")
+    return float(len(completion) % 2)
 '''
 
 
@@ -69,6 +77,7 @@ def rewards(tmp_path, monkeypatch):
 @pytest.mark.parametrize("name, says", [("nan", "returned nan"), ("five", "returned 5.0"),
                                         ("string", "returned '1', a str, not a number"),
                                         ("negative", "returned -3.0"), ("none", "returned None"),
+                                        ("huge", "returned an int beyond a float's range"),
                                         ("trl_strings", "a str, not a number")])
 def test_a_bad_reward_is_refused_naming_spec_problem_and_completion(rewards, name, says):
     reward = load_reward(f"user_rewards:{name}")
@@ -87,18 +96,18 @@ def test_the_declared_range_admits_what_it_declares(rewards):
     assert load_reward()(["q", "q"], ["\\boxed{5}", "4"], ["5", "5"]) == [1.0, 0.0]  # the verifier's own
 
 
-def test_a_reward_that_raises_is_named_before_its_traceback(rewards, capfd):
-    with pytest.raises(KeyError):  # in this process (no time limit): the user's exception goes on
-        load_reward("user_rewards:raises", time_limit=0)(["q1", "q2"], ["x", "y"], ["g", "g"])
-    assert capfd.readouterr().err.strip() == (
-        "error: reward 'user_rewards:raises' raised on the completion 'y' of problem 'q2' (gold 'g'):")
-    with pytest.raises(RewardError) as error:  # in its own process: the traceback there, one line here
-        load_reward("user_rewards:raises")(["q1", "q2"], ["x", "y"], ["g", "g"])
-    assert str(error.value) == ("reward 'user_rewards:raises' raised KeyError: 'y' on 'y' of problem 'q2' "
-                                "(its traceback above)")
-    err = capfd.readouterr().err
-    assert err.startswith("error: reward 'user_rewards:raises' raised on the completion 'y' of problem 'q2'")
-    assert err.strip().endswith("KeyError: 'y'")
+@pytest.mark.parametrize("time_limit", [0, 60], ids=["in-process", "own-process"])
+def test_a_reward_that_raises_is_one_line_after_its_own_traceback(rewards, capfd, time_limit):
+    """The same on both paths: RewardError, one line naming the reward, the exception and the completion; the
+    user's traceback before it, marked as the reward's and holding only the reward's frames."""
+    with pytest.raises(RewardError) as error:
+        load_reward("user_rewards:raises", time_limit=time_limit)(["q1", "q2"], ["x", "y"], ["g", "g"])
+    assert str(error.value) == ("reward 'user_rewards:raises' raised KeyError: 'y' on the completion 'y' of "
+                                "problem 'q2', gold 'g' (its traceback above)")
+    err = capfd.readouterr().err.strip().splitlines()
+    assert err[:2] == ["reward 'user_rewards:raises' raised; its traceback, in the reward's code:",
+                       "Traceback (most recent call last):"] and err[-1] == "KeyError: 'y'", err
+    assert "user_rewards.py" in err[2] and not any("verifier.py" in line for line in err), err
 
 
 @pytest.mark.parametrize("name", ["nan", "string", "five", "negative"])
@@ -110,22 +119,33 @@ def test_train_py_stops_on_a_bad_reward_in_one_line(rewards, name, tmp_path, cap
     assert "Traceback" not in capsys.readouterr().err
 
 
-def test_a_bad_reward_mid_run_loses_no_finished_step(rewards, tmp_path, monkeypatch):
-    """--save-every 10, the reward breaks in step 3: steps 1 and 2 are saved, and --resume with the reward
-    fixed goes on from step 3, each step logged once."""
+@pytest.mark.parametrize("name, timeout, steps, eval_every, says", [
+    ("breaks_later", "5", 4, 0, "returned nan"),  # in step 3, in its own process
+    ("raises_later", "0", 4, 0, "raised ZeroDivisionError: the reward's own bug on the completion"),  # here
+    ("raises_later", "0", 2, 1, "raised ZeroDivisionError")],  # in the evaluation after step 1
+    ids=["nan-own-process", "raises-in-process", "raises-in-an-evaluation"])
+def test_a_bad_reward_mid_run_loses_no_finished_step(rewards, tmp_path, monkeypatch, capsys, name, timeout,
+                                                     steps, eval_every, says):
+    """--save-every 10, the reward breaks (a NaN) or raises in step 3 (or in the evaluation after step 1):
+    one line, the steps before are saved, and --resume with the reward fixed goes on, each step logged
+    once, each evaluation too."""
     out = tmp_path / "out"  # not tmp_path, which holds user_rewards.py: a folder no run may use (issue 54)
-    flags = TINY + ["--steps", "4", "--eval-every", "0", "--reward", "user_rewards:breaks_later", "--out",
-                    str(out)]
-    # the reward's process reads its limit: the evaluation before training (4 problems), then 2 steps of 2
-    # prompts x 4
-    monkeypatch.setenv("BREAK_AFTER", str(4 + 2 * 8))
+    flags = TINY + ["--steps", str(steps), "--eval-every", str(eval_every), "--reward",
+                    f"user_rewards:{name}", "--reward-timeout", timeout, "--out", str(out)]
+    # the reward reads its limit: the evaluation before training (4 problems), then 2 steps of 2 prompts x 4
+    # (or 1 step, and then its evaluation)
+    monkeypatch.setenv("BREAK_AFTER", str(4 + 8 * (steps // 2)))
     with pytest.raises(SystemExit) as exit_info:
         train.main(flags)
-    assert "returned nan" in str(exit_info.value.code)
-    assert torch.load(out / "grpo" / "checkpoint" / "state.pt", weights_only=False)["step"] == 2
+    assert str(exit_info.value.code).startswith(f"error: reward 'user_rewards:{name}' {says}")
+    assert "train.py" not in capsys.readouterr().err  # the reward's traceback alone, if any
+    assert torch.load(out / "grpo" / "checkpoint" / "state.pt", weights_only=False)["step"] == steps // 2
     monkeypatch.delenv("BREAK_AFTER")
     train.main(flags + ["--resume"])
-    assert [r["step"] for r in read_jsonl(out / "grpo" / "metrics.jsonl")] == [1, 2, 3, 4]
+    assert [r["step"] for r in read_jsonl(out / "grpo" / "metrics.jsonl")] == list(range(1, steps + 1))
+    every = eval_every or steps  # 0: before and after
+    evaluated = [r["step"] for r in read_jsonl(out / "grpo" / "evals.jsonl")]
+    assert evaluated == [0, *range(every, steps + 1, every)]
 
 
 def test_virtual_rewards_follow_the_declared_range():
@@ -348,13 +368,16 @@ def test_avspo_state_resumes_under_weights_only(tmp_path):
                                    torch.tensor(1.0), torch.tensor(True),
                                    torch.tensor(0.5, dtype=torch.bfloat16)])
 def test_every_real_number_type_is_a_reward(value):
-    rewards = checked(lambda q, c, g: [value], "user:fn", (0.0, 1.0))(["q"], ["c"], ["g"])
+    """Made a float at the call, in the run's process (tests/test_reward_worker.py: in a reward's own)."""
+    reward = checked(per_completion(lambda c, g: value, "user:fn"), "user:fn", (0.0, 1.0))
+    rewards = reward(["q"], ["c"], ["g"])
     assert rewards == [float(value)] and type(rewards[0]) is float
 
 
 def test_a_tensor_of_several_numbers_is_no_reward():
     with pytest.raises(RewardError, match="a Tensor, not a number"):
-        checked(lambda q, c, g: [torch.tensor([1.0])], "user:fn", (0.0, 1.0))(["q"], ["c"], ["g"])
+        checked(per_completion(lambda c, g: torch.tensor([1.0]), "user:fn"), "user:fn", (0.0, 1.0))(
+            ["q"], ["c"], ["g"])
 
 
 def test_a_trl_none_scores_0_with_one_warning_a_run(rewards, capfd):
