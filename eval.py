@@ -27,8 +27,9 @@ from data.tasks import Problem, load_eval_problems
 from decoding import FAST_ON, decode
 from flags import FlagParser, at_least, folder, in_range
 from hardware import DEVICES, pick_device, where, working_copy
-from model import (PROMPT_FORMATS, context_warning, format_prompts, load_model, load_tokenizer,
-                   longest_prompt, sample, sample_with_generate, stop_token_ids)
+from memory import context_warning, describe_estimate, estimate_memory, longest_prompt, parameter_counts
+from model import (PROMPT_FORMATS, load_config, load_model, load_tokenizer, sample, sample_with_generate,
+                   stop_token_ids)
 from verifier import REWARD_TIMEOUT, Reward, extract_answer, load_reward, per_completion, reward_range, verify
 from written import NotWritten, owned
 
@@ -131,19 +132,45 @@ def check_out(args: argparse.Namespace) -> None:
 
 
 def write_results(out: Path, summary: dict, results: dict, dataset: str, temperature: float) -> None:
-    """`result_files`, each written whole or not at all (`written.Folder.write`), summary.json last."""
+    """`result_files` in `out`, the new results whole beside no old summary.json. Each file is first written
+    whole to a temporary (`written.Folder.write` to a `fresh` name), so that a full disk leaves the last
+    results as they were; only then is the old summary.json removed, the samples renamed into place and the
+    new summary.json last. A kill at any moment thus leaves either a summary.json with the samples it
+    describes, or none (never an old one beside new samples), and temporaries the record names, which the
+    next eval.py into `out` removes before it writes."""
+    names = result_files(list(results))
     texts = ["".join(json.dumps(rec) + "\n" for rec in r["records"]) for r in results.values()]
     texts.append(json.dumps({"dataset": dataset, "temperature": temperature, "models": summary}, indent=2))
     try:
         with owned(out, "eval") as folder:
-            for name, text in zip(result_files(list(results)), texts):
-                folder.write(name, text)
+            folder.remove_temporaries()  # what an eval.py killed while writing left
+            for name in names:  # each still eval.py's own (`check_out`), before any is replaced
+                folder.now(name)
+            try:
+                staged = [folder.write(folder.fresh(name), text).name for name, text in zip(names, texts)]
+                folder.remove("summary.json")
+                for tmp, name in zip(staged, names):
+                    folder.rename(tmp, name)
+            except OSError:
+                folder.remove_temporaries()
+                raise
     except NotWritten as e:  # changed since `check_out`
         sys.exit(f"error: {e}")
     except OSError as e:  # a full disk, a read-only folder: the table above is the result
         sys.exit(f"error: the results could not be written to {out} ({e.strerror or e}); the table above "
                  "holds them")
-    print(f"wrote {out / 'summary.json'} and {len(results)} samples-*.jsonl beside it")
+    print(f"wrote {out / 'summary.json'} and {len(names) - 1} samples-*.jsonl beside it")
+
+
+def where_it_runs(args: argparse.Namespace, model, net, prompt_len: int, problems: int) -> str:
+    """The first line of a model's evaluation, as train.py's (`run.where_it_runs`): the device, the precision
+    and dtypes, and the memory it should need (memory.py, sampling alone: one generate call's rows)."""
+    own, adapters = parameter_counts(model)
+    terms = estimate_memory(model.config, own, rows=min(args.batch_size, problems) * args.samples,
+                            prompt_len=prompt_len, completion_len=args.max_new_tokens, micro_batch=0,
+                            bf16=net.dtype == torch.bfloat16, reference=False, checkpointing=False,
+                            cuda=model.device.type == "cuda", lora_params=adapters, training=False)
+    return f"{where(model, net, args.precision)}; {describe_estimate(terms)}"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -186,6 +213,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.temperature = 0.0 if args.samples == 1 else 1.0
     if args.samples > 1 and args.temperature == 0:
         p.error(f"--samples {args.samples} needs --temperature > 0 (greedy gives one completion)")
+    writers = {}  # result file, casefolded (one file on a case-insensitive disk), -> the model that writes it
+    for name, file in zip(args.model, result_files(args.model)):
+        if name in writers.values():  # the table and summary.json name each model once
+            p.error(f"--model {name} is given twice")
+        if args.out and (other := writers.get(file.casefold())):
+            p.error(f"--model {other} and {name} would both write {file}: evaluate them into two --out "
+                    "folders")
+        writers[file.casefold()] = name
     return args
 
 
@@ -197,18 +232,18 @@ def main(argv: list[str] | None = None) -> dict:
         reward_fn = load_reward(args.reward, args.reward_range, args.reward_timeout)
         problems = load_eval_problems(args.dataset)
         problems = problems[: args.limit] if args.limit else problems
-        for name in args.model:  # each tokenizer alone: a missing chat template fails before any model loads
-            format_prompts(load_tokenizer(name), ["1 + 1?"], args.prompt_format, args.system)
+        prompt_lens = {}  # each model's tokenizer and config alone: a missing chat template, or a prompt past
+        for name in args.model:  # the model's context, is refused before any model loads
+            prompt_lens[name] = longest_prompt(load_config(name), load_tokenizer(name), problems,
+                                               args.prompt_format, args.system)
         transformers.logging.disable_progress_bar()  # tqdm's bar of the evaluation alone, as in train.py
         results = {}
         for name in args.model:
             model, tokenizer = load_model(name, device)
-            prompt_len = longest_prompt(tokenizer, [p.question for p in problems], args.prompt_format,
-                                        args.system, [p.instruction for p in problems])
-            if warning := context_warning(model.config, prompt_len, args.max_new_tokens):
+            if warning := context_warning(model.config, prompt_lens[name], args.max_new_tokens):
                 print(f"{name}: {warning}", file=sys.stderr)
             net = working_copy(model, args.precision)  # the network train.py samples from
-            print(f"[eval {name}] {where(model, net, args.precision)}")
+            print(f"[eval {name}] {where_it_runs(args, model, net, prompt_lens[name], len(problems))}")
             torch.manual_seed(args.seed)
             results[name] = evaluate(net, tokenizer, problems, max_new_tokens=args.max_new_tokens,
                                      samples=args.samples, temperature=args.temperature,

@@ -1,5 +1,6 @@
 """What a run needs in device memory, estimated from the model's shapes and the run's before it runs
-(train.py prints it first; docs/performance.md tables it for Qwen2.5-0.5B and -1.5B).
+(train.py and eval.py print it first; docs/performance.md tables it for Qwen2.5-0.5B and -1.5B), and the
+longest prompt it is estimated for, which must fit the model's context.
 
 Bytes, P the parameter count, w the working precision's bytes (2 for bf16, 4 for fp32):
   weights 4P (float32 master), optimizer 8P (AdamW's two float32 moments), gradients 4P (float32),
@@ -19,12 +20,18 @@ then the larger of the two phases, which never overlap:
     logits at the m x C completion positions, V each: 2w per entry (the logits, then their gradient), plus
     16 bytes for each of LOGPROB_CHUNK x V entries, one chunk's float32 log-softmax and its gradient
     (model.completion_logprobs; measured on the CPU with torch's memory profiler, tests/test_device.py).
+eval.py samples and never updates (`training` False): no optimizer, gradients or update phase, and a working
+copy of 2P without its gradients.
 Left out: the attention mask (m T^2 w, shared by the layers), the reference's forward (no grad, one
 micro-batch at a time), and the allocator's fragmentation (docs/performance.md's table leaves 10% of each
 card for it).
 """
 
-from model import LOGPROB_CHUNK
+from transformers import PreTrainedTokenizerBase
+
+from data.tasks import Problem
+from lora import has_adapters
+from model import LOGPROB_CHUNK, format_prompts
 
 GIB = 2**30
 CUDA_ALLOWANCE = GIB  # the CUDA context (about 0.5 GiB with lazy module loading) and the kernels' workspaces
@@ -68,13 +75,21 @@ def adapter_count(config, rank: int) -> int:
     return rank * per_layer * config.num_hidden_layers
 
 
+def parameter_counts(model) -> tuple[int, int]:
+    """The parameters of `model`'s own weights and of its LoRA adapters (0 without), as `estimate_memory`
+    takes them."""
+    adapters = sum(p.numel() for p in model.parameters() if p.requires_grad) if has_adapters(model) else 0
+    return sum(p.numel() for p in model.parameters()) - adapters, adapters
+
+
 def estimate_memory(config, num_params: int, *, rows: int, prompt_len: int, completion_len: int,
                     micro_batch: int, bf16: bool, reference: bool, checkpointing: bool,
-                    cuda: bool = False, lora_params: int = 0) -> dict[str, float]:
+                    cuda: bool = False, lora_params: int = 0, training: bool = True) -> dict[str, float]:
     """The terms of the module docstring in bytes, for a transformers config (hidden_size,
     intermediate_size, num_hidden_layers, num_attention_heads, num_key_value_heads, vocab_size), and
     "total": the static terms plus the larger phase. `num_params` counts the model's own weights;
-    `lora_params` > 0, the LoRA adapters' (trained, the model's own frozen)."""
+    `lora_params` > 0, the LoRA adapters' (trained, the model's own frozen); `training` False, sampling
+    alone (eval.py)."""
     w = 2 if bf16 else 4
     hidden, layers = config.hidden_size, config.num_hidden_layers
     head_dim = getattr(config, "head_dim", None) or hidden // config.num_attention_heads
@@ -90,13 +105,15 @@ def estimate_memory(config, num_params: int, *, rows: int, prompt_len: int, comp
         kept -= 4 * hidden  # its input norm keeps nothing
     terms = {
         "frozen": w * num_params if lora else 0,
-        "weights": 4 * trained, "optimizer": 8 * trained, "gradients": 4 * trained,
-        "working_copy": 4 * num_params if bf16 and not lora else 0,
+        "weights": 4 * trained, "optimizer": 8 * trained if training else 0,
+        "gradients": 4 * trained if training else 0,
+        "working_copy": (4 if training else 2) * num_params if bf16 and not lora else 0,
         "reference": w * num_params if reference and not lora else 0,
         "cuda": CUDA_ALLOWANCE if cuda else 0,
         "sampling": rows * (prompt_len + completion_len) * layers * 2 * kv_dim * w,
-        "activations": tokens * (per_token + kept),
-        "logits": (micro_batch * completion_len * 2 * w + 16 * LOGPROB_CHUNK) * config.vocab_size,
+        "activations": tokens * (per_token + kept) if training else 0,
+        "logits": (micro_batch * completion_len * 2 * w + 16 * LOGPROB_CHUNK) * config.vocab_size
+                  if training else 0,
     }
     static = sum(terms[k] for k in STATIC)
     return {**terms, "total": static + max(terms["sampling"], terms["activations"] + terms["logits"])}
@@ -107,13 +124,41 @@ def size(n: float) -> str:
 
 
 def describe_estimate(terms: dict[str, float]) -> str:
-    """One line: the total and its parts."""
+    """One line: the total and its parts (eval.py's: no optimizer, gradients or update)."""
     trained = size(terms["weights"] + terms["optimizer"] + terms["gradients"])
-    parts = [f"weights+AdamW+grads {trained}"]
+    updated = "+AdamW+grads" if terms["optimizer"] else ""
+    parts = [f"weights{updated} {trained}"]
     if terms["frozen"]:  # LoRA
-        parts = [f"frozen weights {size(terms['frozen'])}", f"adapters+AdamW+grads {trained}"]
+        parts = [f"frozen weights {size(terms['frozen'])}", f"adapters{updated} {trained}"]
     names = {"working_copy": "working copy", "reference": "reference", "cuda": "CUDA context"}
     parts += [f"{names[n]} {size(terms[n])}" for n in names if terms[n]]
-    return (f"memory ~{size(terms['total'])} = {' + '.join(parts)} + the larger of update "
-            f"{size(terms['activations'] + terms['logits'])} (activations {size(terms['activations'])}, "
-            f"logits {size(terms['logits'])}) and sampling's KV cache {size(terms['sampling'])}")
+    kv_cache = f"sampling's KV cache {size(terms['sampling'])}"
+    if update := terms["activations"] + terms["logits"]:
+        kv_cache = (f"the larger of update {size(update)} (activations {size(terms['activations'])}, "
+                    f"logits {size(terms['logits'])}) and {kv_cache}")
+    return f"memory ~{size(terms['total'])} = {' + '.join(parts)} + {kv_cache}"
+
+
+def longest_prompt(config, tokenizer: PreTrainedTokenizerBase, problems: list[Problem],
+                   prompt_format: str = "chat", system: str = "") -> int:
+    """Tokens in the prompt of the longest problem (question and instruction, by characters: one prompt is
+    tokenized, not every one), templated as `format_prompts` does. A prompt longer than the model's context
+    (config.max_position_embeddings) is refused, a ValueError naming its file and line: no completion could
+    read it, and its attention alone may not fit in memory (a 1 MB question asks for a 1 TB mask)."""
+    longest = max(problems, key=lambda p: len(p.question) + len(p.instruction))
+    prompt = format_prompts(tokenizer, [longest.question], prompt_format, system, [longest.instruction])
+    tokens = len(tokenizer(prompt, add_special_tokens=False).input_ids[0])
+    if (context := getattr(config, "max_position_embeddings", None)) and tokens > context:
+        raise ValueError(f"{longest.where or repr(longest.question[:40])}: a prompt of {tokens} tokens, "
+                         f"longer than the model's context of {context}: shorten or remove it")
+    return tokens
+
+
+def context_warning(config, prompt_len: int, max_new_tokens: int) -> str | None:
+    """One line when a prompt of `prompt_len` tokens plus `max_new_tokens` exceeds the model's context
+    (config.max_position_embeddings): past it the model reads positions it never learnt, slowly."""
+    context = getattr(config, "max_position_embeddings", None)
+    if context is None or prompt_len + max_new_tokens <= context:
+        return None
+    return (f"warning: the longest prompt ({prompt_len} tokens) plus --max-new-tokens {max_new_tokens} "
+            f"exceeds the model's context of {context} tokens: completions past it are unreliable, and slow")

@@ -17,11 +17,12 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 from safetensors import SafetensorError
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedModel,
+                          PreTrainedTokenizerBase)
 
 from hardware import pick_device
 from lora import ADAPTER_CONFIG, adapter_folder, base_of, load_adapters
-from model_files import byte_tokenizer, gguf_folder, settled, smollm2_folder, tiny_qwen2
+from model_files import byte_tokenizer, gguf_folder, settled, smollm2_folder, tiny_qwen2, tiny_qwen2_config
 
 # ----------------------------------------------------------------------------- loading
 
@@ -65,6 +66,14 @@ def load_tokenizer(name: str) -> PreTrainedTokenizerBase:
         tokenizer.pad_token = tokenizer.eos_token
     tokenizer.padding_side = "left"  # generation appends to the right end of every row
     return tokenizer
+
+
+def load_config(name: str) -> PretrainedConfig:
+    """The config of model `name` (its shapes and context, as `load_model`'s model has it) without its
+    weights: eval.py checks every model's prompts with it before any model loads."""
+    if adapters := adapter_folder(name):
+        return load_config(base_of(adapters))
+    return tiny_qwen2_config() if name == "tiny-qwen2" else from_source(AutoConfig, name)
 
 
 def load_model(name: str,
@@ -130,26 +139,6 @@ def format_prompts(tokenizer: PreTrainedTokenizerBase, questions: list[str], pro
     system_turn = [{"role": "system", "content": system}] if system else []
     return [tokenizer.apply_chat_template(system_turn + [{"role": "user", "content": user}], tokenize=False,
                                           add_generation_prompt=True) for user in users]
-
-
-def longest_prompt(tokenizer: PreTrainedTokenizerBase, questions: list[str], prompt_format: str = "chat",
-                   system: str = "", instructions: list[str] | None = None) -> int:
-    """Tokens in the prompt of the longest question with its instruction (by characters), templated as
-    `format_prompts` does."""
-    instructions = instructions or [""] * len(questions)
-    i = max(range(len(questions)), key=lambda i: len(questions[i]) + len(instructions[i]))
-    prompt = format_prompts(tokenizer, [questions[i]], prompt_format, system, [instructions[i]])
-    return len(tokenizer(prompt, add_special_tokens=False).input_ids[0])
-
-
-def context_warning(config, prompt_len: int, max_new_tokens: int) -> str | None:
-    """One line when a prompt of `prompt_len` tokens plus `max_new_tokens` exceeds the model's context
-    (config.max_position_embeddings): past it the model reads positions it never learnt, slowly."""
-    context = getattr(config, "max_position_embeddings", None)
-    if context is None or prompt_len + max_new_tokens <= context:
-        return None
-    return (f"warning: the longest prompt ({prompt_len} tokens) plus --max-new-tokens {max_new_tokens} "
-            f"exceeds the model's context of {context} tokens: completions past it are unreliable, and slow")
 
 
 def end_of_turn_token(tokenizer: PreTrainedTokenizerBase) -> str | None:

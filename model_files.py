@@ -158,13 +158,18 @@ def byte_tokenizer() -> PreTrainedTokenizerBase:
     return tokenizer
 
 
-def tiny_qwen2(seed: int = 0) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """A 2-layer random Qwen2ForCausalLM (~0.1M parameters) with the byte tokenizer."""
+def tiny_qwen2_config() -> Qwen2Config:
+    """tiny_qwen2's shapes: 2 layers, a context of 1,024 tokens, the byte tokenizer's vocabulary."""
     tokenizer = byte_tokenizer()
-    config = Qwen2Config(
+    return Qwen2Config(
         vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024, tie_word_embeddings=True,
         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
     )
+
+
+def tiny_qwen2(seed: int = 0) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """A 2-layer random Qwen2ForCausalLM (~0.1M parameters) with the byte tokenizer."""
+    config = tiny_qwen2_config()
     torch.manual_seed(seed)
-    return Qwen2ForCausalLM(config), tokenizer
+    return Qwen2ForCausalLM(config), byte_tokenizer()

@@ -24,11 +24,11 @@ from data.tasks import Problem, load_eval_problems, load_problems
 from decoding import FAST_ON, decode
 from eval import evaluate, score_groups
 from hardware import cast_weights, pick_device, where, working_copy
-from lora import adapters_off, add_adapters, has_adapters, merged
-from memory import describe_estimate, estimate_memory
+from lora import adapters_off, add_adapters, merged
+from memory import context_warning, describe_estimate, estimate_memory, longest_prompt, parameter_counts
 from metrics import collapse_warning, early_steps, show_group
-from model import (Rollout, checkpoint_activations, completion_logprobs, context_warning, format_prompts,
-                   load_model, load_tokenizer, longest_prompt, sample, sample_with_generate, stop_token_ids)
+from model import (Rollout, checkpoint_activations, completion_logprobs, format_prompts, load_model,
+                   load_tokenizer, sample, sample_with_generate, stop_token_ids)
 from processes import StoppedWhileScoring, bad_input_is_one_line, gather_groups, stops_at_once
 from run_folder import (append_jsonl, checkpoint_damage, find_checkpoint, log_eval, log_step, read_jsonl,
                         restore_checkpoint, save_checkpoint, stopped_line)
@@ -151,23 +151,17 @@ def where_it_runs(args, master, policy, reference, tokenizer, problems: list[Pro
     """The run's first line: the device, the precision and dtypes, and the memory it should need
     (memory.py; under LoRA, the frozen weights apart from the adapters), for the run's shapes; the prompt
     length is that of the longest question of `problems` (those it trains on and those it evaluates),
-    templated. A prompt longer than the model's context is refused (ValueError naming it): no completion
-    could read it, and its attention alone may not fit in memory."""
-    longest = max(problems, key=lambda p: len(p.question) + len(p.instruction))  # by characters
-    prompt_len = longest_prompt(tokenizer, [longest.question], args.prompt_format, args.system,
-                                [longest.instruction])
-    if (context := getattr(master.config, "max_position_embeddings", None)) and prompt_len > context:
-        raise ValueError(f"{longest.where or repr(longest.question[:40])}: a prompt of {prompt_len} tokens, "
-                         f"longer than the model's context of {context}: shorten or remove it")
+    templated. A prompt longer than the model's context is refused (`memory.longest_prompt`)."""
+    prompt_len = longest_prompt(master.config, tokenizer, problems, args.prompt_format, args.system)
     if warning := context_warning(master.config, prompt_len, args.max_new_tokens):
         print(f"[{args.algo}] {warning}")
     rows = args.prompts_per_step * args.group_size // int(os.environ.get("WORLD_SIZE", 1))
-    adapters = sum(p.numel() for p in master.parameters() if p.requires_grad) if has_adapters(master) else 0
-    terms = estimate_memory(master.config, sum(p.numel() for p in master.parameters()) - adapters, rows=rows,
-                            prompt_len=prompt_len, completion_len=args.max_new_tokens,
-                            micro_batch=min(args.micro_batch, rows), bf16=policy.dtype == torch.bfloat16,
-                            reference=reference is not None, checkpointing=args.grad_checkpointing,
-                            cuda=master.device.type == "cuda", lora_params=adapters)
+    own, adapters = parameter_counts(master)
+    terms = estimate_memory(master.config, own, rows=rows, prompt_len=prompt_len,
+                            completion_len=args.max_new_tokens, micro_batch=min(args.micro_batch, rows),
+                            bf16=policy.dtype == torch.bfloat16, reference=reference is not None,
+                            checkpointing=args.grad_checkpointing, cuda=master.device.type == "cuda",
+                            lora_params=adapters)
     return f"{where(master, policy, args.precision)}; {describe_estimate(terms)}"
 
 

@@ -1,6 +1,7 @@
 """eval.py: the pass@k estimator, scoring of known completions, the CLI on the tiny model."""
 
 import json
+import os
 from math import comb
 from pathlib import Path
 
@@ -11,7 +12,10 @@ import eval as evaluation
 import model as model_module
 from data.tasks import Problem
 from eval import evaluate, pass_at_k
+from memory import STATIC, estimate_memory
 from model import Rollout
+from model_files import tiny_qwen2
+from test_faults import killed_at
 from verifier import per_completion
 from written import RECORD, owned
 
@@ -66,19 +70,28 @@ def test_evaluate_counts_only_full_reward_as_correct_and_reports_pass_at_every_n
 
 
 def test_cli_on_tiny_model_writes_outputs(tmp_path, capsys):
-    summary = evaluation.main(["--model", "tiny-qwen2", "tiny-qwen2", "--dataset", "arith-add1",
-                               "--limit", "3", "--samples", "2", "--max-new-tokens", "4",
-                               "--out", str(tmp_path)])
+    model, tokenizer = tiny_qwen2()  # a second model: tiny-qwen2 saved to a folder
+    for part in (model, tokenizer):
+        part.save_pretrained(tmp_path / "tiny")
+    out = tmp_path / "out"
+    summary = evaluation.main(["--model", "tiny-qwen2", str(tmp_path / "tiny"), "--dataset", "arith-add1",
+                               "--limit", "3", "--samples", "2", "--max-new-tokens", "4", "--out", str(out)])
     assert summary["tiny-qwen2"]["problems"] == 3
-    written = json.loads((tmp_path / "summary.json").read_text())
+    written = json.loads((out / "summary.json").read_text())
+    assert list(written["models"]) == ["tiny-qwen2", str(tmp_path / "tiny")]
     assert written["models"]["tiny-qwen2"]["samples"] == 2
-    rows = [json.loads(line) for line in (tmp_path / "samples-tiny-qwen2.jsonl").read_text().splitlines()]
+    rows = [json.loads(line) for line in (out / "samples-tiny-qwen2.jsonl").read_text().splitlines()]
     assert len(rows) == 6 and set(rows[0]) == {"question", "level", "completion", "extracted", "gold",
                                                "reward", "correct"}
-    out = capsys.readouterr().out
-    assert "mean@2" in out
-    # where it runs, as train.py's first line says it (train.py adds its memory estimate)
-    assert out.startswith("[eval tiny-qwen2] cpu (") and "(float32 master weights" in out.splitlines()[0]
+    second = f"samples-{evaluation.slug(str(tmp_path / 'tiny'))}.jsonl"
+    assert sorted(p.name for p in out.iterdir()) == sorted([RECORD, "summary.json", second,
+                                                            "samples-tiny-qwen2.jsonl"])
+    said = capsys.readouterr().out
+    assert "mean@2" in said and f"wrote {out / 'summary.json'} and 2 samples-*.jsonl beside it" in said
+    # where it runs, as train.py's first line says it, with the memory of sampling alone (issue 61)
+    first = said.splitlines()[0]
+    assert first.startswith("[eval tiny-qwen2] cpu (") and "(float32 master weights" in first
+    assert "; memory ~" in first and "sampling's KV cache" in first and "AdamW" not in first
 
 
 def test_the_stop_set_is_worked_out_once_per_model(monkeypatch):
@@ -175,3 +188,92 @@ def test_eval_writes_its_own_folder_again(tmp_path):
         evaluation.main(EVAL + ["--out", str(tmp_path / "out"), "--seed", seed])
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [RECORD, "samples-tiny-qwen2.jsonl",
                                                                     "summary.json"]
+
+
+# ---------------------------------------------------------------- issue 61: names, kills, memory, context
+
+
+@pytest.mark.parametrize("models, says", [
+    (["x/grpo/checkpoint", "x_grpo/checkpoint"], "--model x/grpo/checkpoint and x_grpo/checkpoint would both "
+                                                 "write samples-x_grpo_checkpoint.jsonl"),
+    (["runs/Tiny", "runs/tiny"], "--model runs/Tiny and runs/tiny would both write samples-runs_tiny.jsonl"),
+    (["tiny-qwen2", "tiny-qwen2"], "--model tiny-qwen2 is given twice"),
+])
+def test_two_models_with_one_result_name_are_refused_before_any_model(tmp_path, monkeypatch, capsys, models,
+                                                                       says):
+    """Before, the second model's samples replaced the first's, and eval.py said it wrote two files."""
+    for loader in ("load_config", "load_tokenizer"):
+        monkeypatch.setattr(evaluation, loader, lambda *a, **k: pytest.fail("a model's files were read"))
+    with pytest.raises(SystemExit) as info:
+        evaluation.main(EVAL[2:] + ["--model", *models, "--out", str(tmp_path / "out")])
+    line = capsys.readouterr().err.strip()
+    assert info.value.code == 2 and says in line and "\n" not in line
+    assert not (tmp_path / "out").exists()
+
+
+def results_of(generation: str) -> tuple[dict, dict]:
+    """(summary, results) of two models as `evaluate` gives them, each record naming `generation`."""
+    results = {name: {"accuracy": 0.5, "records": [{"completion": generation}] * 2} for name in ("m1", "m2")}
+    return {name: {"accuracy": 0.5} for name in results}, results
+
+
+def generations(out: Path) -> dict[str, str]:
+    """Which evaluation wrote each results file in `out`."""
+    found = {}
+    for path in out.glob("samples-*.jsonl"):
+        found[path.name] = {json.loads(line)["completion"] for line in path.read_text().splitlines()}.pop()
+    if (out / "summary.json").exists():
+        found["summary.json"] = json.loads((out / "summary.json").read_text())["dataset"]
+    return found
+
+
+def test_results_killed_at_every_moment_of_their_write_never_lie_and_the_next_write_repairs_them(tmp_path):
+    """eval.py's write of its results killed before or after each os call that changes --out, once per moment
+    (forked): a summary.json left is the one whose samples lie beside it (before, a kill between two files
+    left new samples beside the old summary), and the next write into --out leaves its own results whole and
+    no temporary (before, temporaries stayed for ever)."""
+    for n in range(10**4):
+        out = tmp_path / str(n)
+        evaluation.write_results(out, *results_of("old"), "old", 0.0)
+        if (pid := os.fork()) == 0:
+            try:
+                killed_at(n)
+                evaluation.write_results(out, *results_of("new"), "new", 0.0)
+                os._exit(3)  # the write ended: n is past its last moment
+            finally:
+                os._exit(4)  # it failed: never back into pytest in this child
+        ended = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+        assert ended in (0, 3), f"killed at {n}: exit {ended}"
+        left = generations(out)
+        if "summary.json" in left:
+            assert set(left.values()) == {left["summary.json"]}, f"killed at {n}: {left}"
+        evaluation.write_results(out, *results_of("next"), "next", 0.0)
+        assert sorted(p.name for p in out.iterdir()) == [RECORD, "samples-m1.jsonl", "samples-m2.jsonl",
+                                                        "summary.json"], f"killed at {n}"
+        assert set(generations(out).values()) == {"next"}
+        if ended == 3:
+            break
+    assert n > 20  # every moment of the write was reached: it makes more changes than this
+
+
+def test_the_estimate_of_an_evaluation_holds_sampling_alone():
+    """eval.py never updates: no optimizer, gradients or update phase; its bf16 copy has no gradients."""
+    config = model_module.load_config("tiny-qwen2")
+    shapes = dict(rows=8, prompt_len=40, completion_len=64, micro_batch=4, bf16=True, reference=False,
+                  checkpointing=False)
+    terms = estimate_memory(config, 1000, **shapes, training=False)
+    assert terms["weights"] == 4000 and terms["working_copy"] == 2000
+    assert terms["optimizer"] == terms["gradients"] == terms["activations"] == terms["logits"] == 0
+    assert terms["total"] == sum(terms[k] for k in STATIC) + terms["sampling"]
+    trained = estimate_memory(config, 1000, **shapes, training=True)
+    assert trained["sampling"] == terms["sampling"] and trained["working_copy"] == 4000
+
+
+def test_a_prompt_longer_than_the_context_is_refused_in_one_line_before_any_model(tmp_path, monkeypatch):
+    """Before, eval.py warned and then died in a traceback from the causal mask (1 TB for a 1 MB question);
+    train.py refused the same file in one line. tiny-qwen2 has a context of 1,024 tokens, a token a byte."""
+    data = tmp_path / "long.jsonl"
+    data.write_text("".join(json.dumps({"problem": q, "answer": "1"}) + "\n" for q in ("1?", "7 " * 1500)))
+    line = refused_before_any_model(monkeypatch, ["--model", "tiny-qwen2", "--dataset", str(data)])
+    assert line.startswith(f"error: {data}:2: a prompt of ")
+    assert "longer than the model's context of 1024" in line

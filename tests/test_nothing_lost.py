@@ -126,31 +126,48 @@ def test_eval_ctrl_c_is_one_line_and_writes_nothing(tmp_path, monkeypatch, capsy
 
 
 def test_eval_results_are_written_whole_or_not_at_all(tmp_path, monkeypatch, capsys):
-    flags = ["--model", "tiny-qwen2", "--limit", "2", "--max-new-tokens", "4", "--out", str(tmp_path)]
+    """A disk that fills while summary.json is written, the last file: the samples already written are new,
+    yet every file stays as the evaluation before left it (before issue 61, new samples stayed beside the old
+    summary.json)."""
+    flags = ["--model", "tiny-qwen2", "--limit", "2", "--max-new-tokens", "4", "--out", str(tmp_path),
+             "--temperature", "1"]  # sampled: another seed's samples differ
     evaluation.main(flags)
-    before = {p.name: p.read_text() for p in tmp_path.iterdir()}
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.name != RECORD}
     assert f"wrote {tmp_path / 'summary.json'}" in capsys.readouterr().out
-    real_replace = os.replace
+    real_fdopen = os.fdopen
 
-    def disk_full(src, dst, **dir_fds):  # where written.py renames summary.json's temporary into place
-        if Path(dst).name == "summary.json":
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-        return real_replace(src, dst, **dir_fds)
+    class DiskFull:  # the file that written.Folder.write fills
+        def __init__(self, fd, *args):
+            self.file = real_fdopen(fd, *args)
 
-    monkeypatch.setattr(os, "replace", disk_full)
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.file.close()
+
+        def __getattr__(self, name):  # reading, as written.py reads its record and hashes files
+            return getattr(self.file, name)
+
+        def write(self, data):
+            if isinstance(data, bytes) and data.startswith(b'{\n  "dataset"'):  # summary.json's text
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            return self.file.write(data)
+
+    monkeypatch.setattr(os, "fdopen", DiskFull)
     with pytest.raises(SystemExit) as exit_info:
         evaluation.main(flags + ["--seed", "1"])
     line = str(exit_info.value.code)
     assert "could not be written" in line and "No space left" in line
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(before)  # no .tmp left behind
-    assert json.loads((tmp_path / "summary.json").read_text()) == json.loads(before["summary.json"])
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.name != RECORD} == before  # no .tmp
 
 
 def test_eval_warns_once_when_a_prompt_exceeds_the_context(tmp_path, capsys):
-    """tiny-qwen2 has a context of 1024 tokens; a question of 3000 characters passes it."""
+    """tiny-qwen2 has a context of 1024 tokens, a token a byte; a question of 966 characters fits it, but not
+    with 8 new tokens (a longer prompt is refused: tests/test_eval.py)."""
     data = tmp_path / "long.jsonl"
-    data.write_text("".join(json.dumps({"problem": q, "answer": "1"}) + "\n" for q in ("7 " * 1500, "1?")))
-    evaluation.main(["--model", "tiny-qwen2", "--dataset", str(data), "--max-new-tokens", "2"])
+    data.write_text("".join(json.dumps({"problem": q, "answer": "1"}) + "\n" for q in ("7 " * 483, "1?")))
+    evaluation.main(["--model", "tiny-qwen2", "--dataset", str(data), "--max-new-tokens", "8"])
     warnings = [line for line in capsys.readouterr().err.splitlines() if "context" in line]
     assert len(warnings) == 1 and "exceeds the model's context of 1024 tokens" in warnings[0]
 
