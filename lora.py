@@ -18,7 +18,7 @@ the base model as train.py was given it); `model.load_model` loads base plus ada
 
 A name is not an identity: a file replaced in place by another model of the same shapes would take the
 adapters without a word. So the adapters' file also records the base's identity, the content hash of its
-weights (`model.base_identity`, as the model cache keys a model), and every load checks it: a different base
+weights (`base_identity`, as the model cache keys a model), and every load checks it: a different base
 is one line naming both. Adapters saved before they recorded it load unchecked, with a warning, and record
 the base they are loaded onto at their next save (a resumed run).
 
@@ -29,15 +29,19 @@ peft is imported only where it is used: importing it takes about 2 s, and full f
 """
 
 import contextlib
+import hashlib
 import json
 import sys
 from pathlib import Path
 from typing import Callable
 
 import torch
+from huggingface_hub import snapshot_download
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 from transformers.pytorch_utils import Conv1D
+
+from model_files import SMOLLM2_SHA256, file_sha256, tiny_qwen2
 
 ADAPTERS = "adapter_model.safetensors"  # peft's names, so that peft's PeftModel.from_pretrained reads them
 ADAPTER_CONFIG = "adapter_config.json"
@@ -67,7 +71,7 @@ def check_rank(rank: int, model) -> None:
 def add_adapters(model, rank: int, alpha: float, base: str, seed: int, identity: str | None = None) -> None:
     """Adapters of rank `rank` on every linear layer of `model` but the output layer, in place; the model's
     own weights are frozen (requires_grad False). `base` is the model's name as given (an alias, a hub id or
-    a folder) and `identity` its content hash (`model.base_identity`), which the checkpoints record (None:
+    a folder) and `identity` its content hash (`base_identity`), which the checkpoints record (None:
     adapters never saved, as the benchmarks'). A is drawn from `seed`: the same on every process of torchrun,
     and in every run of that seed."""
     from peft import LoraConfig, inject_adapter_in_model
@@ -150,14 +154,43 @@ def base_of(folder: Path) -> str:
         raise ValueError(f"{folder / ADAPTER_CONFIG} is damaged: it names no base model") from None
 
 
-def load_adapters(model, folder: Path, base: str, identity: str):
-    """`model` (the base, `base` by name, `identity` by content: `model.base_identity`) with the adapters
-    saved in `folder`, trainable; returns it. Adapters that record another base, a damaged weights' file and a
-    config whose rank is not the weights' are a ValueError in one line, before any adapter is allocated. A
-    base with adapters of its own (a --lora-rank run started from another one's checkpoint) has them merged in
-    first."""
+def digest(parts: list[str]) -> str:
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()
+
+
+def base_identity(name: str) -> str:
+    """The content hash of the weights model `name` loads (model.load_model), as the model cache keys a model:
+    a GGUF file's sha256 (smollm2-135m's, pinned), a folder's *.safetensors' (the sha256 of their names and
+    sha256s; a train.py checkpoint's in its model/, a hub id's in the hub's cache), a LoRA checkpoint's
+    adapters and config with its base's, and tiny-qwen2's generated weights. What a LoRA checkpoint records
+    of its base, and what every load of it checks. Each file is read once in a process while it is unchanged
+    (`file_sha256`)."""
+    path = Path(name).expanduser()
+    if adapters := adapter_folder(name):  # first, as in load_model
+        return digest([file_sha256(adapters / f) for f in (ADAPTERS, ADAPTER_CONFIG)]
+                      + [base_identity(base_of(adapters))])
+    if name == "smollm2-135m":
+        return SMOLLM2_SHA256
+    if name == "tiny-qwen2":
+        with torch.random.fork_rng(devices=[]):  # tiny_qwen2 seeds the generator a run goes on drawing from
+            weights = tiny_qwen2()[0].state_dict()
+        return digest([f"{k} {hashlib.sha256(w.numpy().tobytes()).hexdigest()}" for k, w in weights.items()])
+    if path.suffix == ".gguf":
+        return file_sha256(path)
+    folder = path / "model" if (path / "model" / "config.json").is_file() else path  # as model.model_source
+    if not folder.exists():  # a hub id (loaded before this is asked): the files from_pretrained fetched
+        folder = Path(snapshot_download(name, allow_patterns=["*.safetensors"], local_files_only=True))
+    return digest([f"{f.name} {file_sha256(f)}" for f in sorted(folder.glob("*.safetensors"))])
+
+
+def load_adapters(model, folder: Path):
+    """`model` (the base: the model `base_of(folder)` names, as loaded) with the adapters saved in `folder`,
+    trainable; returns it. Adapters that record another base than that name's now (`base_identity`), a
+    damaged weights' file and a config whose rank is not the weights' are a ValueError in one line, before
+    any adapter is allocated. A base with adapters of its own (a --lora-rank run started from another one's
+    checkpoint) has them merged in first."""
     from peft import LoraConfig, inject_adapter_in_model, set_peft_model_state_dict
-    path, config = folder / ADAPTERS, LoraConfig.from_pretrained(str(folder))
+    path, config, base = folder / ADAPTERS, LoraConfig.from_pretrained(str(folder)), base_of(folder)
     try:
         with safe_open(str(path), "pt") as f:
             recorded = (f.metadata() or {}).get(BASE_SHA256)
@@ -167,7 +200,7 @@ def load_adapters(model, folder: Path, base: str, identity: str):
     if recorded is None:
         print(f"warning: {path} records no identity of its base (saved before adapters did): loaded onto "
               f"{base} unchecked", file=sys.stderr)
-    elif recorded != identity:
+    elif recorded != (identity := base_identity(base)):
         raise ValueError(f"{folder} holds adapters trained on {base} of sha256 {recorded[:16]}, but {base} "
                          f"is now sha256 {identity[:16]}, another model: load them onto the one they were "
                          "trained on")
@@ -182,7 +215,7 @@ def load_adapters(model, folder: Path, base: str, identity: str):
         raise ValueError(f"{path} does not fit {base}: {str(e).strip().splitlines()[-1].strip()}") from None
     if missing := [k for k in result.missing_keys if "lora_" in k]:
         raise ValueError(f"{path} lacks adapter weights the config names ({missing[0]}, ...)")
-    model.lora_base = identity  # recorded again at the next save: a resumed run's checkpoints
+    model.lora_base = base_identity(base)  # recorded at the next save: a resumed run's checkpoints
     return model
 
 

@@ -9,7 +9,6 @@ as log_softmax(logits / T) at the targets (`completion_logprobs`). train.py's --
 with the same arguments and the same numbers, each tested against the definition here.
 """
 
-import hashlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -18,12 +17,11 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 from safetensors import SafetensorError
-from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel,
-                          PreTrainedTokenizerBase)
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from hardware import pick_device
-from lora import ADAPTER_CONFIG, ADAPTERS, adapter_folder, base_of, load_adapters
-from model_files import SMOLLM2_SHA256, byte_tokenizer, file_sha256, gguf_folder, smollm2_folder, tiny_qwen2
+from lora import ADAPTER_CONFIG, adapter_folder, base_of, load_adapters
+from model_files import byte_tokenizer, gguf_folder, smollm2_folder, tiny_qwen2
 
 # ----------------------------------------------------------------------------- loading
 
@@ -75,49 +73,10 @@ def load_model(name: str,
     device = device or pick_device()
     tokenizer = load_tokenizer(name)
     if adapters := adapter_folder(name):  # a --lora-rank checkpoint (lora.py): its base, then the adapters
-        base = base_of(adapters)
-        return load_adapters(load_model(base, device)[0], adapters, base, base_identity(base)), tokenizer
+        return load_adapters(load_model(base_of(adapters), device)[0], adapters), tokenizer
     model = (tiny_qwen2()[0] if name == "tiny-qwen2"  # safetensors only: unpickling weights could run code
              else from_source(AutoModelForCausalLM, name, dtype=torch.float32, use_safetensors=True))
     return model.to(device).eval(), tokenizer  # eval mode (no dropout); training switches train mode on
-
-
-def digest(parts: list[str]) -> str:
-    return hashlib.sha256("\n".join(parts).encode()).hexdigest()
-
-
-def base_identity(name: str) -> str:
-    """The content hash of the weights model `name` loads (`load_model`), as the model cache keys a model: a
-    GGUF file's sha256 (smollm2-135m's, pinned), a folder's *.safetensors' (the sha256 of their names and
-    sha256s; a hub id's, in the hub's cache), a LoRA checkpoint's adapters and config with its base's, and
-    tiny-qwen2's generated weights. What a LoRA checkpoint records of its base, and what every load of it
-    checks (lora.load_adapters). Each file is read once in a process while it is unchanged (`file_sha256`)."""
-    path = Path(name).expanduser()
-    if adapters := adapter_folder(name):  # first, as in load_model
-        return digest([file_sha256(adapters / f) for f in (ADAPTERS, ADAPTER_CONFIG)]
-                      + [base_identity(base_of(adapters))])
-    if name == "smollm2-135m":
-        return SMOLLM2_SHA256
-    if name == "tiny-qwen2":
-        with torch.random.fork_rng(devices=[]):  # tiny_qwen2 seeds the generator a run goes on drawing from
-            weights = tiny_qwen2()[0].state_dict()
-        return digest([f"{k} {hashlib.sha256(w.numpy().tobytes()).hexdigest()}" for k, w in weights.items()])
-    if path.suffix == ".gguf":
-        return file_sha256(path)
-    source = Path(model_source(name))
-    if not source.exists():  # a hub id: the files from_pretrained fetched
-        from huggingface_hub import snapshot_download
-        source = Path(snapshot_download(name, allow_patterns=["*.safetensors"], local_files_only=True))
-    return digest([f"{f.name} {file_sha256(f)}" for f in sorted(source.glob("*.safetensors"))])
-
-
-def model_skeleton(name: str) -> PreTrainedModel:
-    """Model `name` (a LoRA checkpoint: its base) on the meta device: its layers' shapes, no weights."""
-    if adapters := adapter_folder(name):
-        return model_skeleton(base_of(adapters))
-    with torch.device("meta"), torch.random.fork_rng(devices=[]):
-        return tiny_qwen2()[0] if name == "tiny-qwen2" else AutoModelForCausalLM.from_config(
-            from_source(AutoConfig, name))
 
 
 def checkpoint_activations(model: PreTrainedModel) -> None:

@@ -24,12 +24,14 @@ from data.tasks import Problem, load_eval_problems, load_problems
 from decoding import FAST_ON, decode
 from eval import evaluate, score_groups
 from hardware import cast_weights, pick_device, where, working_copy
-from lora import adapters_off, add_adapters, check_rank, has_adapters, merged
+from lora import (adapter_folder, adapters_off, add_adapters, base_identity, base_of, check_rank,
+                  has_adapters, merged)
 from memory import describe_estimate, estimate_memory
 from metrics import collapse_warning, early_steps, show_group
-from model import (Rollout, base_identity, checkpoint_activations, completion_logprobs, context_warning,
-                   format_prompts, load_model, load_tokenizer, longest_prompt, model_skeleton, sample,
-                   sample_with_generate, stop_token_ids)
+from model import (Rollout, checkpoint_activations, completion_logprobs, context_warning, format_prompts,
+                   from_source, load_model, load_tokenizer, longest_prompt, sample, sample_with_generate,
+                   stop_token_ids)
+from model_files import tiny_qwen2
 from processes import StoppedWhileScoring, bad_input_is_one_line, gather_groups, stops_at_once
 from run_folder import (append_jsonl, checkpoint_damage, find_checkpoint, log_eval, log_step, read_jsonl,
                         restore_checkpoint, save_checkpoint, stopped_line)
@@ -66,7 +68,17 @@ def check_inputs(args) -> None:
     load_eval_problems(args.eval_dataset or args.dataset, args.seed)
     format_prompts(load_tokenizer(args.model), ["1 + 1?"], args.prompt_format, args.system)
     if args.lora_rank:
-        check_rank(args.lora_rank, model_skeleton(args.model))
+        check_rank(args.lora_rank, model_shapes(args.model))
+
+
+def model_shapes(name: str) -> torch.nn.Module:
+    """Model `name` (a LoRA checkpoint: its base) on the meta device: its layers' shapes, no weights."""
+    if adapters := adapter_folder(name):
+        return model_shapes(base_of(adapters))
+    with torch.device("meta"), torch.random.fork_rng(devices=[]):  # tiny_qwen2 seeds the generator
+        if name == "tiny-qwen2":
+            return tiny_qwen2()[0]
+        return transformers.AutoModelForCausalLM.from_config(from_source(transformers.AutoConfig, name))
 
 
 @dataclasses.dataclass

@@ -19,20 +19,21 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 import eval as evaluation
+import lora
 import merge
 import model_files
 import packing
 import run as run_module
 import train
 from hardware import working_copy
-from lora import ADAPTER_CONFIG, ADAPTERS, BASE_SHA256, has_adapters, save_adapters
-from model import base_identity, completion_logprobs, load_model, sample
+from lora import ADAPTER_CONFIG, ADAPTERS, BASE_SHA256, base_identity, digest, has_adapters, save_adapters
+from model import completion_logprobs, load_model, sample
 from model_files import SMOLLM2_SHA256, save_folder, tiny_qwen2
 from run import Paths
 from run_folder import read_jsonl
 from test_faults import killed_at
 from test_model_files import write_tiny_gguf
-from written import RECORD, owned, sha256
+from written import RECORD, sha256
 
 TINY = ["--model", "tiny-qwen2", "--max-new-tokens", "8", "--group-size", "4", "--eval-size", "4"]
 PARITY = "def parity(completion, gold): return float(len(completion) % 2)\n"  # rewards that vary: a gradient
@@ -422,10 +423,15 @@ def test_adapters_saved_before_they_recorded_their_base_load_unchecked_and_recor
         load_model(str(folder), torch.device("cpu"))
 
 
-def test_a_base_s_identity_is_its_content_as_the_model_cache_keys_it(tmp_path, tiny_lora_run):
+def test_a_base_s_identity_is_its_content_as_the_model_cache_keys_it(tmp_path, tiny_lora_run, monkeypatch):
     """A GGUF file: the sha256 the cache keys it by (two files of one name, two identities); smollm2-135m:
     its pinned sha256, no download; tiny-qwen2: its weights, with the random generator left as it was; a
-    LoRA checkpoint: its adapters with its base."""
+    folder, a train.py checkpoint and a hub id: their safetensors' (a hub id's where the hub's cache holds
+    them); a LoRA checkpoint: its adapters with its base."""
+    folder = save_folder(*tiny_qwen2(), tmp_path / "full" / "model")  # as a train.py checkpoint holds it
+    assert base_identity(str(folder)) == base_identity(str(folder.parent)) != digest([])
+    monkeypatch.setattr(lora, "snapshot_download", lambda name, **kwargs: str(folder))
+    assert base_identity("someone/tiny") == base_identity(str(folder))
     gguf = write_tiny_gguf(tmp_path / "base.gguf")
     first = base_identity(str(gguf))
     assert first == sha256(gguf)
