@@ -438,6 +438,7 @@ def test_a_base_s_identity_is_its_content_as_the_model_cache_keys_it(tmp_path, t
     write_tiny_gguf(gguf, seed=1)
     assert base_identity(str(gguf)) == sha256(gguf) != first
     assert base_identity("smollm2-135m") == SMOLLM2_SHA256
+    torch.rand(1)  # a state that no seeding gives back
     state = torch.get_rng_state()
     assert base_identity("tiny-qwen2") == base_identity("tiny-qwen2")
     assert torch.equal(torch.get_rng_state(), state)
@@ -452,9 +453,12 @@ def test_a_base_s_identity_is_its_content_as_the_model_cache_keys_it(tmp_path, t
 @pytest.mark.parametrize("rank", ["17", "100000", str(2**66)])
 def test_a_rank_above_the_narrowest_adapted_layer_is_refused_at_parse_time(rank, monkeypatch, capsys):
     """tiny-qwen2's k_proj and v_proj are [16, 32]: rank 16 is its most; above it, one line before any model
-    loads."""
+    loads. The check builds the model's shapes alone, and leaves the random generator as it was."""
     monkeypatch.setattr(run_module, "load_model", lambda *a, **k: pytest.fail("a model loaded"))
+    torch.rand(1)
+    state = torch.get_rng_state()
     assert train.parse_args(TINY + ["--lora-rank", "16"]).lora_rank == 16
+    assert torch.equal(torch.get_rng_state(), state)
     with pytest.raises(SystemExit):
         train.parse_args(TINY + ["--lora-rank", rank])
     line = capsys.readouterr().err.strip().splitlines()[-1]
