@@ -197,10 +197,11 @@ def load_adapters(model, folder: Path):
         weights = load_file(str(path), device=str(next(model.parameters()).device))
     except SafetensorError as e:  # cut short, or not safetensors: its message names no file
         raise ValueError(f"{path} is damaged ({e})") from None
+    identity = base_identity(base)
     if recorded is None:
         print(f"warning: {path} records no identity of its base (saved before adapters did): loaded onto "
               f"{base} unchecked", file=sys.stderr)
-    elif recorded != (identity := base_identity(base)):
+    elif recorded != identity:
         raise ValueError(f"{folder} holds adapters trained on {base} of sha256 {recorded[:16]}, but {base} "
                          f"is now sha256 {identity[:16]}, another model: load them onto the one they were "
                          "trained on")
@@ -215,7 +216,7 @@ def load_adapters(model, folder: Path):
         raise ValueError(f"{path} does not fit {base}: {str(e).strip().splitlines()[-1].strip()}") from None
     if missing := [k for k in result.missing_keys if "lora_" in k]:
         raise ValueError(f"{path} lacks adapter weights the config names ({missing[0]}, ...)")
-    model.lora_base = base_identity(base)  # recorded at the next save: a resumed run's checkpoints
+    model.lora_base = identity  # recorded at the next save: a resumed run's checkpoints
     return model
 
 
