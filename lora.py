@@ -16,6 +16,12 @@ policy with its adapters off (`adapters_off`), not a second copy of the weights.
 adapters alone, a few MB, in peft's format (adapter_model.safetensors and adapter_config.json, which names
 the base model as train.py was given it); `model.load_model` loads base plus adapters from it.
 
+A name is not an identity: a file replaced in place by another model of the same shapes would take the
+adapters without a word. So the adapters' file also records the base's identity, the content hash of its
+weights (`base_identity`, as the model cache keys a model), and every load checks it: a different base
+is one line naming both. Adapters saved before they recorded it load unchecked, with a warning, and record
+the base they are loaded onto at their next save (a resumed run).
+
 For use elsewhere (vLLM, transformers without peft), merge.py writes the adapters merged into the base as
 one model (`merged`).
 
@@ -23,21 +29,50 @@ peft is imported only where it is used: importing it takes about 2 s, and full f
 """
 
 import contextlib
+import hashlib
 import json
+import sys
 from pathlib import Path
 from typing import Callable
 
 import torch
+from huggingface_hub import snapshot_download
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
+from transformers.pytorch_utils import Conv1D
+
+from model_files import SMOLLM2_SHA256, file_sha256, tiny_qwen2
 
 ADAPTERS = "adapter_model.safetensors"  # peft's names, so that peft's PeftModel.from_pretrained reads them
 ADAPTER_CONFIG = "adapter_config.json"
+BASE_SHA256 = "base_sha256"  # the key, in the adapters' file's metadata, of their base's identity
 
 
-def add_adapters(model, rank: int, alpha: float, base: str, seed: int) -> None:
+def adapted_layers(model) -> dict[str, torch.nn.Module]:
+    """The layers `add_adapters` adapts, by name: every linear layer but the output layer (peft's
+    "all-linear", which counts transformers' Conv1D as linear)."""
+    output = model.get_output_embeddings()
+    return {name: module for name, module in model.named_modules()
+            if isinstance(module, (torch.nn.Linear, Conv1D)) and module is not output}
+
+
+def check_rank(rank: int, model) -> None:
+    """A ValueError, in one line, if `rank` is above the width of a layer of `model` that adapters would
+    adapt: B A of a [d_out, d_in] layer has rank min(d_in, d_out) at most, so a higher rank only adds
+    parameters (and at 2**66, an allocator's traceback). Shapes alone: `model` may be on the meta device, as
+    train.py checks --lora-rank before any model loads."""
+    shapes = {name: list(layer.weight.shape) for name, layer in adapted_layers(model).items()}
+    narrowest = min(shapes, key=lambda name: min(shapes[name]))
+    if rank > (width := min(shapes[narrowest])):
+        raise ValueError(f"--lora-rank {rank} is above {width}, the width of the model's narrowest adapted "
+                         f"layer ({narrowest}, {shapes[narrowest]}): choose at most {width}")
+
+
+def add_adapters(model, rank: int, alpha: float, base: str, seed: int, identity: str | None = None) -> None:
     """Adapters of rank `rank` on every linear layer of `model` but the output layer, in place; the model's
     own weights are frozen (requires_grad False). `base` is the model's name as given (an alias, a hub id or
-    a folder), which the checkpoints record. A is drawn from `seed`: the same on every process of torchrun,
+    a folder) and `identity` its content hash (`base_identity`), which the checkpoints record (None:
+    adapters never saved, as the benchmarks'). A is drawn from `seed`: the same on every process of torchrun,
     and in every run of that seed."""
     from peft import LoraConfig, inject_adapter_in_model
     source = str(Path(base).resolve()) if Path(base).exists() else base  # a folder: found from anywhere
@@ -45,6 +80,7 @@ def add_adapters(model, rank: int, alpha: float, base: str, seed: int) -> None:
                         base_model_name_or_path=source)
     torch.manual_seed(seed)
     inject_adapter_in_model(config, model)
+    model.lora_base = identity
 
 
 def has_adapters(model) -> bool:
@@ -92,11 +128,14 @@ def has_variants(model) -> bool:
 
 
 def save_adapters(model, folder: Path) -> None:
-    """The adapters' float32 weights and their config into `folder`, as peft's save_pretrained writes them."""
+    """The adapters' float32 weights and their config into `folder`, as peft's save_pretrained writes them,
+    with their base's identity in the weights' metadata."""
     from peft import get_peft_model_state_dict
     folder.mkdir(parents=True, exist_ok=True)
+    identity = {BASE_SHA256: model.lora_base} if getattr(model, "lora_base", None) else {}
     # save_embedding_layers False: "auto" looks the base up on the hub to see whether its vocabulary grew
-    save_file(get_peft_model_state_dict(model, save_embedding_layers=False), str(folder / ADAPTERS))
+    save_file(get_peft_model_state_dict(model, save_embedding_layers=False), str(folder / ADAPTERS),
+              metadata={"format": "pt", **identity})  # "format": what peft's own save writes
     model.peft_config["default"].save_pretrained(str(folder))
 
 
@@ -115,15 +154,69 @@ def base_of(folder: Path) -> str:
         raise ValueError(f"{folder / ADAPTER_CONFIG} is damaged: it names no base model") from None
 
 
+def digest(parts: list[str]) -> str:
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()
+
+
+def base_identity(name: str) -> str:
+    """The content hash of the weights model `name` loads (model.load_model), as the model cache keys a model:
+    a GGUF file's sha256 (smollm2-135m's, pinned), a folder's *.safetensors' (the sha256 of their names and
+    sha256s; a train.py checkpoint's in its model/, a hub id's in the hub's cache), a LoRA checkpoint's
+    adapters and config with its base's, and tiny-qwen2's generated weights. What a LoRA checkpoint records
+    of its base, and what every load of it checks. Each file is read once in a process while it is unchanged
+    (`file_sha256`)."""
+    path = Path(name).expanduser()
+    if adapters := adapter_folder(name):  # first, as in load_model
+        return digest([file_sha256(adapters / f) for f in (ADAPTERS, ADAPTER_CONFIG)]
+                      + [base_identity(base_of(adapters))])
+    if name == "smollm2-135m":
+        return SMOLLM2_SHA256
+    if name == "tiny-qwen2":
+        with torch.random.fork_rng(devices=[]):  # tiny_qwen2 seeds the generator a run goes on drawing from
+            weights = tiny_qwen2()[0].state_dict()
+        return digest([f"{k} {hashlib.sha256(w.numpy().tobytes()).hexdigest()}" for k, w in weights.items()])
+    if path.suffix == ".gguf":
+        return file_sha256(path)
+    folder = path / "model" if (path / "model" / "config.json").is_file() else path  # as model.model_source
+    if not folder.exists():  # a hub id (loaded before this is asked): the files from_pretrained fetched
+        folder = Path(snapshot_download(name, allow_patterns=["*.safetensors"], local_files_only=True))
+    return digest([f"{f.name} {file_sha256(f)}" for f in sorted(folder.glob("*.safetensors"))])
+
+
 def load_adapters(model, folder: Path):
-    """`model` (the base) with the adapters saved in `folder`, trainable; returns it. A base with adapters of
-    its own (a --lora-rank run started from another one's checkpoint) has them merged in first."""
+    """`model` (the base: the model `base_of(folder)` names, as loaded) with the adapters saved in `folder`,
+    trainable; returns it. Adapters that record another base than that name's now (`base_identity`), a
+    damaged weights' file and a config whose rank is not the weights' are a ValueError in one line, before
+    any adapter is allocated. A base with adapters of its own (a --lora-rank run started from another one's
+    checkpoint) has them merged in first."""
     from peft import LoraConfig, inject_adapter_in_model, set_peft_model_state_dict
-    inject_adapter_in_model(LoraConfig.from_pretrained(str(folder)), merged(model))
-    weights = load_file(str(folder / ADAPTERS), device=str(next(model.parameters()).device))
-    result = set_peft_model_state_dict(model, weights)
+    path, config, base = folder / ADAPTERS, LoraConfig.from_pretrained(str(folder)), base_of(folder)
+    try:
+        with safe_open(str(path), "pt") as f:
+            recorded = (f.metadata() or {}).get(BASE_SHA256)
+        weights = load_file(str(path), device=str(next(model.parameters()).device))
+    except SafetensorError as e:  # cut short, or not safetensors: its message names no file
+        raise ValueError(f"{path} is damaged ({e})") from None
+    identity = base_identity(base)
+    if recorded is None:
+        print(f"warning: {path} records no identity of its base (saved before adapters did): loaded onto "
+              f"{base} unchecked", file=sys.stderr)
+    elif recorded != identity:
+        raise ValueError(f"{folder} holds adapters trained on {base} of sha256 {recorded[:16]}, but {base} "
+                         f"is now sha256 {identity[:16]}, another model: load them onto the one they were "
+                         "trained on")
+    if not config.rank_pattern and (odd := next((k for k, w in weights.items() if ".lora_" in k and
+                                                 w.shape[0 if ".lora_A." in k else 1] != config.r), None)):
+        raise ValueError(f"{folder} is damaged: its {ADAPTER_CONFIG} says rank {config.r}, its {ADAPTERS} "
+                         f"holds {odd} of shape {list(weights[odd].shape)}")
+    inject_adapter_in_model(config, merged(model))
+    try:
+        result = set_peft_model_state_dict(model, weights)
+    except RuntimeError as e:  # weights of other shapes: adapters of another model
+        raise ValueError(f"{path} does not fit {base}: {str(e).strip().splitlines()[-1].strip()}") from None
     if missing := [k for k in result.missing_keys if "lora_" in k]:
-        raise ValueError(f"{folder / ADAPTERS} lacks adapter weights the config names ({missing[0]}, ...)")
+        raise ValueError(f"{path} lacks adapter weights the config names ({missing[0]}, ...)")
+    model.lora_base = identity  # recorded at the next save: a resumed run's checkpoints
     return model
 
 

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Callable
 
 import torch
+from safetensors import SafetensorError
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import (AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase,
                           PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM)
@@ -94,6 +95,8 @@ def cached(key: str, convert: Callable[[Path], None]) -> Path:
         raise
     except (OSError, NotWritten) as e:  # read-only, a file in its place, a full disk, a changed folder
         raise FileNotFoundError(f"the model cache (GROUP_RL_CACHE): {e}") from None  # e names the path
+    except SafetensorError as e:  # a full disk as safetensors says it: not an OSError, and naming no path
+        raise FileNotFoundError(f"the model cache (GROUP_RL_CACHE): {cache_dir / key}: {e}") from None
     return cache_dir / key
 
 

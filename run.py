@@ -24,11 +24,12 @@ from data.tasks import Problem, load_eval_problems, load_problems
 from decoding import FAST_ON, decode
 from eval import evaluate, score_groups
 from hardware import cast_weights, pick_device, where, working_copy
-from lora import adapters_off, add_adapters, merged
+from lora import adapter_folder, adapters_off, add_adapters, base_identity, base_of, check_rank, merged
 from memory import context_warning, describe_estimate, estimate_memory, longest_prompt, parameter_counts
 from metrics import collapse_warning, early_steps, show_group
-from model import (Rollout, checkpoint_activations, completion_logprobs, format_prompts, load_model,
-                   load_tokenizer, sample, sample_with_generate, stop_token_ids)
+from model import (Rollout, checkpoint_activations, completion_logprobs, format_prompts, from_source,
+                   load_model, load_tokenizer, sample, sample_with_generate, stop_token_ids)
+from model_files import tiny_qwen2
 from processes import StoppedWhileScoring, bad_input_is_one_line, gather_groups, stops_at_once
 from run_folder import (append_jsonl, checkpoint_damage, find_checkpoint, log_eval, log_step, read_jsonl,
                         restore_checkpoint, save_checkpoint, stopped_line)
@@ -57,12 +58,25 @@ def fast_or_plain(fast: bool, device: torch.device) -> Paths:
 def check_inputs(args) -> None:
     """What a run of train.Args `args` reads, read before any model loads, so that a bad line or flag fails in
     a second, naming file and line: the device (--device cuda where CUDA is unusable says why), the reward,
-    the problems, and the tokenizer alone (a missing chat template)."""
+    the problems, the tokenizer alone (a missing chat template) and the model's shapes alone (a --lora-rank
+    above a layer's width)."""
     pick_device(args.device)
     load_reward(args.reward)
     load_problems(args.dataset, "train", args.seed)
     load_eval_problems(args.eval_dataset or args.dataset, args.seed)
     format_prompts(load_tokenizer(args.model), ["1 + 1?"], args.prompt_format, args.system)
+    if args.lora_rank:
+        check_rank(args.lora_rank, model_shapes(args.model))
+
+
+def model_shapes(name: str) -> torch.nn.Module:
+    """Model `name` (a LoRA checkpoint: its base) on the meta device: its layers' shapes, no weights."""
+    if adapters := adapter_folder(name):
+        return model_shapes(base_of(adapters))
+    with torch.device("meta"), torch.random.fork_rng(devices=[]):  # tiny_qwen2 seeds the generator
+        if name == "tiny-qwen2":
+            return tiny_qwen2()[0]
+        return transformers.AutoModelForCausalLM.from_config(from_source(transformers.AutoConfig, name))
 
 
 @dataclasses.dataclass
@@ -99,7 +113,8 @@ def start_run(args, run_dir: Path, device: torch.device, is_main: bool, state: d
     if not checkpoint:  # --model may be a LoRA run's checkpoint: this run starts from its policy as one model
         merged(master)
     if args.lora_rank and not checkpoint:  # resumed, the checkpoint holds the adapters (model.load_model)
-        add_adapters(master, args.lora_rank, args.lora_alpha, args.model, args.seed)
+        identity = base_identity(args.model)  # the checkpoints record it: loaded onto another base, refused
+        add_adapters(master, args.lora_rank, args.lora_alpha, args.model, args.seed, identity)
     policy = working_copy(master, args.precision)  # bf16: on CUDA and on CPUs with native bf16 (auto)
     reference = None  # `with run.reference() as network`: the frozen initial policy
     if with_reference and args.lora_rank:

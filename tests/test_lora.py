@@ -1,26 +1,39 @@
 """LoRA through peft (lora.py, issue 56): a run starts at the base policy, its reference is the base with the
 adapters off at every step, only the adapters train, checkpoints hold the adapters and resume exactly,
-eval.py and merge.py read them, and every path (fast, bf16, checkpointing, each method) runs under it."""
+eval.py and merge.py read them, and every path (fast, bf16, checkpointing, each method) runs under it. A
+checkpoint knows its base by content, and every loader refuses another base or damaged adapters in one line;
+merge.py survives a kill at any moment and a full disk (issue 61)."""
 
 import json
+import os
+import resource
+import shutil
+import signal
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 from peft.tuners.tuners_utils import BaseTunerLayer
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
 
 import eval as evaluation
+import lora
 import merge
+import model_files
 import packing
 import run as run_module
 import train
 from hardware import working_copy
-from lora import ADAPTER_CONFIG, ADAPTERS, has_adapters
+from lora import ADAPTER_CONFIG, ADAPTERS, BASE_SHA256, base_identity, digest, has_adapters, save_adapters
 from model import completion_logprobs, load_model, sample
+from model_files import SMOLLM2_SHA256, save_folder, tiny_qwen2
 from run import Paths
 from run_folder import read_jsonl
-from written import RECORD
+from test_faults import killed_at
+from test_model_files import write_tiny_gguf
+from written import RECORD, sha256
 
 TINY = ["--model", "tiny-qwen2", "--max-new-tokens", "8", "--group-size", "4", "--eval-size", "4"]
 PARITY = "def parity(completion, gold): return float(len(completion) % 2)\n"  # rewards that vary: a gradient
@@ -308,3 +321,224 @@ def test_a_run_starts_from_a_lora_checkpoint_as_one_model_and_loads_back_from_it
     evaluation.main(["--model", str(second / "grpo" / "checkpoint"), "--max-new-tokens", "8", "--limit", "8",
                      "--out", str(tmp_path / "eval"), "--reward", "user_parity:parity"])
     assert [r["completion"] for r in read_jsonl(next((tmp_path / "eval").glob("samples-*.jsonl")))] == in_run
+
+
+# -------------------------------------------------------------------------- the base's identity (issue 61)
+
+
+def lora_run(base: str, out: Path, *flags: str) -> Path:
+    """A one-step --lora-rank 2 run on `base` into `out`; its checkpoint."""
+    train.main(TINY[2:] + ["--model", base, "--lora-rank", "2", "--steps", "1", "--eval-every", "0",
+                           "--lr-decay", "0", "--out", str(out), *flags])
+    return out / "grpo" / "checkpoint"
+
+
+def loaders(checkpoint: Path, tmp_path: Path) -> dict:
+    """Every script's way to load the adapters of `checkpoint`: what each exits with (its one line)."""
+    ways = {"merge.py": lambda: merge.main([str(checkpoint), str(tmp_path / "merged")]),
+            "eval.py": lambda: evaluation.main(["--model", str(checkpoint), "--limit", "1",
+                                                "--max-new-tokens", "2"]),
+            "train.py --model": lambda: train.main(TINY[2:] + ["--model", str(checkpoint), "--steps", "1",
+                                                               "--out", str(tmp_path / "next")]),
+            "--resume": lambda: lora_run(base_of_run(checkpoint), checkpoint.parent.parent, "--steps", "2",
+                                         "--resume")}
+    lines = {}
+    for name, way in ways.items():
+        with pytest.raises(SystemExit) as exit_info:
+            way()
+        lines[name] = str(exit_info.value.code)
+    assert not (tmp_path / "merged").exists()  # merge.py's refusal writes nothing
+    return lines
+
+
+def base_of_run(checkpoint: Path) -> str:
+    return json.loads((checkpoint.parent / "config.json").read_text())["model"]
+
+
+def test_adapters_on_another_base_of_the_same_shapes_are_refused_in_one_line_by_every_loader(tmp_path):
+    """A base folder replaced in place by another model of the same shapes: merge.py, eval.py, train.py
+    --model and --resume each refuse in one line naming the base and both identities; the base put back,
+    the same checkpoint loads."""
+    base = tmp_path / "base"
+    save_folder(*tiny_qwen2(0), base)
+    checkpoint = lora_run(str(base), tmp_path / "run")
+    with safe_open(str(checkpoint / "model" / ADAPTERS), "pt") as f:
+        trained_on = f.metadata()[BASE_SHA256]
+    assert trained_on == base_identity(str(base))
+    original = (base / "model.safetensors").read_bytes()
+    tiny_qwen2(1)[0].save_pretrained(base)  # another model, same shapes, same name
+    now = base_identity(str(base))
+    assert now != trained_on
+    for name, line in loaders(checkpoint, tmp_path).items():
+        assert line.startswith("error: ") and "\n" not in line, (name, line)
+        assert f"trained on {base} of sha256 {trained_on[:16]}" in line and now[:16] in line, (name, line)
+    (base / "model.safetensors").write_bytes(original)
+    assert has_adapters(load_model(str(checkpoint), torch.device("cpu"))[0])
+
+
+@pytest.fixture(scope="module")
+def tiny_lora_run(tmp_path_factory) -> Path:
+    return lora_run("tiny-qwen2", tmp_path_factory.mktemp("lora") / "run").parent.parent
+
+
+@pytest.mark.parametrize("damage", ["adapters cut to 100 bytes", "config of rank 4 over rank-2 weights"])
+def test_damaged_adapters_are_one_line_in_every_loader(tiny_lora_run, tmp_path, damage):
+    run = tmp_path / "run"
+    shutil.copytree(tiny_lora_run, run)
+    checkpoint = run / "grpo" / "checkpoint"
+    if damage.startswith("adapters"):
+        adapters = checkpoint / "model" / ADAPTERS
+        adapters.write_bytes(adapters.read_bytes()[:100])
+        says = f"{adapters} is damaged (Error while deserializing header"
+    else:  # said before any adapter is allocated: the config's rank may be any number
+        config = json.loads((checkpoint / "model" / ADAPTER_CONFIG).read_text())
+        (checkpoint / "model" / ADAPTER_CONFIG).write_text(json.dumps(config | {"r": 4}))
+        says = f"{checkpoint / 'model'} is damaged: its {ADAPTER_CONFIG} says rank 4, its {ADAPTERS} holds "
+    for name, line in loaders(checkpoint, tmp_path).items():
+        assert line.startswith("error: ") and "\n" not in line, (name, line)
+        if name != "--resume":  # --resume: the checkpoint is changed since its run wrote it (written.py)
+            assert says in line, (name, line)
+
+
+def test_adapters_saved_before_they_recorded_their_base_load_unchecked_and_record_it_when_saved(
+        tiny_lora_run, tmp_path, capfd):
+    """A checkpoint of adapters with no recorded base (before issue 61): loaded onto the base its config
+    names, with a warning; saved again (a resumed run's next checkpoint), it records that base."""
+    folder = tmp_path / "model"
+    shutil.copytree(tiny_lora_run / "grpo" / "checkpoint" / "model", folder)
+    save_file(load_file(str(folder / ADAPTERS)), str(folder / ADAPTERS))  # the weights, no metadata
+    adapted = load_model(str(folder), torch.device("cpu"))[0]
+    assert has_adapters(adapted)
+    assert f"warning: {folder / ADAPTERS} records no identity of its base" in capfd.readouterr().err
+    save_adapters(adapted, tmp_path / "saved")
+    with safe_open(str(tmp_path / "saved" / ADAPTERS), "pt") as f:
+        assert f.metadata()[BASE_SHA256] == base_identity("tiny-qwen2")
+    wider, tokenizer = tiny_qwen2()  # unchecked, onto a base of other widths: one line, not torch's traceback
+    wider.config.intermediate_size = 48
+    save_folder(type(wider)(wider.config), tokenizer, tmp_path / "wider")
+    config = json.loads((folder / ADAPTER_CONFIG).read_text())
+    config["base_model_name_or_path"] = str(tmp_path / "wider")
+    (folder / ADAPTER_CONFIG).write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=f"{folder / ADAPTERS} does not fit {tmp_path / 'wider'}: size mism"):
+        load_model(str(folder), torch.device("cpu"))
+
+
+def test_a_base_s_identity_is_its_content_as_the_model_cache_keys_it(tmp_path, tiny_lora_run, monkeypatch):
+    """A GGUF file: the sha256 the cache keys it by (two files of one name, two identities); smollm2-135m:
+    its pinned sha256, no download; tiny-qwen2: its weights, with the random generator left as it was; a
+    folder, a train.py checkpoint and a hub id: their safetensors' (a hub id's where the hub's cache holds
+    them); a LoRA checkpoint: its adapters with its base."""
+    folder = save_folder(*tiny_qwen2(), tmp_path / "full" / "model")  # as a train.py checkpoint holds it
+    assert base_identity(str(folder)) == base_identity(str(folder.parent)) != digest([])
+    monkeypatch.setattr(lora, "snapshot_download", lambda name, **kwargs: str(folder))
+    assert base_identity("someone/tiny") == base_identity(str(folder))
+    gguf = write_tiny_gguf(tmp_path / "base.gguf")
+    first = base_identity(str(gguf))
+    assert first == sha256(gguf)
+    write_tiny_gguf(gguf, seed=1)
+    assert base_identity(str(gguf)) == sha256(gguf) != first
+    assert base_identity("smollm2-135m") == SMOLLM2_SHA256
+    torch.rand(1)  # a state that no seeding gives back
+    state = torch.get_rng_state()
+    assert base_identity("tiny-qwen2") == base_identity("tiny-qwen2")
+    assert torch.equal(torch.get_rng_state(), state)
+    checkpoint = tmp_path / "checkpoint"
+    shutil.copytree(tiny_lora_run / "grpo" / "checkpoint", checkpoint)
+    before = base_identity(str(checkpoint))
+    weights = load_file(str(checkpoint / "model" / ADAPTERS))
+    save_file({k: w + 1 for k, w in weights.items()}, str(checkpoint / "model" / ADAPTERS))
+    assert base_identity(str(checkpoint)) != before
+
+
+@pytest.mark.parametrize("rank", ["17", "100000", str(2**66)])
+def test_a_rank_above_the_narrowest_adapted_layer_is_refused_at_parse_time(rank, monkeypatch, capsys):
+    """tiny-qwen2's k_proj and v_proj are [16, 32]: rank 16 is its most; above it, one line before any model
+    loads. The check builds the model's shapes alone, and leaves the random generator as it was."""
+    monkeypatch.setattr(run_module, "load_model", lambda *a, **k: pytest.fail("a model loaded"))
+    torch.rand(1)
+    state = torch.get_rng_state()
+    assert train.parse_args(TINY + ["--lora-rank", "16"]).lora_rank == 16
+    assert torch.equal(torch.get_rng_state(), state)
+    with pytest.raises(SystemExit):
+        train.parse_args(TINY + ["--lora-rank", rank])
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert f"--lora-rank {rank} is above 16, the width of the model's narrowest adapted layer" in line
+    assert "k_proj, [16, 32]" in line
+
+
+# ---------------------------------------------------------------------------- merge.py: kills, a full disk
+
+
+@pytest.fixture(scope="module")
+def merged_model(tiny_lora_run):
+    """The tiny LoRA run's model, its adapters merged in, and its tokenizer."""
+    model, tokenizer = load_model(str(tiny_lora_run / "grpo" / "checkpoint"), torch.device("cpu"))
+    return merge.merged(model), tokenizer
+
+
+def test_a_merge_killed_at_every_moment_leaves_a_folder_the_next_merge_finishes(tmp_path, merged_model):
+    """merge.py killed (forked, os._exit) before or after each os call that changes <out>, over an earlier
+    merge: the next merge ends with <out> holding its record and model alone, no temporary, no model.new
+    (which once stopped every later merge: "model.new is a folder: remove it ...")."""
+    model, tokenizer = merged_model
+    want = {k: v.clone() for k, v in model.state_dict().items()}
+    for n in range(10**4):
+        out = tmp_path / str(n)
+        merge.write_merged(out, model, tokenizer)
+        if (pid := os.fork()) == 0:
+            killed_at(n)
+            merge.write_merged(out, model, tokenizer)
+            os._exit(3)  # the merge ended: n is past its last moment
+        ended = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+        merge.write_merged(out, model, tokenizer)
+        assert sorted(p.name for p in out.iterdir()) == [RECORD, "model"], f"killed at {n}"
+        got = load_file(str(out / "model" / "model.safetensors"))
+        assert all(torch.equal(got[k], want[k]) for k in got), f"killed at {n}"
+        if ended == 3:
+            break
+    assert n > 20  # every moment of a merge was reached
+
+
+def under_a_full_disk(write, limit: int = 50_000) -> str:
+    """`write()` in a forked process whose files cannot grow past `limit` bytes (RLIMIT_FSIZE; EFBIG, as a
+    full disk's ENOSPC, once past it): the line it exits with, or how it failed otherwise."""
+    read, send = os.pipe()
+    if (pid := os.fork()) == 0:
+        os.close(read)
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # the write fails, the process goes on
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, resource.RLIM_INFINITY))
+        try:
+            write()
+            said = "wrote it all"
+        except SystemExit as e:
+            said = str(e.code)
+        except BaseException as e:
+            said = f"{type(e).__name__} raised: {e}"
+        os.write(send, said.encode())
+        os._exit(0)
+    os.close(send)
+    with os.fdopen(read) as f:
+        said = f.read()
+    os.waitpid(pid, 0)
+    return said
+
+
+def test_a_full_disk_in_merge_and_in_the_first_use_conversion_is_one_line(tmp_path, merged_model,
+                                                                          monkeypatch):
+    """The merged weights past the disk's room: safetensors' SafetensorError (no OSError) was a traceback in
+    merge.py and in the model cache's conversion. Now one line each; the earlier merge stays, no temporary."""
+    model, tokenizer = merged_model
+    out = tmp_path / "merged"
+    merge.write_merged(out, model, tokenizer)
+    earlier = sha256(out / "model" / "model.safetensors")
+    line = under_a_full_disk(lambda: merge.write_merged(out, model, tokenizer))
+    assert line.startswith(f"error: the merge could not be written in {out} (") and "\n" not in line, line
+    assert "File too large" in line
+    assert sorted(p.name for p in out.iterdir()) == [RECORD, "model"]
+    assert sha256(out / "model" / "model.safetensors") == earlier
+    monkeypatch.setattr(model_files, "CACHE_DIR", tmp_path / "cache")
+    line = under_a_full_disk(lambda: model_files.cached("0" * 64, lambda folder: save_folder(model, tokenizer,
+                                                                                              folder)))
+    assert line.startswith("FileNotFoundError raised: the model cache (GROUP_RL_CACHE): "), line
+    assert "File too large" in line and "\n" not in line
+    assert sorted(p.name for p in (tmp_path / "cache" / "models").iterdir()) == [RECORD]
