@@ -508,7 +508,7 @@ def test_quick_lora_part_sweeps_each_arm_then_trains_the_seeds_at_the_chosen_rat
     assert timeless(again["lora"]) == timeless(lora)
 
 
-# ------------------------------------------------ issue 61: Ctrl-C and SIGTERM; what is checked before any run
+# ------------------------------------------------- issue 61: Ctrl-C, SIGTERM; what is checked before any run
 def sleeper(started: Path, seconds: float, deaf: bool) -> None:
     """A task of `run_all`'s: says it started, then sleeps; `deaf`: it ignores SIGTERM, as a worker that
     cannot stop would."""
@@ -519,7 +519,8 @@ def sleeper(started: Path, seconds: float, deaf: bool) -> None:
 
 
 @pytest.mark.parametrize("signals, deaf", [([signal.SIGTERM], False),
-                                           ([signal.SIGINT, signal.SIGTERM], True)], ids=["SIGTERM", "Ctrl-C then SIGTERM, to deaf workers"])
+                                           ([signal.SIGINT, signal.SIGTERM], True)],
+                         ids=["SIGTERM", "Ctrl-C then SIGTERM, to deaf workers"])
 def test_a_stop_signal_ends_the_tasks_at_once_and_starts_no_queued_one(tmp_path, signals, deaf):
     """SIGTERM to experiments.py alone while two tasks of 120 s run in two workers and three wait (the pool
     has handed one to a worker already): Stopped at once, and no queued task starts. Ctrl-C and SIGTERM sent
