@@ -44,7 +44,10 @@ README quotes).
 
 Finished runs are reused and unfinished ones resume from their last checkpoint, so a rerun (after Ctrl-C, in
 another session, or with more --seeds) only fills gaps; a run is reused or resumed only when its config.json
-holds the flags asked for (else one line names the run and the flag: `check_run`). Everything goes through
+holds the flags asked for (else one line names the run and the flag: `check_run`). Before any run, every run's
+flags pass train.py's own checks, and every folder it writes can be written (`check_before_any_run`). Ctrl-C
+or SIGTERM stops it at once, in one line: the runs under way save their step, no other starts (`run_all`).
+A failed write (a full disk) is one line, as in train.py. Everything goes through
 written.py's records: the runs, results.json and the figures under --out (<out>/figures), or the figures and
 results.json in --figures (`--figures docs` rewrites the committed ones: a folder experiments.py wrote, or a
 new one).
