@@ -44,7 +44,10 @@ README quotes).
 
 Finished runs are reused and unfinished ones resume from their last checkpoint, so a rerun (after Ctrl-C, in
 another session, or with more --seeds) only fills gaps; a run is reused or resumed only when its config.json
-holds the flags asked for (else one line names the run and the flag: `check_run`). Everything goes through
+holds the flags asked for (else one line names the run and the flag: `check_run`). Before any run, every run's
+flags pass train.py's own checks, and every folder it writes can be written (`check_before_any_run`). Ctrl-C
+or SIGTERM stops it at once, in one line: the runs under way save their step, no other starts (`run_all`).
+A failed write (a full disk) is one line, as in train.py. Everything goes through
 written.py's records: the runs, results.json and the figures under --out (<out>/figures), or the figures and
 results.json in --figures (`--figures docs` rewrites the committed ones: a folder experiments.py wrote, or a
 new one).
@@ -62,7 +65,7 @@ import platform
 import signal
 import sys
 from concurrent.futures import FIRST_EXCEPTION, ProcessPoolExecutor, wait
-from contextlib import ExitStack
+from contextlib import ExitStack, suppress
 from pathlib import Path
 from typing import Callable
 
@@ -80,6 +83,7 @@ from hardware import cpu_features, pick_device, resolve_precision, working_copy
 from model import load_model, sample
 from plots import (plot_accuracy_vs_compute, plot_accuracy_vs_tokens, plot_collapse_map, plot_compare_curves,
                    plot_difficulty, plot_early_acr_scatter, plot_precision_curves)
+from processes import STOP_SIGNALS, on_stop_signals
 from run_folder import RunFolderError, find_checkpoint, read_jsonl, saved_config
 from verifier import load_reward
 from written import Folder, NotWritten, owned
@@ -131,17 +135,60 @@ def acr_by_difficulty(model_name: str, prompts: int, group_size: int, max_new_to
     return result
 
 
+Run = tuple[Path, int, str, list[str]]  # a training run: run_training's arguments (train.py's --out, ...)
+
+
+class Stopped(KeyboardInterrupt):
+    """Ctrl-C or SIGTERM (`stop_handler`): no run starts after it, and the runs under way save their step."""
+
+    def __init__(self, signum: int):
+        super().__init__(STOP_SIGNALS[signum])
+        self.signum = signum
+
+    def __reduce__(self):  # a worker's, sent to `run_all` (by default its name alone would be)
+        return Stopped, (self.signum,)
+
+
+def stop_handler() -> Callable:
+    """A handler of Ctrl-C and SIGTERM (`main`, and a worker's task): the first raises Stopped at once
+    (`run_all` passes it on to the workers, whose runs save their step); a later one raises nothing, and ends
+    this process's workers at once (SIGKILL: each keeps its last checkpoint), so that nothing waits on a
+    worker that cannot stop. Never twice: a second Stopped could escape the code that tells the workers (two
+    signals sent together run their handlers one after the other). Inside train.main, train.py's own handler
+    ends the step under way and saves it instead."""
+    received: list[int] = []
+
+    def on_signal(signum: int, frame) -> None:
+        received.append(signum)
+        if len(received) == 1:
+            raise Stopped(signum)
+        signal_all(multiprocessing.active_children(), signal.SIGKILL)
+
+    return on_signal
+
+
 def run_training(out: Path, seed: int, algo: str, flags: list[str]) -> None:
     """train.py's run <out>/<algo> (`check_run` allowed it), unless it is finished: one that stopped part-way
     goes on from its checkpoint (--resume; steps depend on seed and step alone), one stopped before its first
-    checkpoint (or with --save-every 0) starts again (--overwrite: --resume refuses it)."""
+    checkpoint (or with --save-every 0) starts again (--overwrite: --resume refuses it). Stopped by a signal,
+    saved, it raises Stopped."""
     if finished(out / algo):
         return
     with owned(out, "runs") as runs:  # released before train.py takes it
         runs.remove_temporaries()
         runs.append("machines.jsonl", json.dumps({"algos": [algo], **machine()}) + "\n")  # one per (re)start
-    train.main(flags + ["--algo", algo, "--seed", str(seed), "--out", str(out),
-                        "--resume" if find_checkpoint(out / algo) else "--overwrite"])
+    try:
+        train.main(train_argv(out, seed, algo, flags)
+                   + ["--resume" if find_checkpoint(out / algo) else "--overwrite"])
+    except SystemExit as e:
+        if e.code in [128 + signum for signum in STOP_SIGNALS]:  # train.py's exit once it saved its step
+            raise Stopped(e.code - 128) from None
+        raise
+
+
+def train_argv(out: Path, seed: int, algo: str, flags: list[str]) -> list[str]:
+    """train.py's flags for a run (`Run`), but --resume or --overwrite."""
+    return flags + ["--algo", algo, "--seed", str(seed), "--out", str(out)]
 
 
 def finished(run: Path) -> bool:
@@ -157,10 +204,11 @@ HOW_RUN = ("out", "resume", "overwrite", "save_every", "micro_batch", "grad_chec
            "show_group")
 
 
-def check_run(run: Path, seed: int, flags: list[str]) -> None:
+def check_run(out: Path, seed: int, algo: str, flags: list[str]) -> None:
     """A RunFolderError, in one line saying what to type, when the run <out>/<algo> may not be reused or
     continued for train.py `flags` on `seed`: its config.json records other flags (another level at a
     scatter point, fewer steps), or its summary.json is damaged."""
+    run = out / algo
     summary = run / "summary.json"
     if summary.exists() and not finished(run):  # train.py writes it whole: damaged since, by someone else
         raise RunFolderError(f"{summary} is damaged (not a run's summary): restore it (git checkout, for a "
@@ -168,8 +216,7 @@ def check_run(run: Path, seed: int, flags: list[str]) -> None:
     if not (finished(run) or find_checkpoint(run)):
         return  # absent, or stopped before its first checkpoint: trained afresh
     saved = saved_config(run)
-    argv = flags + ["--algo", run.name, "--seed", str(seed)]
-    asked = vars(dataclass_parser(train.Args, "").parse_args(argv))  # as train.py parses them, unchecked
+    asked = vars(dataclass_parser(train.Args, "").parse_args(train_argv(out, seed, algo, flags)))  # unchecked
     asked, default = (json.loads(json.dumps(config)) for config in  # as config.json holds them
                       (asked, {f.name: f.default for f in dataclasses.fields(train.Args)}))
     if changed := [f"--{key.replace('_', '-')} {saved.get(key, default[key])} (asked: {value})"
@@ -194,8 +241,13 @@ def run_all(tasks: list[tuple], jobs: int) -> list:
 
     Runs are small (16-64 rows): on 2 cores two 1-thread runs side by side did ~15% more work per second than
     one 2-thread run (measured). Spawned, not forked: a forked child inherits torch's thread pool in a bad
-    state. After a failure or a SIGTERM no run starts: the pool hands tasks to its workers ahead of time,
-    which cancelling cannot take back, so the workers are told through `stopping` (`with_threads`)."""
+    state. After a failure, Ctrl-C or SIGTERM no run starts: the pool hands tasks to its workers ahead of
+    time, which cancelling cannot take back, so the workers are told through `stopping` (`with_threads`).
+
+    A stop reaches the workers from here alone, one SIGTERM each, on which a run saves its step and ends. A
+    second signal would end it unsaved (train.py's rule), so the workers never see the terminal's Ctrl-C: they
+    are spawned with SIGINT blocked, and every thread they start inherits the block. A second signal here ends
+    them at once (`stop_handler`)."""
     if jobs == 1:
         return [fn(*a) for fn, *a in tasks]
     threads = max(1, (os.cpu_count() or 1) // jobs)
@@ -203,32 +255,36 @@ def run_all(tasks: list[tuple], jobs: int) -> list:
     stopping = spawn.Event()
     with ProcessPoolExecutor(jobs, mp_context=spawn, initializer=start_worker, initargs=(stopping,)) as pool:
         try:
-            futures = [pool.submit(with_threads, threads, *task) for task in tasks]
+            unblocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})  # workers spawn in submit
+            try:
+                futures = [pool.submit(with_threads, threads, *task) for task in tasks]
+            finally:
+                signal.pthread_sigmask(signal.SIG_SETMASK, unblocked)
             done, _ = wait(futures, return_when=FIRST_EXCEPTION)
-            if any(f.exception() for f in done):  # said now, not after every queued run; those under way end
-                stopping.set()
-                pool.shutdown(cancel_futures=True)
-        except SystemExit:  # SIGTERM (`exit_on_sigterm`), passed on: each run under way saves its step, ends
+        except KeyboardInterrupt:  # Ctrl-C or SIGTERM (`stop_handler`), passed on
             stopping.set()
-            for worker in multiprocessing.active_children():
-                os.kill(worker.pid, signal.SIGTERM)
+            signal_all(multiprocessing.active_children(), signal.SIGTERM)
             pool.shutdown(cancel_futures=True)
             raise
+        if any(f.exception() for f in done):  # said now, not after every queued run; those under way end
+            stopping.set()
+            pool.shutdown(cancel_futures=True)
         return [f.result() for f in futures]
 
 
-def exit_on_sigterm(signum: int, frame) -> None:
-    """SIGTERM (a scheduler's, `timeout`'s) reaches this process alone: it exits 143 as train.py does, once
-    `run_all` has passed the signal on to its workers."""
-    sys.exit(128 + signum)
+def signal_all(processes: list, signum: int) -> None:
+    """Send `signum` to each of these processes that is still there."""
+    for process in processes:
+        with suppress(ProcessLookupError):
+            os.kill(process.pid, signum)
 
 
 STOPPING = None  # in a worker of `run_all`: its event, set when no more runs may start (`start_worker`)
 
 
 def start_worker(stopping) -> None:
-    """A worker of `run_all`: it ignores SIGTERM outside train.main, whose own handler ends the step under way
-    and saves it, and keeps `stopping` for `with_threads`."""
+    """A worker of `run_all`: it ignores SIGTERM between tasks (`with_threads` takes it during one), and keeps
+    `stopping`."""
     global STOPPING
     STOPPING = stopping
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
@@ -236,11 +292,14 @@ def start_worker(stopping) -> None:
 
 def with_threads(threads: int, fn: Callable, *args):
     """fn(*args) in a worker process limited to `threads` intra-op threads; nothing (None) once `run_all` has
-    set the stop event."""
-    if STOPPING.is_set():
-        return None
-    torch.set_num_threads(threads)
-    return fn(*args)
+    set the stop event. SIGTERM stops it at once (`stop_handler`), or, inside train.main, after its step,
+    saved. The handler comes first: a SIGTERM sent after `stopping` was set then either finds the handler or
+    finds `stopping` set."""
+    with on_stop_signals(stop_handler()):
+        if STOPPING.is_set():
+            return None
+        torch.set_num_threads(threads)
+        return fn(*args)
 
 
 def run_dir(folder: Path, method: str, seed: int) -> Path:
@@ -248,12 +307,20 @@ def run_dir(folder: Path, method: str, seed: int) -> Path:
     return folder / f"seed{seed}-{method}" / METHODS[method][0]
 
 
-def train_and_score(folder: Path, method: str, seed: int, flags: list[str], problems: list,
-                    max_new_tokens: int) -> list[dict]:
-    """Train one method on one seed, then its final model's per-problem records on `problems`."""
-    run = run_dir(folder, method, seed)
-    run_training(run.parent, seed, run.name, flags + METHODS[method][1])
-    return final_records(run, problems, max_new_tokens)
+def method_runs(folder: Path, methods: list[str], seeds: list[int], flags: list[str],
+                extra: dict[str, list[str]] | None = None) -> dict[tuple[str, int], Run]:
+    """Each method on each seed, seed by seed (a partial sweep is whole for its seeds): (method, seed) -> its
+    run in `folder` (`run_dir`), with the method's flags and its `extra` ones (the lora part's rates)."""
+    extra = extra or {}
+    return {(m, s): (run_dir(folder, m, s).parent, s, METHODS[m][0], flags + extra.get(m, []) + METHODS[m][1])
+            for s in seeds for m in methods}
+
+
+def train_and_score(run: Run, problems: list, max_new_tokens: int) -> list[dict]:
+    """Train one run, then its final model's per-problem records on `problems`."""
+    run_training(*run)
+    out, _, algo, _ = run
+    return final_records(out / algo, problems, max_new_tokens)
 
 
 def held_out(seed: int, per_level: int | None) -> list:
@@ -418,13 +485,11 @@ def compare(folder: Path, methods: list[str], seeds: list[int], flags: list[str]
             extra: dict[str, list[str]] | None = None) -> dict:
     """Train every method on every seed into `folder` (with its `extra` flags: the lora part's learning
     rates), evaluate each final checkpoint per problem, bootstrap (Δ to `baseline`), account costs."""
-    extra = extra or {}
-    order = [(m, s) for s in seeds for m in methods]  # seed by seed: a partial sweep is whole for its seeds
-    for m, s in order:  # before any run starts
-        check_run(run_dir(folder, m, s), s, flags + extra.get(m, []) + METHODS[m][1])
-    tasks = [(train_and_score, folder, m, s, flags + extra.get(m, []), held_out(s, per_level), max_new_tokens)
-             for m, s in order]
-    records = dict(zip(order, run_all(tasks, jobs)))
+    runs = method_runs(folder, methods, seeds, flags, extra)
+    for run in runs.values():  # before any run starts
+        check_run(*run)
+    tasks = [(train_and_score, run, held_out(s, per_level), max_new_tokens) for (_, s), run in runs.items()]
+    records = dict(zip(runs, run_all(tasks, jobs)))
     correct = [[[r["correct"] for r in records[m, s]] for s in seeds] for m in methods]  # [M][S][N]
     levels = {s: [r["level"] for r in records[methods[0], s]] for s in seeds}
     assert all(lv == levels[seeds[0]] for lv in levels.values()), "the bootstrap needs one level pattern"
@@ -502,45 +567,59 @@ def early_acr_scatter(runs: list[dict], resamples: int) -> dict:
             "r2_ci": ci(2), "distinct_early_acr": len(set(x.tolist())), "runs": runs}
 
 
-def scatter(out: Path, levels: list[str], group_sizes: list[int], seeds: list[int], flags: list[str],
-            resamples: int, jobs: int) -> dict:
-    """Short GRPO runs over levels x G x seeds; each run's early raw ACR (`metrics.early_steps`) and final
-    held-out accuracy, from its summary.json."""
-    grid = [(level, g, seed) for g in sorted(group_sizes, reverse=True) for level in levels for seed in seeds]
-    folder = lambda level, g, seed: out / f"{level}-g{g}-seed{seed}"  # noqa: E731
-    tasks = [(run_training, folder(*cell), cell[2], "grpo",
-              flags + ["--dataset", f"arith-{cell[0]}", "--group-size", str(cell[1])]) for cell in grid]
-    for _, train_out, seed, algo, run_flags in tasks:  # before any run starts
-        check_run(train_out / algo, seed, run_flags)
-    run_all(tasks, jobs)
-    runs = []
-    for level, g, seed in sorted(grid, key=lambda cell: (levels.index(cell[0]), cell[1], cell[2])):
-        summary = json.loads((folder(level, g, seed) / "grpo" / "summary.json").read_text())
-        runs.append({"level": level, "group_size": g, "seed": seed, "early_steps": summary["early_steps"],
-                     "early_acr": summary["early_acr"], "accuracy": summary["acc_after"]})
-    return early_acr_scatter(runs, resamples)
+def scatter_runs(args: argparse.Namespace, out: Path) -> dict[tuple[str, int, int], Run]:
+    """The scatter's short GRPO runs over levels x G x seeds, the largest G first: (level, G, seed) -> its
+    run."""
+    flags = ["--model", args.model, "--max-new-tokens", str(args.max_new_tokens), "--steps",
+             str(args.scatter_steps), "--prompts-per-step", str(args.scatter_prompts), "--eval-every",
+             str(args.scatter_steps), "--eval-size", str(args.scatter_eval_size), "--save-every", "0"]
+    seeds = [int(s) for s in args.scatter_seeds.split(",")]
+    return {(level, g, seed): (out / f"{level}-g{g}-seed{seed}", seed, "grpo",
+                               flags + ["--dataset", f"arith-{level}", "--group-size", str(g)])
+            for g in sorted([int(g) for g in args.scatter_g.split(",")], reverse=True)
+            for level in args.scatter_levels.split(",") for seed in seeds}
 
 
-def precision(out: Path, seeds: list[int], flags: list[str], jobs: int) -> dict:
-    """The same GRPO run in bf16 and in fp32 on each seed: held-out accuracy before and after, and the
-    costs."""
+def scatter(runs: dict[tuple[str, int, int], Run], levels: list[str], resamples: int, jobs: int) -> dict:
+    """The scatter's runs (`scatter_runs`); each run's early raw ACR (`metrics.early_steps`) and final
+    held-out accuracy, from its summary.json, level by level (in the order of `levels`)."""
+    for run in runs.values():  # before any run starts
+        check_run(*run)
+    run_all([(run_training, *run) for run in runs.values()], jobs)
+    points = []
+    for level, g, seed in sorted(runs, key=lambda cell: (levels.index(cell[0]), cell[1], cell[2])):
+        out, _, algo, _ = runs[level, g, seed]
+        summary = json.loads((out / algo / "summary.json").read_text())
+        points.append({"level": level, "group_size": g, "seed": seed, "early_steps": summary["early_steps"],
+                       "early_acr": summary["early_acr"], "accuracy": summary["acc_after"]})
+    return early_acr_scatter(points, resamples)
+
+
+def precision_runs(args: argparse.Namespace, out: Path) -> dict[tuple[str, int], Run]:
+    """The default run (`python train.py`) in each precision on each seed: (precision, seed) -> its run; fp32,
+    the slower, first: balances the jobs."""
+    flags = ["--model", args.model, "--max-new-tokens", str(args.max_new_tokens), "--steps",
+             str(args.precision_steps), "--save-every", "0"]  # otherwise the default run's own settings
+    return {(name, seed): (out / f"seed{seed}-{name}", seed, "grpo", flags + ["--precision", name])
+            for name in reversed(PRECISIONS) for seed in [int(s) for s in args.precision_seeds.split(",")]}
+
+
+def precision(runs: dict[tuple[str, int], Run], jobs: int) -> dict:
+    """The same GRPO run in bf16 and in fp32 on each seed (`precision_runs`): held-out accuracy before and
+    after, and the costs."""
     if resolve_precision("auto", pick_device()) != "bf16":
         print("warning: this machine has no native bf16 (avx512_bf16, amx_bf16 or CUDA): "
               "the bf16 runs are emulated")
-    folder = lambda name, seed: out / f"seed{seed}-{name}"  # noqa: E731
-    # fp32, the slower, first: balances the jobs
-    tasks = [(run_training, folder(name, seed), seed, "grpo", flags + ["--precision", name])
-             for name in reversed(PRECISIONS) for seed in seeds]
-    for _, train_out, seed, algo, run_flags in tasks:  # before any run starts
-        check_run(train_out / algo, seed, run_flags)
-    run_all(tasks, jobs)
+    for run in runs.values():  # before any run starts
+        check_run(*run)
+    run_all([(run_training, *run) for run in runs.values()], jobs)
     result = {}
     for name in PRECISIONS:
-        runs = [folder(name, seed) / "grpo" for seed in seeds]
-        evals = [read_jsonl(run / "evals.jsonl") for run in runs]
-        result[name] = {"runs": [str(run) for run in runs],
+        folders = [out / algo for (of, _), (out, _, algo, _) in runs.items() if of == name]  # seed by seed
+        evals = [read_jsonl(folder / "evals.jsonl") for folder in folders]
+        result[name] = {"runs": [str(folder) for folder in folders],
                         "acc_before": [e[0]["eval_accuracy"] for e in evals],
-                        "acc_after": [e[-1]["eval_accuracy"] for e in evals], "cost": compute_cost(runs)}
+                        "acc_after": [e[-1]["eval_accuracy"] for e in evals], "cost": compute_cost(folders)}
     return result
 
 
@@ -740,12 +819,10 @@ def lora_part(args: argparse.Namespace, folder: Path) -> dict:
     """The lora part: each arm's learning rate from its sweep on --sweep-seed (`pick_lr`), then the arms on
     --seeds at those rates, compared as compare does, with full fine-tuning as the baseline."""
     flags, per_level, seed = comparison_flags(args), args.per_level or None, args.sweep_seed
-    grid = {arm: lr_list(args.full_lrs if arm == LORA[0] else args.lora_lrs) for arm in LORA}
-    sweep = [(arm, lr) for arm in LORA for lr in grid[arm]]  # <folder>/sweep/lr2e-05/seed100-full-ft/grpo
-    tasks = [(train_and_score, folder / "sweep" / f"lr{lr}", arm, seed, flags + ["--lr", lr],
-              held_out(seed, per_level), args.max_new_tokens) for arm, lr in sweep]
-    for _, where, arm, _, run_flags, *_ in tasks:  # before any run starts
-        check_run(run_dir(where, arm, seed), seed, run_flags + METHODS[arm][1])
+    sweep = sweep_runs(args, folder)
+    for run in sweep.values():  # before any run starts
+        check_run(*run)
+    tasks = [(train_and_score, run, held_out(seed, per_level), args.max_new_tokens) for run in sweep.values()]
     accuracy = {arm: {} for arm in LORA}
     for (arm, lr), records in zip(sweep, run_all(tasks, args.jobs)):
         accuracy[arm][lr] = float(np.mean([r["correct"] for r in records]))
@@ -762,6 +839,20 @@ def lora_part(args: argparse.Namespace, folder: Path) -> dict:
                       "rule": "per arm, the learning rate whose final model is the most accurate (greedy, on "
                               "the sweep seed's whole held-out split); the smaller on a tie"},
             "margin": MARGIN, "arms": table}
+
+
+def lr_grid(args: argparse.Namespace) -> dict[str, list[str]]:
+    """Each arm of the lora part: the learning rates its sweep tries."""
+    return {arm: lr_list(args.full_lrs if arm == LORA[0] else args.lora_lrs) for arm in LORA}
+
+
+def sweep_runs(args: argparse.Namespace, folder: Path) -> dict[tuple[str, str], Run]:
+    """The lora part's sweep on --sweep-seed: (arm, lr) -> its run
+    (<folder>/sweep/lr2e-05/seed100-full-ft/grpo, say)."""
+    flags, seed = comparison_flags(args), args.sweep_seed
+    sweep = {(arm, lr): method_runs(folder / "sweep" / f"lr{lr}", [arm], [seed], flags + ["--lr", lr])
+             for arm, lrs in lr_grid(args).items() for lr in lrs}
+    return {(arm, lr): runs[arm, seed] for (arm, lr), runs in sweep.items()}
 
 
 def lr_list(text: str) -> list[str]:
@@ -799,21 +890,15 @@ def lora_table(result: dict) -> str:
 
 def scatter_part(args: argparse.Namespace, folder: Path, figures: Folder) -> dict:
     """The early-ACR scatter's GRPO runs, the fit and its figure."""
-    flags = ["--model", args.model, "--max-new-tokens", str(args.max_new_tokens), "--steps",
-             str(args.scatter_steps), "--prompts-per-step", str(args.scatter_prompts), "--eval-every",
-             str(args.scatter_steps), "--eval-size", str(args.scatter_eval_size), "--save-every", "0"]
-    result = scatter(folder, args.scatter_levels.split(","), [int(g) for g in args.scatter_g.split(",")],
-                     [int(s) for s in args.scatter_seeds.split(",")], flags, args.resamples, args.jobs)
+    result = scatter(scatter_runs(args, folder), args.scatter_levels.split(","), args.resamples, args.jobs)
     plot_early_acr_scatter(result, figures, "early_acr_vs_accuracy.png")
     return result
 
 
 def precision_part(args: argparse.Namespace, folder: Path, figures: Folder) -> dict:
     """The default run in bf16 and fp32, and its figure."""
-    flags = ["--model", args.model, "--max-new-tokens", str(args.max_new_tokens), "--steps",
-             str(args.precision_steps), "--save-every", "0"]  # otherwise the default run's own settings
+    result = precision(precision_runs(args, folder), args.jobs)
     seeds = [int(s) for s in args.precision_seeds.split(",")]
-    result = precision(folder, seeds, flags, args.jobs)
     plot_precision_curves({name: [Path(run) for run in result[name]["runs"]] for name in PRECISIONS}, figures,
                           "precision.png", f"{args.model}, the default run, seeds {seeds}")
     return result
@@ -835,20 +920,78 @@ def print_results(results: dict, parts: list[str]) -> None:
               f"R² {s['r2']:.2f} {s['r2_ci']}")
 
 
+def planned_runs(args: argparse.Namespace, parts: list[str]) -> list[Run]:
+    """Every training run of the parts asked for; the lora part's arms at every rate of their grids (its
+    sweep picks one only later)."""
+    out, seeds, flags = Path(args.out), [int(s) for s in args.seeds.split(",")], comparison_flags(args)
+    runs = []
+    for part, methods in (("compare", args.methods), ("readings", args.readings)):
+        if part in parts:
+            runs += method_runs(out / part, methods.split(","), seeds, flags).values()
+    if "scatter" in parts:
+        runs += scatter_runs(args, out / "scatter").values()
+    if "precision" in parts:
+        runs += precision_runs(args, out / "precision").values()
+    if "lora" in parts:
+        runs += sweep_runs(args, out / "lora").values()
+        runs += [run for arm, lrs in lr_grid(args).items() for lr in lrs
+                 for run in method_runs(out / "lora", [arm], seeds, flags, {arm: ["--lr", lr]}).values()]
+    return runs
+
+
+def check_before_any_run(args: argparse.Namespace, parts: list[str]) -> None:
+    """A RunFolderError in one line, before any run starts and before anything is written, where a run would
+    fail part-way through the experiment: train.py refuses a run's flags (its own parser and checks:
+    `train.parse_args`, a seed past torch's range, say), or a folder experiments.py writes cannot be written
+    (read-only, or another user's; one still to be made: the folder it would be made in)."""
+    runs = planned_runs(args, parts)
+    for run in runs:
+        check_flags(*run)
+    figures = Path(args.figures) if args.figures else Path(args.out) / "figures"
+    written = [Path(args.out), figures, *(p for out, _, algo, _ in runs for p in (out, out / algo))]
+    for folder in dict.fromkeys(written):
+        where = next(p for p in [folder, *folder.parents] if p.exists())
+        if not os.access(where, os.W_OK | os.X_OK):  # as root: only a read-only mount (EROFS) refuses
+            raise RunFolderError(f"{where}: experiments.py cannot write there (read-only, or another "
+                                 "user's), and would fail part-way: make it writable, or choose another "
+                                 "--out or --figures; no run started")
+
+
+def check_flags(out: Path, seed: int, algo: str, flags: list[str]) -> None:
+    """A RunFolderError naming the run (`Run`) when train.py would refuse its flags: train.py's own parser and
+    checks (`train.parse_args`), whose error is then this one line, not train.py's exit."""
+    parser = dataclass_parser(train.Args, "train.py")
+
+    def refuse(message: str):
+        raise RunFolderError(f"{out / algo}: train.py refuses this run's flags ({message}): no run started")
+
+    parser.error = refuse
+    train.parse_args(train_argv(out, seed, algo, flags), parser)
+
+
 def main(argv: list[str] | None = None) -> dict:
+    """Ctrl-C or SIGTERM stops it at once, in one line: no run starts after it, the runs under way save their
+    step (`run_all`), and the same command goes on from there. A filesystem failure at a write (a full disk)
+    is one line too, as in train.py."""
     args = parse_args(argv)
     parts = args.only.split(",")
     print_estimate(args, parts)
     if args.dry_run:
         return {}
     try:
-        with owned(Path(args.out), "experiments") as out, ExitStack() as stack:
-            apart = args.figures and Path(args.figures).resolve() != out.path.resolve()
-            figures = (stack.enter_context(owned(Path(args.figures), "experiments")) if apart
-                       else out if args.figures else out.subfolder("figures", "experiments"))
-            return run_parts(args, parts, out, figures)
-    except (NotWritten, RunFolderError) as e:
+        with on_stop_signals(stop_handler()):
+            check_before_any_run(args, parts)
+            with owned(Path(args.out), "experiments") as out, ExitStack() as stack:
+                apart = args.figures and Path(args.figures).resolve() != out.path.resolve()
+                figures = (stack.enter_context(owned(Path(args.figures), "experiments")) if apart
+                           else out if args.figures else out.subfolder("figures", "experiments"))
+                return run_parts(args, parts, out, figures)
+    except (NotWritten, RunFolderError, OSError) as e:
         sys.exit(f"error: {e}")
+    except Stopped as stop:
+        print(f"experiments.py: stopped by {stop}: no run started after it, and each run under way kept its "
+              "last saved step; the same command goes on from there", file=sys.stderr)
+        sys.exit(128 + stop.signum)
 
 
 def run_parts(args: argparse.Namespace, parts: list[str], out: Folder, figures: Folder) -> dict:
@@ -891,5 +1034,4 @@ def run_parts(args: argparse.Namespace, parts: list[str], out: Folder, figures: 
 
 
 if __name__ == "__main__":
-    signal.signal(signal.SIGTERM, exit_on_sigterm)  # as Ctrl-C: runs under way save their step
     main()

@@ -32,7 +32,7 @@ from tqdm import tqdm
 from advantage import (AVSPO_ENDS, AdaptiveThreshold, aapo_advantages, aapo_margin, avspo_advantages,
                        collapsed_groups, grpo_advantages)
 from data.tasks import Problem, step_problems
-from flags import arg, at_least, dataclass_parser, folder, in_range, names_from, non_empty
+from flags import FlagParser, arg, at_least, dataclass_parser, folder, in_range, names_from, non_empty
 from hardware import DEVICES, accumulate_gradients, copy_weights
 from metrics import group_map, group_samples, step_metrics, summarise_run
 from model import PROMPT_FORMATS, Rollout, real_tokens, replace_groups, trim_padding
@@ -111,9 +111,9 @@ class Args:
     show_group: bool = arg(True, "at each evaluation, print one training group (a collapsed one if any)")
 
 
-def parse_args(argv: list[str] | None = None) -> Args:
-    """One flag per Args field; bad values stop here, before any model loads."""
-    parser = dataclass_parser(Args, __doc__.split("\n")[0])
+def parse_args(argv: list[str] | None = None, parser: FlagParser | None = None) -> Args:
+    """One flag per Args field; bad values stop here, before any model loads (`parser.error`: one line)."""
+    parser = parser or dataclass_parser(Args, __doc__.split("\n")[0])
     args = Args(**vars(parser.parse_args(argv)))
     if args.prompts_per_step % (world := int(os.environ.get("WORLD_SIZE", 1))):
         parser.error(f"--prompts-per-step {args.prompts_per_step} must be a multiple of the process count")

@@ -1,6 +1,7 @@
 """experiments.py: the bootstrap and the scatter fit on synthetic data (no model), then the whole --quick
 pipeline on the tiny model: every part runs and writes its numbers and figures."""
 
+import errno
 import json
 import math
 import multiprocessing
@@ -8,7 +9,9 @@ import operator
 import os
 import random
 import shutil
+import signal
 import subprocess
+import threading
 import time
 from pathlib import Path
 
@@ -18,7 +21,8 @@ import torch
 
 import experiments
 import run_folder
-from written import owned
+from processes import on_stop_signals
+from written import Folder, owned
 
 LEVELS = np.array(["easy"] * 20 + ["hard"] * 30)
 
@@ -503,3 +507,95 @@ def test_quick_lora_part_sweeps_each_arm_then_trains_the_seeds_at_the_chosen_rat
     assert all(f"| {arm} | {lora['arms'][arm]['lr']} (" in results["lora_table"] for arm in experiments.LORA)
     again = experiments.main(argv)  # finished runs reused
     assert timeless(again["lora"]) == timeless(lora)
+
+
+# ------------------------------------------------- issue 61: Ctrl-C, SIGTERM; what is checked before any run
+def sleeper(started: Path, seconds: float, deaf: bool) -> None:
+    """A task of `run_all`'s: says it started, then sleeps; `deaf`: it ignores SIGTERM, as a worker that
+    cannot stop would."""
+    if deaf:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    started.touch()
+    time.sleep(seconds)
+
+
+@pytest.mark.parametrize("signals, deaf", [([signal.SIGTERM], False),
+                                           ([signal.SIGINT, signal.SIGTERM], True)],
+                         ids=["SIGTERM", "Ctrl-C then SIGTERM, to deaf workers"])
+def test_a_stop_signal_ends_the_tasks_at_once_and_starts_no_queued_one(tmp_path, signals, deaf):
+    """SIGTERM to experiments.py alone while two tasks of 120 s run in two workers and three wait (the pool
+    has handed one to a worker already): Stopped at once, and no queued task starts. Ctrl-C and SIGTERM sent
+    together, to workers that ignore SIGTERM: still at once, the second ends them. (Ctrl-C to every process,
+    as a terminal sends it, with train.py's runs: tests/test_faults.py.)"""
+    tasks = [(sleeper, tmp_path / f"started{i}", 120, deaf) for i in range(2)]
+    tasks += [(Path.touch, tmp_path / f"queued{i}") for i in range(3)]
+
+    def signal_once_both_started():
+        deadline = time.monotonic() + 100
+        while len(list(tmp_path.glob("started*"))) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        for signum in signals:
+            os.kill(os.getpid(), signum)
+
+    threading.Thread(target=signal_once_both_started, daemon=True).start()
+    start = time.monotonic()
+    with on_stop_signals(experiments.stop_handler()), pytest.raises(experiments.Stopped) as stopped:
+        experiments.run_all(tasks, jobs=2)
+    assert stopped.value.signum == signals[0]
+    assert time.monotonic() - start < 110  # not after the tasks' 120 s
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["started0", "started1"]
+
+
+HUGE = str(2**70)  # an integer, past the seeds torch.manual_seed takes
+
+
+@pytest.mark.parametrize("argv, run", [
+    ([*COMPARE, "--seeds", f"0,{HUGE}"], f"compare/seed{HUGE}-grpo/grpo"),
+    ([*SCATTER, "--scatter-seeds", f"0,{HUGE}"], f"scatter/add1-g2-seed{HUGE}/grpo"),
+    (["--quick", "--only", "lora", "--seeds", HUGE], f"lora/seed{HUGE}-full-ft/grpo")],  # after its sweep
+    ids=["compare", "scatter", "lora"])
+def test_a_run_train_py_would_refuse_is_one_line_before_any_run(tmp_path, capsys, argv, run):
+    """A seed train.py refuses: one line naming the run, with train.py's own reason, before any run (seed 0's,
+    the lora part's sweep) trains, and before anything is written."""
+    out = tmp_path / "out"
+    with pytest.raises(SystemExit) as exit_info:
+        experiments.main([*argv, "--out", str(out)])
+    assert one_line(exit_info, capsys).startswith(
+        f"error: {out / run}: train.py refuses this run's flags (--seed must be in [")
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("read_only", ["out", "figures"])
+def test_a_folder_it_cannot_write_is_one_line_before_any_run(tmp_path, monkeypatch, capsys, read_only):
+    """--out or --figures where this process cannot write (simulated: this runs as root, whom only a read-only
+    mount stops, and os.access says so): one line naming it, before any run, not a traceback once the part's
+    runs are done and its figure is written; nothing changes."""
+    for name in ("out", "figures"):
+        with owned(tmp_path / name, "experiments"):
+            pass
+    before, access = tree(tmp_path), os.access
+    monkeypatch.setattr(os, "access", lambda path, mode, **kw: Path(path) != tmp_path / read_only
+                        and access(path, mode, **kw))
+    with pytest.raises(SystemExit) as exit_info:
+        experiments.main([*SCATTER, "--out", str(tmp_path / "out"), "--figures", str(tmp_path / "figures")])
+    assert one_line(exit_info, capsys).startswith(
+        f"error: {tmp_path / read_only}: experiments.py cannot write there (read-only, or another user's)")
+    assert tree(tmp_path) == before
+
+
+def test_a_write_that_fails_is_one_line(scatter_run, tmp_path, monkeypatch, capsys):
+    """The disk fills as the scatter's figure is written, once its run is done: one line, as in train.py."""
+    out = tmp_path / "out"
+    shutil.copytree(scatter_run[0], out)
+    write = Folder.write
+
+    def full_disk(folder: Folder, name: str, data):
+        if name == "early_acr_vs_accuracy.png":
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(folder.path / name))
+        return write(folder, name, data)
+
+    monkeypatch.setattr(Folder, "write", full_disk)
+    with pytest.raises(SystemExit) as exit_info:
+        experiments.main([*SCATTER, "--out", str(out)])
+    assert one_line(exit_info, capsys) == (f"error: [Errno {errno.ENOSPC}] {os.strerror(errno.ENOSPC)}: "
+                                           f"'{out / 'figures' / 'early_acr_vs_accuracy.png'}'")

@@ -1,6 +1,6 @@
 """Faults a user meets, each refused in one line or survived: a bad reward, a run folder in use or holding an
 earlier run, an --out that is a file, a --resume under other flags, a damaged checkpoint or log, a planted
-pickle, SIGTERM, and a run killed at random moments."""
+pickle, SIGTERM or Ctrl-C, and a run killed at random moments."""
 
 import contextlib
 import json
@@ -425,10 +425,12 @@ def test_a_stopped_run_says_what_it_saved_even_when_nothing():
         "[grpo] interrupted after step 3: --save-every 0, no checkpoint")
 
 
-def test_sigterm_to_experiments_ends_its_workers_each_saved(tmp_path):
-    """Two runs of 1000 steps in two pool workers, a third queued; SIGTERM to experiments.py alone: each run
-    saves its step and ends (no orphan goes on logging), the third never starts (though the pool has handed it
-    to a worker already), and experiments.py exits 143."""
+def test_ctrl_c_to_experiments_ends_its_workers_each_saved_in_one_line(tmp_path):
+    """Two runs of 1000 steps in two pool workers, a third queued; Ctrl-C as a terminal sends it (SIGINT to
+    the process group, workers included): each run saves its step and ends (no orphan goes on logging), the
+    third never starts (though the pool has handed it to a worker already), and experiments.py says so in one
+    line and exits 130. Each run gets one signal, experiments.py's SIGTERM, not the terminal's too: two would
+    stop it unsaved. (SIGINT or SIGTERM to experiments.py alone: the same path, tests/test_experiments.py.)"""
     cmd = [sys.executable, "experiments.py", "--quick", "--only", "compare", "--methods", "grpo,avspo,dapo",
            "--seeds", "0", "--jobs", "2", "--steps", "1000", "--eval-every", "1000", "--out", str(tmp_path),
            "--figures", str(tmp_path / "figures")]
@@ -439,12 +441,15 @@ def test_sigterm_to_experiments_ends_its_workers_each_saved(tmp_path):
     try:
         for run in runs:
             wait_for_lines(run / "metrics.jsonl", 1, proc)
-        proc.send_signal(signal.SIGTERM)
+        os.killpg(proc.pid, signal.SIGINT)
         err = proc.communicate(timeout=180)[1]
     finally:  # nothing left behind if the test failed (it passed: the group is gone already)
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
-    assert proc.returncode == 143, err[-2000:]
+    assert proc.returncode == 130, err[-2000:]
+    assert "Traceback" not in err and err.strip().splitlines()[-1] == (
+        "experiments.py: stopped by Ctrl-C: no run started after it, and each run under way kept its last "
+        "saved step; the same command goes on from there"), err[-2000:]
     logged = [len(read_jsonl(run / "metrics.jsonl")) for run in runs]
     time.sleep(2)
     assert [len(read_jsonl(run / "metrics.jsonl")) for run in runs] == logged  # no worker goes on
