@@ -57,15 +57,18 @@ def adapted_layers(model) -> dict[str, torch.nn.Module]:
 
 
 def check_rank(rank: int, model) -> None:
-    """A ValueError, in one line, if `rank` is above the width of a layer of `model` that adapters would
-    adapt: B A of a [d_out, d_in] layer has rank min(d_in, d_out) at most, so a higher rank only adds
-    parameters (and at 2**66, an allocator's traceback). Shapes alone: `model` may be on the meta device, as
-    train.py checks --lora-rank before any model loads."""
-    shapes = {name: list(layer.weight.shape) for name, layer in adapted_layers(model).items()}
-    narrowest = min(shapes, key=lambda name: min(shapes[name]))
-    if rank > (width := min(shapes[narrowest])):
-        raise ValueError(f"--lora-rank {rank} is above {width}, the width of the model's narrowest adapted "
-                         f"layer ({narrowest}, {shapes[narrowest]}): choose at most {width}")
+    """A ValueError, in one line, if `rank` is above what any layer of `model` that adapters would adapt can
+    use: B A of a [d_out, d_in] layer has rank min(d_in, d_out) at most, so a rank above every layer's only
+    adds parameters no layer uses (and at 2**66, an allocator's traceback). Our reading of issue 61's "the
+    smallest adapted layer's width": that one would refuse a rank that the other layers use in full (rank 32
+    on tiny-qwen2, whose k_proj alone is 16 wide; the lora part's arms are ranks 1 and 32). Shapes alone:
+    `model` may be on the meta device, as train.py checks --lora-rank before any model loads."""
+    widths = {name: min(layer.weight.shape) for name, layer in adapted_layers(model).items()}
+    widest = max(widths, key=widths.get)
+    if rank > widths[widest]:
+        raise ValueError(f"--lora-rank {rank} is above {widths[widest]}, the most rank any adapted layer can "
+                         f"use (the smaller of its widths, at most; {widest}): choose at most "
+                         f"{widths[widest]}")
 
 
 def add_adapters(model, rank: int, alpha: float, base: str, seed: int, identity: str | None = None) -> None:
@@ -183,25 +186,22 @@ def base_identity(name: str) -> str:
     return digest([f"{f.name} {file_sha256(f)}" for f in sorted(folder.glob("*.safetensors"))])
 
 
-def load_adapters(model, folder: Path):
-    """`model` (the base: the model `base_of(folder)` names, as loaded) with the adapters saved in `folder`,
-    trainable; returns it. Adapters that record another base than that name's now (`base_identity`), a
-    damaged weights' file and a config whose rank is not the weights' are a ValueError in one line, before
-    any adapter is allocated. A base with adapters of its own (a --lora-rank run started from another one's
-    checkpoint) has them merged in first."""
-    from peft import LoraConfig, inject_adapter_in_model, set_peft_model_state_dict
+def checked_adapters(folder: Path, device: str = "cpu") -> tuple:
+    """(config, weights on `device`, the base's identity now, the identity the adapters record or None) of
+    the adapters saved in `folder`. Adapters that record another base than the one `base_of(folder)` names
+    now (`base_identity`), a damaged weights' file and a config whose rank is not the weights' are a
+    ValueError in one line. train.py asks before any model loads (`run.check_inputs`), so a refused
+    checkpoint leaves no run folder behind."""
+    from peft import LoraConfig
     path, config, base = folder / ADAPTERS, LoraConfig.from_pretrained(str(folder)), base_of(folder)
     try:
         with safe_open(str(path), "pt") as f:
             recorded = (f.metadata() or {}).get(BASE_SHA256)
-        weights = load_file(str(path), device=str(next(model.parameters()).device))
+        weights = load_file(str(path), device=device)
     except SafetensorError as e:  # cut short, or not safetensors: its message names no file
         raise ValueError(f"{path} is damaged ({e})") from None
     identity = base_identity(base)
-    if recorded is None:
-        print(f"warning: {path} records no identity of its base (saved before adapters did): loaded onto "
-              f"{base} unchecked", file=sys.stderr)
-    elif recorded != identity:
+    if recorded is not None and recorded != identity:
         raise ValueError(f"{folder} holds adapters trained on {base} of sha256 {recorded[:16]}, but {base} "
                          f"is now sha256 {identity[:16]}, another model: load them onto the one they were "
                          "trained on")
@@ -209,6 +209,19 @@ def load_adapters(model, folder: Path):
                                                  w.shape[0 if ".lora_A." in k else 1] != config.r), None)):
         raise ValueError(f"{folder} is damaged: its {ADAPTER_CONFIG} says rank {config.r}, its {ADAPTERS} "
                          f"holds {odd} of shape {list(weights[odd].shape)}")
+    return config, weights, identity, recorded
+
+
+def load_adapters(model, folder: Path):
+    """`model` (the base: the model `base_of(folder)` names, as loaded) with the adapters saved in `folder`,
+    trainable, once `checked_adapters` takes them; returns it. A base with adapters of its own (a --lora-rank
+    run started from another one's checkpoint) has them merged in first."""
+    from peft import inject_adapter_in_model, set_peft_model_state_dict
+    config, weights, identity, recorded = checked_adapters(folder, str(next(model.parameters()).device))
+    path, base = folder / ADAPTERS, base_of(folder)
+    if recorded is None:
+        print(f"warning: {path} records no identity of its base (saved before adapters did): loaded onto "
+              f"{base} unchecked", file=sys.stderr)
     inject_adapter_in_model(config, merged(model))
     try:
         result = set_peft_model_state_dict(model, weights)

@@ -104,9 +104,11 @@ SAVE_WAIT = 10.0  # seconds a reader waits for a checkpoint that its run is putt
 
 
 def settled(path: Path) -> Path:
-    """`path`, once whole: a run saving a checkpoint renames checkpoint/ to checkpoint.old, then the new one to
-    checkpoint/ (run_folder.save_checkpoint), so a reader that comes in between waits for the new one. One
-    that does not come in SAVE_WAIT seconds is a FileNotFoundError in one line."""
+    """`path`, once whole: a run saving a checkpoint renames checkpoint/ to checkpoint.old, then the new
+    one to checkpoint/ (run_folder.save_checkpoint), so a reader that comes in between waits for the new
+    one. One that does not come in SAVE_WAIT seconds is a FileNotFoundError in one line."""
+    if not path.name:  # '', '.': no checkpoint of a run
+        return path
     before = path.with_name(path.name + ".old")
     deadline = time.monotonic() + SAVE_WAIT
     while not path.exists() and before.exists() and time.monotonic() < deadline:

@@ -24,7 +24,8 @@ from data.tasks import Problem, load_eval_problems, load_problems
 from decoding import FAST_ON, decode
 from eval import evaluate, score_groups
 from hardware import cast_weights, pick_device, where, working_copy
-from lora import adapter_folder, adapters_off, add_adapters, base_identity, base_of, check_rank, merged
+from lora import (adapter_folder, adapters_off, add_adapters, base_identity, base_of, check_rank,
+                  checked_adapters, merged)
 from memory import context_warning, describe_estimate, estimate_memory, longest_prompt, parameter_counts
 from metrics import collapse_warning, early_steps, show_group
 from model import (Rollout, checkpoint_activations, completion_logprobs, format_prompts, from_source,
@@ -58,13 +59,15 @@ def fast_or_plain(fast: bool, device: torch.device) -> Paths:
 def check_inputs(args) -> None:
     """What a run of train.Args `args` reads, read before any model loads, so that a bad line or flag fails in
     a second, naming file and line: the device (--device cuda where CUDA is unusable says why), the reward,
-    the problems, the tokenizer alone (a missing chat template) and the model's shapes alone (a --lora-rank
-    above a layer's width)."""
+    the problems, the tokenizer alone (a missing chat template), a LoRA checkpoint's adapters (damaged, or
+    of another base) and the model's shapes alone (a --lora-rank above a layer's width)."""
     pick_device(args.device)
     load_reward(args.reward)
     load_problems(args.dataset, "train", args.seed)
     load_eval_problems(args.eval_dataset or args.dataset, args.seed)
     format_prompts(load_tokenizer(args.model), ["1 + 1?"], args.prompt_format, args.system)
+    if adapters := adapter_folder(args.model):  # a LoRA checkpoint: its base and its adapters' file
+        checked_adapters(adapters)
     if args.lora_rank:
         check_rank(args.lora_rank, model_shapes(args.model))
 

@@ -41,7 +41,6 @@ from pathlib import Path
 from records import (ANY_DIR, ANY_FILE, KINDS, RECORD, TEMPORARY, Damaged, checked_record, describe,
                      file_state, kind_of, same, sha256, temporary)
 
-HERE = Path("/proc/self/fd")  # a descriptor as a path, where the system has one (Linux)
 
 
 class NotWritten(Exception):
@@ -56,7 +55,8 @@ class Folder:
 
     def __init__(self, path: Path, kind: str, fd: int):
         self.path, self.kind, self.fd = Path(path), kind, fd
-        self.at = HERE / str(fd) if HERE.is_dir() else self.path
+        here = Path(f"/proc/{os.getpid()}/fd")  # not /proc/self: a child it starts (pip) reads it too (Linux)
+        self.at = here / str(fd) if here.is_dir() else self.path
         st = self.lstat(RECORD)
         if st is not None and not stat.S_ISREG(st.st_mode):
             raise NotWritten(f"{self.path / RECORD} is not a record this project wrote: move it, or choose "
@@ -378,7 +378,7 @@ def owned(path: Path, kind: str, wait: bool = False):
         yield folder
     finally:
         if folder is not None:
-            folder.fd = -1  # the descriptor closes here: a Folder kept past this block writes nothing
+            folder.fd, folder.at = -1, None  # the descriptor closes here: a Folder kept past it writes none
         os.close(fd)
         if made and not (path / RECORD).exists():
             for p in made:

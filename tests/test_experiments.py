@@ -571,8 +571,8 @@ def test_a_folder_it_cannot_write_is_one_line_before_any_run(tmp_path, monkeypat
     mount stops, and os.access says so): one line naming it, before any run, not a traceback once the part's
     runs are done and its figure is written; nothing changes."""
     for name in ("out", "figures"):
-        with owned(tmp_path / name, "experiments"):
-            pass
+        with owned(tmp_path / name, "experiments") as folder:
+            folder.save()  # experiments.py's folders, as a study leaves them
     before, access = tree(tmp_path), os.access
     monkeypatch.setattr(os, "access", lambda path, mode, **kw: Path(path) != tmp_path / read_only
                         and access(path, mode, **kw))

@@ -73,7 +73,8 @@ def write_record(folder: Path, kind: str, crafted, victim: Path) -> None:
 
 
 @pytest.mark.parametrize("case", CRAFTED)
-def test_a_record_reaching_outside_its_folder_or_of_another_shape_is_damaged_and_nothing_moves(tmp_path, case):
+def test_a_record_reaching_outside_its_folder_or_of_another_shape_is_damaged_and_nothing_moves(tmp_path,
+                                                                                               case):
     planted(tmp_path)
     folder = tmp_path / "a" / "run"
     write_record(folder, "run", CRAFTED[case], tmp_path / "victim.txt")
@@ -129,8 +130,8 @@ def test_train_refuses_a_crafted_record_at_out_or_a_run_folder(finished_run, tmp
 def test_eval_experiments_merge_prepare_and_the_cache_refuse_a_crafted_record(tmp_path, monkeypatch, capsys):
     import eval as evaluation
     planted(tmp_path)
-    refused(lambda: evaluation.main(["--model", "tiny-qwen2", "--out", str(tmp_path / "ev")]), tmp_path / "ev",
-            "eval", tmp_path, capsys)
+    refused(lambda: evaluation.main(["--model", "tiny-qwen2", "--out", str(tmp_path / "ev")]),
+            tmp_path / "ev", "eval", tmp_path, capsys)
     refused(lambda: experiments.main(["--only", "compare", "--out", str(tmp_path / "ex")]), tmp_path / "ex",
             "experiments", tmp_path, capsys)
     refused(lambda: prepare.main(["gsm8k", "--out", str(tmp_path / "dl")]), tmp_path / "dl", "downloads",
@@ -173,8 +174,10 @@ def test_a_folder_swapped_while_a_script_writes_cannot_redirect_a_write(tmp_path
         sub.write("config.json", "{}")
     assert snapshot(other) == other_before
     moved = tmp_path / "moved"
-    assert sorted(os.listdir(moved)) == sorted([RECORD, "summary.json", "metrics.jsonl", "checkpoint", "grpo"])
-    assert (moved / "summary.json").read_text() == "mine" and (moved / "checkpoint" / "w").read_bytes() == b"w"
+    assert sorted(os.listdir(moved)) == sorted([RECORD, "summary.json", "metrics.jsonl", "checkpoint",
+                                                "grpo"])
+    assert (moved / "summary.json").read_text() == "mine"
+    assert (moved / "checkpoint" / "w").read_bytes() == b"w"
     assert (moved / "grpo" / "config.json").read_text() == "{}"
 
 
@@ -205,7 +208,8 @@ def test_a_users_file_named_like_a_temporary_is_never_taken_for_one(tmp_path, re
     folder.mkdir()
     notes = folder / "notes.0123abcd.tmp"
     notes.write_text("the user's")
-    state = {"temporary": "any file", "inode": notes.stat().st_ino + 1} if recorded == "its inode" else recorded
+    state = ({"temporary": "any file", "inode": notes.stat().st_ino + 1} if recorded == "its inode"
+             else recorded)
     write_record(folder, "run", {"files": {notes.name: [None, state]}}, notes)
     with owned(folder, "run") as f:
         with pytest.raises(NotWritten, match="notes.0123abcd.tmp is changed since"):

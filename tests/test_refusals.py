@@ -138,8 +138,9 @@ def test_a_run_stopped_between_an_evaluations_two_logs_resumes_with_them_agreein
 
 def test_a_checkpoint_read_between_its_saves_two_renames_is_the_new_one_or_one_line(finished_run, tmp_path,
                                                                                     monkeypatch):
-    """Before, a reader that came between checkpoint/ -> checkpoint.old and the new one -> checkpoint/ was told
-    "unknown model" (1 read in 18 during training). It now waits for the new one, or says it is being saved."""
+    """Before, a reader that came between checkpoint/ -> checkpoint.old and the new one -> checkpoint/ was
+    told "unknown model" (1 read in 18 during training). It now waits for the new one, or says it is being
+    saved."""
     import threading
 
     import model_files
