@@ -132,8 +132,8 @@ def test_eval_experiments_merge_prepare_and_the_cache_refuse_a_crafted_record(tm
     planted(tmp_path)
     refused(lambda: evaluation.main(["--model", "tiny-qwen2", "--out", str(tmp_path / "ev")]),
             tmp_path / "ev", "eval", tmp_path, capsys)
-    refused(lambda: experiments.main(["--only", "compare", "--out", str(tmp_path / "ex")]), tmp_path / "ex",
-            "experiments", tmp_path, capsys)
+    refused(lambda: experiments.main(["--quick", "--only", "compare", "--out", str(tmp_path / "ex")]),
+            tmp_path / "ex", "experiments", tmp_path, capsys)
     refused(lambda: prepare.main(["gsm8k", "--out", str(tmp_path / "dl")]), tmp_path / "dl", "downloads",
             tmp_path, capsys)
     monkeypatch.setattr(merge, "adapter_folder", lambda checkpoint: Path(checkpoint))

@@ -65,7 +65,8 @@ def test_eval_experiments_merge_and_prepare_refusals_write_nothing(finished_run,
     with owned(tmp_path / "ex", "experiments") as out:
         out.subfolder("figures", "experiments").write("results.json", "{}")
     (tmp_path / "ex" / "figures" / "results.json").write_text("[]")  # the user's edit
-    refuses(lambda: experiments.main(["--only", "compare", "--out", str(tmp_path / "ex")]), tmp_path,
+    refuses(lambda: experiments.main(["--quick", "--only", "compare", "--out", str(tmp_path / "ex")]),
+            tmp_path,
             "results.json is changed since a script wrote it")
     monkeypatch.setattr(merge, "adapter_folder", lambda checkpoint: Path(checkpoint))
     monkeypatch.setattr(merge, "load_model", lambda *args: (None, None))  # the refusal comes at <out>
