@@ -89,9 +89,10 @@ def test_a_folder_made_for_a_script_that_then_refuses_is_removed_again(tmp_path)
 
 
 @pytest.mark.parametrize("out", [" ", "runs/ /x", "\t"])
-def test_a_blank_out_is_refused_in_one_line(tmp_path, capsys, out):
+def test_a_blank_out_is_refused_in_one_line(tmp_path, monkeypatch, capsys, out):
+    no_model_in_a_run(monkeypatch)
     with pytest.raises(SystemExit):
-        train.main(["--out", out])
+        train.main(FINISHED + ["--out", out])
     assert "is a blank name, not a folder" in capsys.readouterr().err
     assert os.listdir(tmp_path) == []
 
