@@ -64,7 +64,7 @@ import os
 import platform
 import signal
 import sys
-from concurrent.futures import FIRST_EXCEPTION, ProcessPoolExecutor, wait
+from concurrent.futures import ALL_COMPLETED, FIRST_EXCEPTION, ProcessPoolExecutor, wait
 from contextlib import ExitStack, suppress
 from pathlib import Path
 from typing import Callable
@@ -247,29 +247,46 @@ def run_all(tasks: list[tuple], jobs: int) -> list:
     A stop reaches the workers from here alone, one SIGTERM each, on which a run saves its step and ends. A
     second signal would end it unsaved (train.py's rule), so the workers never see the terminal's Ctrl-C: they
     are spawned with SIGINT blocked, and every thread they start inherits the block. A second signal here ends
-    them at once (`stop_handler`)."""
+    them at once (`stop_handler`). Every wait here is awake to a signal (`wait_awake`)."""
     if jobs == 1:
         return [fn(*a) for fn, *a in tasks]
     threads = max(1, (os.cpu_count() or 1) // jobs)
     spawn = multiprocessing.get_context("spawn")
     stopping = spawn.Event()
     with ProcessPoolExecutor(jobs, mp_context=spawn, initializer=start_worker, initargs=(stopping,)) as pool:
+        futures = []  # none yet, for a stop during `submit`
         try:
             unblocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})  # workers spawn in submit
             try:
                 futures = [pool.submit(with_threads, threads, *task) for task in tasks]
             finally:
                 signal.pthread_sigmask(signal.SIG_SETMASK, unblocked)
-            done, _ = wait(futures, return_when=FIRST_EXCEPTION)
+            wait_awake(futures, FIRST_EXCEPTION)
         except KeyboardInterrupt:  # Ctrl-C or SIGTERM (`stop_handler`), passed on
             stopping.set()
             signal_all(multiprocessing.active_children(), signal.SIGTERM)
-            pool.shutdown(cancel_futures=True)
+            pool.shutdown(wait=False, cancel_futures=True)
+            wait_awake(futures, ALL_COMPLETED)  # each run saves its step, or a second signal kills its worker
             raise
-        if any(f.exception() for f in done):  # said now, not after every queued run; those under way end
+        if any(f.done() and f.exception() for f in futures):  # said now, not after every queued run
             stopping.set()
-            pool.shutdown(cancel_futures=True)
+            pool.shutdown(cancel_futures=True)  # the runs under way end
         return [f.result() for f in futures]
+
+
+SIGNAL_CHECK = 0.2  # seconds: how late a signal taken by another thread may be seen (`wait_awake`)
+
+
+def wait_awake(futures: list, return_when: str) -> None:
+    """wait(futures, return_when=...) in short waits, so that a signal's handler runs at most SIGNAL_CHECK s
+    late: Python runs it in the main thread alone, and the kernel may hand a process's signal to any thread
+    that does not block it (tqdm's monitor, left by an earlier run in this process; the pool's own), most of
+    all the second of two sent together, which one long wait would hold until a run ended. A future that
+    `shutdown(cancel_futures=True)` cancelled counts as done (`wait` would wait for it to the end)."""
+    while not all(f.done() for f in futures):
+        done, _ = wait(futures, SIGNAL_CHECK, return_when)
+        if return_when == FIRST_EXCEPTION and any(f.exception() for f in done):
+            return
 
 
 def signal_all(processes: list, signum: int) -> None:
