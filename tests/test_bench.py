@@ -25,8 +25,18 @@ DATA_DIR = next((folder for folder in (DOWNLOADS, ROOT.parent / "shared" / "data
 
 
 def test_bench_quick_prints_the_step_table(capsys, monkeypatch):
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # the spawned per-config processes: no thread oversubscription
+    """The first config runs in its own spawned process, as every config does outside tests; the rest run in
+    this one (a spawn costs seconds of imports, nine of them most of this test's time)."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # the spawned per-config process: no thread oversubscription
+    spawned, isolated = [], bench.run_isolated
+
+    def isolated_once(fn, *args):
+        spawned.append(fn.__name__)
+        return isolated(fn, *args) if len(spawned) == 1 else fn(*args)
+
+    monkeypatch.setattr(bench, "run_isolated", isolated_once)
     assert bench.main(["--quick", "--skip-trl", "--skip-verifier", "--rounds", "2"]) == 0
+    assert spawned == ["measure_config"] * 8 + ["lora_update_seconds"]  # 4 configs, 2 rounds; LoRA's update
     lines = capsys.readouterr().out.splitlines()
     header = next(i for i, line in enumerate(lines) if line.startswith("| impl |"))
     assert [c.strip() for c in lines[header].strip("|").split("|")] == bench.STEP_COLUMNS

@@ -15,7 +15,7 @@ from eval import evaluate, pass_at_k
 from memory import STATIC, estimate_memory
 from model import Rollout
 from model_files import tiny_qwen2
-from test_faults import killed_at
+from test_faults import in_a_small_process, killed_at
 from verifier import per_completion
 from written import RECORD, owned
 
@@ -231,7 +231,11 @@ def test_results_killed_at_every_moment_of_their_write_never_lie_and_the_next_wr
     """eval.py's write of its results killed before or after each os call that changes --out, once per moment
     (forked): a summary.json left is the one whose samples lie beside it (before, a kill between two files
     left new samples beside the old summary), and the next write into --out leaves its own results whole and
-    no temporary (before, temporaries stayed for ever)."""
+    no temporary (before, temporaries stayed for ever). Forked from a small process (`in_a_small_process`)."""
+    in_a_small_process(results_killed_at_every_moment, tmp_path)
+
+
+def results_killed_at_every_moment(tmp_path: Path) -> None:
     for n in range(10**4):
         out = tmp_path / str(n)
         evaluation.write_results(out, *results_of("old"), "old", 0.0)

@@ -4,7 +4,6 @@ pipeline on the tiny model: every part runs and writes its numbers and figures."
 import errno
 import json
 import math
-import multiprocessing
 import operator
 import os
 import random
@@ -22,6 +21,7 @@ import torch
 import experiments
 import run_folder
 from processes import on_stop_signals
+from test_faults import small_processes
 from written import Folder, owned
 
 LEVELS = np.array(["easy"] * 20 + ["hard"] * 30)
@@ -406,8 +406,7 @@ def test_killed_at_20_random_moments_it_continues_exactly_and_the_users_files_st
     numbers (the issue allows a refusal in one line; none of these kills leaves cause for one)."""
     out, rng = tmp_path / "out", random.Random(0)
     argv = [*COMPARE, "--out", str(out)]
-    context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(["experiments"])
+    context = small_processes()
     users = {out / "notes.txt": b"the user's notes", out / "compare" / "draft.md": b"the user's draft"}
     docs = Path(experiments.__file__).resolve().parent / "docs"  # the checkout's: no run of --out U's
     committed = tree(docs)
@@ -417,7 +416,7 @@ def test_killed_at_20_random_moments_it_continues_exactly_and_the_users_files_st
         deadline = time.monotonic() + 60
         while not (out / "compare").exists() and time.monotonic() < deadline:
             time.sleep(0.01)  # started: then a random moment
-        time.sleep(rng.uniform(0, 3))
+        child.join(timeout=rng.uniform(0, 3))  # a child that ends first (the study done) waits no longer
         child.kill()
         child.join()
         for path, data in users.items():

@@ -4,6 +4,7 @@ pickle, SIGTERM or Ctrl-C, and a run killed at random moments."""
 
 import contextlib
 import json
+import multiprocessing
 import os
 import random
 import re
@@ -12,6 +13,7 @@ import subprocess
 import sys
 import time
 import types
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -520,11 +522,31 @@ def killed_at(n: int) -> None:
         setattr(os, name, wrapped)
 
 
+def small_processes() -> multiprocessing.context.BaseContext:
+    """Processes forked from multiprocessing's fork server, a small process that imported the program once:
+    a kill test forks once per moment, and a fork of this pytest process (gigabytes once the suite has loaded
+    its models) costs a tenth of a second or more, a fork of the small one milliseconds."""
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(["experiments", "eval", "merge"])  # before its start only: always the same
+    return context
+
+
+def in_a_small_process(body, *args) -> None:
+    """body(*args), a module's function, in a small process (`small_processes`); what it raises is raised here,
+    with its traceback."""
+    with ProcessPoolExecutor(max_workers=1, mp_context=small_processes()) as pool:
+        pool.submit(body, *args).result()
+
+
 def test_a_save_killed_at_every_moment_leaves_a_whole_checkpoint_and_the_next_saves_succeed(tmp_path):
     """A checkpoint save killed before or after each os call that changes the run folder, once per moment
-    (forked): the next owner finds a whole checkpoint, of the step before or of the step saved, and its own
-    next two saves succeed and leave checkpoint/ alone. A record listing a name removed just before the kill
-    once made the next save refuse to rename onto checkpoint.old (CI, December 2026)."""
+    (forked from a small process): the next owner finds a whole checkpoint, of the step before or of the step
+    saved, and its own next two saves succeed and leave checkpoint/ alone. A record listing a name removed
+    just before the kill once made the next save refuse to rename onto checkpoint.old (CI, December 2026)."""
+    in_a_small_process(save_killed_at_every_moment, tmp_path)
+
+
+def save_killed_at_every_moment(tmp_path: Path) -> None:
     weights = torch.nn.Parameter(torch.zeros(2))
     optimizer = torch.optim.SGD([weights], lr=0.1)
     model, tokenizer = TinySaver(), TinyTokenizer()

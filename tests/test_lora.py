@@ -31,7 +31,7 @@ from model import completion_logprobs, load_model, sample
 from model_files import SMOLLM2_SHA256, save_folder, tiny_qwen2
 from run import Paths
 from run_folder import read_jsonl
-from test_faults import killed_at
+from test_faults import in_a_small_process, killed_at
 from test_model_files import write_tiny_gguf
 from written import RECORD, sha256
 
@@ -475,18 +475,26 @@ def test_a_rank_no_adapted_layer_can_use_is_refused_at_parse_time(rank, monkeypa
 # ---------------------------------------------------------------------------- merge.py: kills, a full disk
 
 
-@pytest.fixture(scope="module")
-def merged_model(tiny_lora_run):
-    """The tiny LoRA run's model, its adapters merged in, and its tokenizer."""
-    model, tokenizer = load_model(str(tiny_lora_run / "grpo" / "checkpoint"), torch.device("cpu"))
+def merged_of(run: Path) -> tuple:
+    """A LoRA run's model, its adapters merged in, and its tokenizer."""
+    model, tokenizer = load_model(str(run / "grpo" / "checkpoint"), torch.device("cpu"))
     return merge.merged(model), tokenizer
 
 
-def test_a_merge_killed_at_every_moment_leaves_a_folder_the_next_merge_finishes(tmp_path, merged_model):
-    """merge.py killed (forked, os._exit) before or after each os call that changes <out>, over an earlier
-    merge: the next merge ends with <out> holding its record and model alone, no temporary, no model.new
-    (which once stopped every later merge: "model.new is a folder: remove it ...")."""
-    model, tokenizer = merged_model
+@pytest.fixture(scope="module")
+def merged_model(tiny_lora_run):
+    return merged_of(tiny_lora_run)
+
+
+def test_a_merge_killed_at_every_moment_leaves_a_folder_the_next_merge_finishes(tmp_path, tiny_lora_run):
+    """merge.py killed (os._exit, forked from a small process) before or after each os call that changes
+    <out>, over an earlier merge: the next merge ends with <out> holding its record and model alone, no
+    temporary, no model.new (which once stopped every later merge: "model.new is a folder: remove it ...")."""
+    in_a_small_process(merge_killed_at_every_moment, tmp_path, tiny_lora_run)
+
+
+def merge_killed_at_every_moment(tmp_path: Path, run: Path) -> None:
+    model, tokenizer = merged_of(run)
     want = {k: v.clone() for k, v in model.state_dict().items()}
     for n in range(10**4):
         out = tmp_path / str(n)
