@@ -39,12 +39,18 @@ def pick_device(name: str = "auto") -> torch.device:
 
 
 def cuda_settings() -> None:
-    """Before CUDA's first allocation (a run picks its device before any model): the caching allocator maps
-    growable segments, so the update's and sampling's ever-changing tensor sizes do not strand memory in
-    fixed blocks, unless the user set the allocator's options (PYTORCH_CUDA_ALLOC_CONF or PYTORCH_ALLOC_CONF);
-    and SDPA does not try cuDNN's attention."""
+    """Every setting a CUDA run makes, here and nowhere else, before CUDA's first allocation (a run picks its
+    device before any model). The caching allocator maps growable segments, so the update's and sampling's
+    ever-changing tensor sizes do not strand memory in fixed blocks, unless the user set the allocator's
+    options (PYTORCH_CUDA_ALLOC_CONF or PYTORCH_ALLOC_CONF). float32 products stay float32, as the CPU's
+    definition computes them: torch's defaults, stated so that nothing imported turns TF32 (a 10-bit
+    mantissa: silently other numbers) or cuDNN's autotuning (kernels chosen by timing) on. SDPA does not try
+    cuDNN's attention."""
     if not (os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or os.environ.get("PYTORCH_ALLOC_CONF")):
         os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
+    torch.set_float32_matmul_precision("highest")
+    torch.backends.cudnn.allow_tf32 = False
+    torch.backends.cudnn.benchmark = False
     # cuDNN's kernel, first in line for masked bf16 SDPA on sm90, builds a graph for each new shape, and HF
     # generate's key length changes at every token; the memory-efficient kernel takes the same masks (not
     # measured here: benchmarks/gpu_bench.py --smoke names the kernel each attention gets)

@@ -7,6 +7,7 @@ import signal
 import sys
 import threading
 from contextlib import contextmanager
+from datetime import timedelta
 from typing import Callable
 
 import torch
@@ -18,9 +19,16 @@ from verifier import RewardError
 from written import NotWritten
 
 
+# How long a process waits in a collective for the others. The first process evaluates and saves alone while
+# the others wait in the next step's first collective; nccl's watchdog aborts that wait after 10 minutes by
+# default (gloo after 30), less than an evaluation of MATH-500 at 1.5B can take. We chose a long wait over
+# evaluating on every process: the cost is that a real hang surfaces only after it.
+COLLECTIVE_WAIT = timedelta(hours=2)
+
+
 def init_processes(device_name: str = "auto") -> tuple[int, int, torch.device]:
     """(rank, world size, device) for --device auto|cpu|cuda (`hardware.pick_device`): one process unless
-    launched by torchrun (nccl on CUDA, gloo on CPU)."""
+    launched by torchrun (nccl on CUDA, gloo on CPU), each then on the GPU of its LOCAL_RANK."""
     device = pick_device(device_name)
     if "RANK" not in os.environ:
         return 0, 1, device
@@ -28,7 +36,7 @@ def init_processes(device_name: str = "auto") -> tuple[int, int, torch.device]:
         device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
         torch.cuda.set_device(device)
     if not dist.is_initialized():
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=COLLECTIVE_WAIT)
     return dist.get_rank(), dist.get_world_size(), device
 
 

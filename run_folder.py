@@ -258,10 +258,15 @@ def find_checkpoint(run_dir: Path) -> Path | None:
 
 def restore_checkpoint(folder: Path, optimizer, state: dict) -> int:
     """Load optimizer and method state saved by `save_checkpoint`; returns the last completed step. Only
-    tensors and plain data load (weights_only): a state.pt from someone else cannot run code here."""
+    tensors and plain data load (weights_only): a state.pt from someone else cannot run code here.
+
+    Its storages load onto the device of the parameters the optimizer holds: without `map_location`, each
+    goes back to the device that saved it (a GPU run's cuda:0), so under torchrun every process would put
+    the whole optimizer state on GPU 0, and a run continued on a machine without CUDA would not load."""
     path = folder / "state.pt"
+    device = optimizer.param_groups[0]["params"][0].device
     try:
-        saved = torch.load(path, weights_only=True)
+        saved = torch.load(path, weights_only=True, map_location=device)
     except pickle.UnpicklingError:  # torch's message is a page long
         raise RunFolderError(f"{path}: refused, it holds objects other than tensors and plain data, which "
                              "could run code (train.py never saves such a file)") from None
@@ -307,7 +312,7 @@ def start_logs(folder: Folder, config: dict, last_step: int) -> dict:
     """A fresh run (last_step 0): nothing an earlier run wrote in the run folder (`Folder.clear`;
     `folder_problem` lets one be replaced only with --overwrite), then config.json and empty logs. The
     checkpoints go first and config.json is replaced last: a run killed anywhere in between leaves a config
-    and either all of the earlier run or no checkpoint, which --resume continues exactly or refuses in one
+    and either all of the earlier run or no checkpoint, which --resume continues or refuses in one
     line. A resumed run: drop what was logged after its checkpoint. Both: what a write stopped part-way left
     (`Folder.remove_temporaries`). Returns the TOTALS of the last record kept."""
     if last_step == 0:

@@ -83,7 +83,7 @@ def reference_args(model: str, steps: int, precision: str, algo: str = "grpo",
 def bench_ours(args: train.Args, warmup: int) -> dict:
     """train.train for warmup + steps steps; medians of the per-step times it logs, after the warm-up. For
     GRPO, each step's batch shape (`floors.batch_shape`) is recorded from the rollout train.py samples and the
-    rewards it scores (run.sample and run.score_groups wrapped, in this spawned process only)."""
+    rewards it scores (run.sample and run.score_groups wrapped for the call)."""
     args = dataclasses.replace(args, steps=warmup + args.steps)
     shapes, rollouts, sample, score_groups = [], [], run.sample, run.score_groups
 
@@ -101,10 +101,14 @@ def bench_ours(args: train.Args, warmup: int) -> dict:
 
     if args.algo == "grpo":  # the only config with floors
         run.sample, run.score_groups = recording_sample, recording_score_groups
-    with tempfile.TemporaryDirectory() as tmp, owned(Path(tmp), "runs") as out:
-        run_dir = Path(tmp) / args.algo
-        train.train(args, out.subfolder(args.algo, "run"))
-        rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()][warmup:]
+    try:
+        with tempfile.TemporaryDirectory() as tmp, owned(Path(tmp), "runs") as out:
+            run_dir = Path(tmp) / args.algo
+            train.train(args, out.subfolder(args.algo, "run"))
+            logged = (run_dir / "metrics.jsonl").read_text().splitlines()
+            rows = [json.loads(line) for line in logged][warmup:]
+    finally:
+        run.sample, run.score_groups = sample, score_groups
     for r in rows:
         r["time_step"] = r["time_generate"] + r["time_score"] + r["time_train"]
     return {"generate_s": median_of(rows, "time_generate"), "reward_s": median_of(rows, "time_score"),

@@ -41,6 +41,7 @@ decoding.decode prefills it and the update streams it (train.py's `train_tokens`
 Results go to stdout (markdown) and to --out (JSON, rewritten after every part, and a .md beside it; default
 $OUT/gpu_bench.json where $OUT is set). Checks that would start after --smoke-s and parts after --budget-s
 are skipped and listed by name, not failed: a slow machine runs fewer of them (status 1: a check failed).
+A CUDA error stops the smoke: the checks after it are listed as not run, and the table is not measured.
 """
 import argparse
 import contextlib
@@ -50,6 +51,7 @@ import json
 import math
 import os
 import platform
+import re
 import sys
 import time
 from collections import Counter
@@ -284,20 +286,45 @@ SMOKE_METHODS = [("grpo", 0.0), ("avspo", 0.0), ("aapo", 0.0), ("dapo", 0.0), ("
 OPENED = dict(beta=0.04, updates_per_batch=2, top_p=0.9)
 
 
-def checked(name: str, fn, deadline: float) -> dict:
-    """{"check", "ok", "seconds", "detail": what fn returned, or the error's first line}; past the deadline
-    not run: ok None (skipped, which is no failure: a slow machine runs fewer checks, not failing ones)."""
-    if time.perf_counter() > deadline:
-        print(f"  skip {name}: over the smoke time budget (--smoke-s)", flush=True)
-        return {"check": name, "ok": None, "detail": "skipped: over the smoke time budget"}
-    start = time.perf_counter()
-    try:
-        ok, detail = fn()
-    except Exception as e:  # a CUDA-only failure is what this looks for: record it, run the other checks
-        ok, detail = False, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-    result = {"check": name, "ok": ok, "seconds": round(time.perf_counter() - start, 2), "detail": detail}
-    print(f"  {'ok  ' if ok else 'FAIL'} {name} ({result['seconds']} s) {detail}", flush=True)
-    return result
+# A CUDA error can leave the context unusable, and the checks share a model and an optimizer: every later
+# check would fail from it, one error reading as many. The smoke stops at the first.
+CUDA_ERROR = re.compile(r"CUDA error|CUBLAS_STATUS|cuDNN error")
+
+
+class Checks:
+    """The smoke's results, one check at a time: {"check", "ok", "seconds", "detail": what the check returned,
+    or its error's first line}. Not run (ok None, which is no failure): a check past the deadline (a slow
+    machine runs fewer checks, not failing ones), and every check after a CUDA error."""
+
+    def __init__(self, deadline: float):
+        self.deadline, self.results, self.cuda_error = deadline, [], None
+
+    def run(self, label: str, build) -> None:
+        """The (name, check) pairs `build()` returns, one by one; where it raises (a model that did not
+        build), one failed check named `label`; after a CUDA error, nothing is built: `label`, not run."""
+        try:
+            checks = [(label, None)] if self.cuda_error else build()
+        except Exception as e:
+            checks = [(label, partial(raised, e))]
+        for name, fn in checks:
+            self.results.append(self.one(name, fn))
+
+    def one(self, name: str, fn) -> dict:
+        if self.cuda_error or time.perf_counter() > self.deadline:
+            why = (f"after the CUDA error of {self.cuda_error}" if self.cuda_error
+                   else "over the smoke time budget")
+            print(f"  skip {name}: {why}", flush=True)
+            return {"check": name, "ok": None, "detail": f"skipped: {why}"}
+        start = time.perf_counter()
+        try:
+            ok, detail = fn()
+        except Exception as e:  # a CUDA-only failure is what this looks for: record it
+            ok, detail = False, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+            if CUDA_ERROR.search(str(e)):
+                self.cuda_error = name
+        result = {"check": name, "ok": ok, "seconds": round(time.perf_counter() - start, 2), "detail": detail}
+        print(f"  {'ok  ' if ok else 'FAIL'} {name} ({result['seconds']} s) {detail}", flush=True)
+        return result
 
 
 def fast_equals_plain(device: torch.device) -> list[tuple[str, object]]:
@@ -452,41 +479,51 @@ def kernel_checks(head_dim: int, device: torch.device) -> list[tuple[str, object
             (f"kernels: generation, decoding.decode ({label})", named(generation, decode))]
 
 
-def smoke(device: torch.device, opts, problems, deadline: float) -> list[dict]:
-    """The checks of the module docstring, each time-boxed by `deadline` and failing alone."""
-    results = [checked(name, fn, deadline) for name, fn in fast_equals_plain(device)]
+def smoke(device: torch.device, opts, problems, deadline: float) -> Checks:
+    """The checks of the module docstring, each time-boxed by `deadline` and failing alone, but for a CUDA
+    error, after which none runs (`CUDA_ERROR`)."""
+    checks = Checks(deadline)
+    checks.run("fast paths", partial(fast_equals_plain, device))
     reward = load_reward(PARITY)  # in its own process, as a user's reward: one for all (~2 s to start)
     for head_dim in HEAD_DIMS:
-        results += [checked(name, fn, deadline) for name, fn in kernel_checks(head_dim, device)]
-    for size in ("tiny-qwen2",) if opts.tiny else ("tiny-qwen2", "0.5B"):
+        checks.run(f"kernels: build (head dim {head_dim})", partial(kernel_checks, head_dim, device))
+    sizes = ("tiny-qwen2",) if opts.tiny else ("tiny-qwen2", "0.5B")
+    for size in sizes:
         for precision in ("fp32", "bf16"):
             for checkpointing in (False, True):
-                try:
-                    checks = one_step_each(size, precision, checkpointing, device, problems, reward)
-                except Exception as e:  # the model did not build: name it, go on
-                    checks = [(f"build {size} {precision}", lambda e=e: (False, f"{type(e).__name__}: {e}"))]
-                results += [checked(name, fn, deadline) for name, fn in checks]
+                label = f"build {size} {precision}{' ckpt' if checkpointing else ''}"
+                checks.run(label, partial(one_step_each, size, precision, checkpointing, device, problems,
+                                          reward))
                 gc.collect()
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
-    for size in ("tiny-qwen2",) if opts.tiny else ("tiny-qwen2", "0.5B"):
-        results += [checked(name, fn, deadline)
-                    for name, fn in one_step_each(size, "bf16", True, device, problems, reward, lora_rank=2)]
-    opened = one_step_each("tiny-qwen2", "bf16", True, device, problems, reward, opened=True)
-    return results + [checked(name, fn, deadline) for name, fn in opened
-                      if not opts.tiny or name.startswith("train_step aapo,")]  # on the CPU: the code runs
+    for size in sizes:
+        checks.run(f"build {size} bf16 ckpt LoRA r2",
+                   partial(one_step_each, size, "bf16", True, device, problems, reward, lora_rank=2))
+
+    def opened() -> list[tuple[str, object]]:  # on the CPU, one method: the code runs
+        return [(name, fn) for name, fn in one_step_each("tiny-qwen2", "bf16", True, device, problems, reward,
+                                                         opened=True)
+                if not opts.tiny or name.startswith("train_step aapo,")]
+
+    checks.run("build tiny-qwen2 bf16 ckpt, every flag opened", opened)
+    return checks
+
+
+def raised(error: Exception):
+    raise error
 
 
 def smoke_summary(checks: list[dict]) -> str:
-    """One line: how many checks passed, failed and were skipped for time, naming the failed and skipped."""
+    """One line: how many checks passed, failed and were skipped; the failed named, the skipped by why."""
     failed = [c["check"] for c in checks if c["ok"] is False]
-    skipped = [c["check"] for c in checks if c["ok"] is None]
+    skipped = [c for c in checks if c["ok"] is None]
     passed = sum(c["ok"] is True for c in checks)
     line = f"smoke: {passed} ok, {len(failed)} FAILED, {len(skipped)} skipped"
     if failed:
         line += f"; FAILED: {', '.join(failed)}"
-    if skipped:
-        line += f"; skipped, no time left within --smoke-s (not run): {', '.join(skipped)}"
+    for why in dict.fromkeys(c["detail"] for c in skipped):  # "skipped: over the smoke time budget", ...
+        line += f"; {why} (not run): {', '.join(c['check'] for c in skipped if c['detail'] == why)}"
     return line
 
 
@@ -605,8 +642,13 @@ def main(argv: list[str] | None = None) -> int:
     problems = load_problems("arith-mul1", "train")
     if opts.smoke:
         print("smoke checks:", flush=True)
-        report["smoke"] = smoke(device, opts, problems, min(deadline, time.perf_counter() + opts.smoke_s))
+        checks = smoke(device, opts, problems, min(deadline, time.perf_counter() + opts.smoke_s))
+        report["smoke"] = checks.results
         write(report, opts.out)
+        if checks.cuda_error:  # the table would measure a broken context
+            print(smoke_summary(report["smoke"]))
+            print(f"{opts.out} written; the table is not measured after the CUDA error")
+            return 1
     configs = [(size, checkpointing, False) for size in sizes for checkpointing in (False, True)]
     if opts.fast and device.type not in run.FAST_ON:  # time the fast paths where train.py runs the plain
         configs.append((sizes[0], False, True))

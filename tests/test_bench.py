@@ -259,3 +259,33 @@ def test_fast_vs_plain_prints_both_paths_for_decoding_and_the_update():
     assert len(ms) == 4 and all(t > 0 for t in ms) and len(ratios) == 2
     for (fast, plain), ratio in zip((ms[:2], ms[2:]), ratios):  # each ratio is its two times', as printed
         assert abs(ratio - fast / plain) <= 0.01 + ratio * (0.06 / fast + 0.06 / plain), line
+
+
+def test_gpu_bench_smoke_stops_at_the_first_cuda_error_and_measures_no_table(tmp_path, monkeypatch, capsys):
+    """The checks share a model and an optimizer, and a CUDA error can leave the context unusable: before,
+    each later check failed from it, one error reading as 37. Now the error is one FAILED check, the rest are
+    named as not run after it, and the table is not measured (exit 1)."""
+    first_checks = gpu_bench.fast_equals_plain
+
+    def second_meets_a_cuda_error(device):
+        first, (name, _), *rest = first_checks(device)
+
+        def illegal_access():
+            raise torch.AcceleratorError("CUDA error: an illegal memory access was encountered")
+        return [first, (name, illegal_access), *rest]
+
+    monkeypatch.setattr(gpu_bench, "fast_equals_plain", second_meets_a_cuda_error)
+    out = tmp_path / "gpu_bench.json"
+    assert gpu_bench.main(["--tiny", "--device", "cpu", "--smoke", "--out", str(out)]) == 1
+    report, printed = json.loads(out.read_text()), capsys.readouterr().out
+    assert [c["ok"] for c in report["smoke"][:2]] == [True, False] and report["results"] == []
+    failed = report["smoke"][1]["check"]
+    rest = report["smoke"][2:]  # the first part's other two checks, then each part named, none built
+    assert [c["check"] for c in rest[2:]] == [
+        "kernels: build (head dim 64)", "kernels: build (head dim 128)", "build tiny-qwen2 fp32",
+        "build tiny-qwen2 fp32 ckpt", "build tiny-qwen2 bf16", "build tiny-qwen2 bf16 ckpt",
+        "build tiny-qwen2 bf16 ckpt LoRA r2", "build tiny-qwen2 bf16 ckpt, every flag opened"]
+    assert all(c["ok"] is None and c["detail"] == f"skipped: after the CUDA error of {failed}" for c in rest)
+    summary = next(line for line in printed.splitlines() if line.startswith("smoke: "))
+    assert summary.startswith(f"smoke: 1 ok, 1 FAILED, {len(rest)} skipped; FAILED: {failed}; skipped: after "
+                              f"the CUDA error of {failed} (not run): {rest[0]['check']}, ")

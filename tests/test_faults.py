@@ -532,8 +532,8 @@ def small_processes() -> multiprocessing.context.BaseContext:
 
 
 def in_a_small_process(body, *args) -> None:
-    """body(*args), a module's function, in a small process (`small_processes`); what it raises is raised here,
-    with its traceback."""
+    """body(*args), a module's function, in a small process (`small_processes`); what it raises is raised
+    here, with its traceback."""
     with ProcessPoolExecutor(max_workers=1, mp_context=small_processes()) as pool:
         pool.submit(body, *args).result()
 

@@ -1,0 +1,110 @@
+"""What a GPU run meets around its steps, on the CPU: a checkpoint a GPU saved, the settings that change
+float32 numbers, the wait of the other processes while the first evaluates and saves."""
+
+import json
+import re
+import subprocess
+import zipfile
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+
+import hardware
+import processes
+import train
+from benchmarks.gpu_bench import PARITY  # a coin flip per completion: groups split, rows train
+
+TINY = ["--model", "tiny-qwen2", "--max-new-tokens", "8", "--group-size", "4", "--eval-size", "4"]
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def as_saved_on_cuda(path: Path) -> None:
+    """Rewrite a torch.save file so that every storage names cuda:0, as a GPU run's state.pt does: the pickle
+    names each storage's device once ("cpu", memoised for the rest)."""
+    with zipfile.ZipFile(path) as archive:
+        files = {name: archive.read(name) for name in archive.namelist()}
+    pickled = next(name for name in files if name.endswith("/data.pkl"))
+    assert files[pickled].count(b"X\x03\x00\x00\x00cpu") == 1, "torch.save's format changed"
+    files[pickled] = files[pickled].replace(b"X\x03\x00\x00\x00cpu", b"X\x06\x00\x00\x00cuda:0")
+    with zipfile.ZipFile(path, "w") as archive:
+        for name, data in files.items():
+            archive.writestr(name, data)
+
+
+def steps_of(run: Path) -> list[dict]:
+    """metrics.jsonl's records without their timings."""
+    return [{k: v for k, v in json.loads(line).items() if not ("time_" in k or k.endswith("_per_s"))}
+            for line in (run / "grpo" / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_a_gpu_runs_checkpoint_resumes_on_a_machine_without_cuda_exactly(tmp_path, monkeypatch):
+    """A state.pt saved as on a GPU (each storage names cuda:0, rewritten before the run records the file).
+    Before, torch.load put each storage back on the device that saved it: here "state.pt is damaged ... start
+    again with --overwrite", advice that deletes a good run; under torchrun, every process's optimizer state
+    on GPU 0."""
+    common = TINY + ["--eval-every", "0", "--save-every", "1", "--lr-decay", "0", "--reward", PARITY]
+    train.main(common + ["--steps", "2", "--out", str(tmp_path / "straight")])
+    save = torch.save
+
+    def save_as_on_cuda(state: dict, path) -> None:
+        save(state, path)
+        as_saved_on_cuda(Path(path))
+
+    monkeypatch.setattr(torch, "save", save_as_on_cuda)
+    train.main(common + ["--steps", "1", "--out", str(tmp_path / "resumed")])
+    monkeypatch.undo()
+    with pytest.raises(RuntimeError, match="on a CUDA device"):  # what the file holds, loaded as it says
+        torch.load(tmp_path / "resumed" / "grpo" / "checkpoint" / "state.pt", weights_only=True)
+    train.main(common + ["--steps", "2", "--out", str(tmp_path / "resumed"), "--resume"])
+    resumed, straight = steps_of(tmp_path / "resumed"), steps_of(tmp_path / "straight")
+    assert len(resumed) == 2 and all(r["rows_trained"] > 0 for r in straight)  # AdamW's moments in use
+    assert all(r == pytest.approx(s) for r, s in zip(resumed, straight))
+
+
+# A setting of torch's backends: an assignment to a flag, a kernel switched, float32's matmul precision
+SETTING = re.compile(r"torch\.backends\.[\w.]+\s*=(?!=)|\.enable_\w+_sdp\(|set_float32_matmul_precision|"
+                     r"allow_(tf32|bf16_reduced|fp16_reduced)")
+
+
+def test_cuda_settings_keep_float32_products_float32_and_are_made_in_one_place(monkeypatch):
+    """Whatever turned TF32 or cuDNN's autotuning on before (an import, a user's code), a CUDA run's float32
+    products are float32, as the CPU's definition; no other file of the program sets a backend flag."""
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "mine")  # the allocator's option, tested in test_device
+    before = (torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32,
+              torch.backends.cudnn.benchmark, torch.backends.cuda.cudnn_sdp_enabled())
+    torch.set_float32_matmul_precision("high")
+    torch.backends.cudnn.allow_tf32 = torch.backends.cudnn.benchmark = True
+    try:
+        hardware.cuda_settings()
+        assert torch.get_float32_matmul_precision() == "highest"
+        assert not torch.backends.cuda.matmul.allow_tf32 and not torch.backends.cudnn.allow_tf32
+        assert not torch.backends.cudnn.benchmark and not torch.backends.cuda.cudnn_sdp_enabled()
+    finally:
+        torch.set_float32_matmul_precision(before[0])
+        torch.backends.cudnn.allow_tf32, torch.backends.cudnn.benchmark = before[1:3]
+        torch.backends.cuda.enable_cudnn_sdp(before[3])
+    files = subprocess.run(["git", "ls-files", "*.py"], cwd=ROOT, capture_output=True, text=True).stdout
+    setting = {name for name in files.split() if not name.startswith("tests/")
+               and SETTING.search((ROOT / name).read_text())}
+    assert setting == {"hardware.py"}
+
+
+def test_under_torchrun_on_cuda_each_process_takes_its_gpu_and_waits_out_the_first_ones_evaluation(
+        monkeypatch):
+    """The second of two processes: nccl, on cuda:1 (LOCAL_RANK), and a collective that waits longer than an
+    evaluation: nccl's default of 10 minutes aborted the others while the first evaluated MATH-500."""
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setattr(processes, "pick_device", lambda name: torch.device("cuda"))
+    chosen, started = [], {}
+    monkeypatch.setattr(torch.cuda, "set_device", chosen.append)
+    monkeypatch.setattr(processes.dist, "is_initialized", lambda: bool(started))
+    monkeypatch.setattr(processes.dist, "init_process_group",
+                        lambda backend, **kw: started.update(kw, backend=backend))
+    monkeypatch.setattr(processes.dist, "get_rank", lambda: 1)
+    monkeypatch.setattr(processes.dist, "get_world_size", lambda: 2)
+    assert processes.init_processes("cuda") == (1, 2, torch.device("cuda", 1))
+    assert chosen == [torch.device("cuda", 1)] and started["backend"] == "nccl"
+    assert started["timeout"] >= timedelta(hours=1)
