@@ -8,8 +8,8 @@ fine-tuning, and the verifier.
     python benchmarks/bench.py --no-fast   # ours on model.py's plain definitions (HF generate, plain forward)
     python benchmarks/bench.py --skip-methods --lora-ranks 32 1 --rounds 3  # LoRA against full fine-tuning
 
-Every training config runs in a fresh process, so its peak memory is its own: max RSS on CPU,
-torch.cuda.max_memory_allocated on GPU. Step times are medians over --steps steps after --warmup
+Every training config runs in a fresh process, so its peak memory is its own: max RSS on CPU; on GPU,
+the allocator's peak reservation plus the CUDA context (timing.peak_memory_bytes). Step times are medians over --steps steps after --warmup
 steps; the held-out evaluation and checkpoint that train.train does around the steps are not timed.
 TRL is optional (pip install trl==1.16.0); without it, or with --skip-trl, its rows are left out.
 

@@ -32,7 +32,7 @@ bf16 working weights with float32 master weights as train.py uses on CUDA. Cavea
     fed to the advantage step are a fixed mixed pattern: every row is trained, as in a useful batch.
 Rows take the path train.py takes there (`run.fast_or_plain`: plain on CUDA), plus one row of the fast
 paths forced on at the first size, to time them. "est GiB" is memory.py's estimate for the config, next to
-the measured peak; "SDPA" names the attention kernels the update's forward ran (from the profiler).
+the measured peak, both with the CUDA context and the allocator's reserve (timing.peak_memory_bytes); "SDPA" names the attention kernels the update's forward ran (from the profiler).
 MFU = model FLOPs / time / the bf16 matmul rate measured on this card first (not the datasheet peak).
 Model FLOPs: 2 per parameter per token forward, x3 with backward (recomputation under gradient
 checkpointing is not counted, as usual for MFU), plus the LM head on the positions that get logits;
@@ -557,7 +557,7 @@ def memory_table(prompts: int, group_size: int, new_tokens: int, prompt_len: int
                      f"LoRA); adapters of {adapter_count(model.config, 32) / 1e6:.1f}M parameters at rank 32, "
                      f"{adapter_count(model.config, 1) / 1e6:.2f}M at rank 1.")
     return markdown_table(["size", "params M", "LoRA rank", "micro-batch", "grad ckpt", "static GiB",
-                           "activations GiB", "logits GiB", "KV cache GiB", "total GiB",
+                           "activations GiB", "logits GiB", "sampling GiB", "total GiB",
                            *(f"{c} GB" for c in CARDS_GIB)], rows) + "\n\n" + "\n\n".join(notes)
 
 

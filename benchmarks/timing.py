@@ -41,10 +41,14 @@ def run_isolated(fn: Callable, *args):
 
 
 def peak_memory_bytes() -> int:
-    """Peak memory of this process so far: CUDA allocations on GPU (since the last reset of the peak
-    statistics), resident set size on CPU."""
+    """Peak memory of this process so far, counted as memory.py's estimate counts it. On a GPU (since the last
+    reset of the peak statistics): what the caching allocator reserved at its peak, not only what tensors
+    held (max_memory_allocated leaves out its reserve), plus the CUDA context and kernel workspaces, the
+    device's used memory beyond the allocator's now (mem_get_info: another process on the GPU counts in it).
+    On the CPU: the resident set size."""
     if torch.cuda.is_available():
-        return torch.cuda.max_memory_allocated()
+        free, total = torch.cuda.mem_get_info()
+        return torch.cuda.max_memory_reserved() + (total - free - torch.cuda.memory_reserved())
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 

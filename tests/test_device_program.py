@@ -10,11 +10,16 @@ from pathlib import Path
 
 import pytest
 import torch
+from transformers import Qwen2Config, Qwen2ForCausalLM
 
 import hardware
+import lora
+import memory
 import processes
 import train
-from benchmarks.gpu_bench import PARITY  # a coin flip per completion: groups split, rows train
+from benchmarks.gpu_bench import PARITY, SIZES  # PARITY: a coin flip per completion, groups split, rows train
+from model import sample_with_generate
+from test_device import peak_bytes
 
 TINY = ["--model", "tiny-qwen2", "--max-new-tokens", "8", "--group-size", "4", "--eval-size", "4"]
 ROOT = Path(__file__).resolve().parent.parent
@@ -108,3 +113,34 @@ def test_under_torchrun_on_cuda_each_process_takes_its_gpu_and_waits_out_the_fir
     assert processes.init_processes("cuda") == (1, 2, torch.device("cuda", 1))
     assert chosen == [torch.device("cuda", 1)] and started["backend"] == "nccl"
     assert started["timeout"] >= timedelta(hours=1)
+
+
+# SmolLM2-135M's widths (its config.json; a Llama, taken here as a Qwen2 of the same widths)
+SMOLLM2 = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+               num_key_value_heads=3)
+
+
+@pytest.mark.parametrize("size, precision, rank", [
+    ("1.5B", "bf16", 0), ("1.5B", "bf16", 32), ("1.5B", "fp32", 0), ("0.5B", "fp32", 32), ("smollm2", "bf16", 0),
+    ("smollm2", "bf16", 8)])
+def test_memory_sampling_is_the_peak_of_hf_generates_prefill(size, precision, rank):
+    """Two layers at real widths, GQA included (Qwen2.5-1.5B: 2 KV heads of 12): torch's profiler's peak
+    while HF generate (CUDA's sampling path) prefills 2 prompts x 2 completions, against memory.py's
+    sampling term. Before, the term counted the KV cache alone: at 1.5B under LoRA in bf16 a sixth of it."""
+    widths = SMOLLM2 if size == "smollm2" else SIZES[size]
+    config = Qwen2Config(vocab_size=1000, tie_word_embeddings=True, eos_token_id=999, pad_token_id=998,
+                         **{**widths, "num_hidden_layers": 2})
+    torch.manual_seed(0)
+    net = Qwen2ForCausalLM(config)
+    if rank:
+        lora.add_adapters(net, rank, 32, "tiny", 0)
+    net = hardware.working_copy(net, precision).eval()
+    prompts = torch.randint(0, 990, (2, 48))
+    with torch.no_grad():
+        peak = peak_bytes(lambda: sample_with_generate(net, prompts, torch.ones_like(prompts), 2, 1, 1.0, 1.0,
+                                                       [999], 998))
+    terms = memory.estimate_memory(config, 0, rows=4, prompt_len=48, completion_len=1, micro_batch=4,
+                                   bf16=precision == "bf16", reference=False, checkpointing=False,
+                                   lora_params=memory.adapter_count(config, rank))
+    weights = sum(t.numel() * t.element_size() for t in [*net.parameters(), *net.buffers()])
+    assert peak - weights == pytest.approx(terms["sampling"], rel=0.03)  # the profiler counts the weights

@@ -91,7 +91,7 @@ def test_cli_on_tiny_model_writes_outputs(tmp_path, capsys):
     # where it runs, as train.py's first line says it, with the memory of sampling alone (issue 61)
     first = said.splitlines()[0]
     assert first.startswith("[eval tiny-qwen2] cpu (") and "(float32 master weights" in first
-    assert "; memory ~" in first and "sampling's KV cache" in first and "AdamW" not in first
+    assert "; memory ~" in first and "sampling (prefill, KV cache)" in first and "AdamW" not in first
 
 
 def test_the_stop_set_is_worked_out_once_per_model(monkeypatch):
