@@ -83,8 +83,12 @@ def load_model(name: str,
     tokenizer = load_tokenizer(name)
     if adapters := adapter_folder(name):  # a --lora-rank checkpoint (lora.py): its base, then the adapters
         return load_adapters(load_model(base_of(adapters), device)[0], adapters), tokenizer
-    model = (tiny_qwen2()[0] if name == "tiny-qwen2"  # safetensors only: unpickling weights could run code
-             else from_source(AutoModelForCausalLM, name, dtype=torch.float32, use_safetensors=True))
+    # Safetensors only: unpickling weights could run code. No hub kernels: transformers 5.25 turns them on by
+    # default, and on CUDA model.train() and .eval() then fetch layers (rotary, RMSNorm) from the hub, which a
+    # machine without it fails at the first update and one with it swaps this file's definitions for.
+    model = (tiny_qwen2()[0] if name == "tiny-qwen2"
+             else from_source(AutoModelForCausalLM, name, dtype=torch.float32, use_safetensors=True,
+                              use_kernels=False))
     return model.to(device).eval(), tokenizer  # eval mode (no dropout); training switches train mode on
 
 

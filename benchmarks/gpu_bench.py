@@ -13,8 +13,8 @@
     and packed, and generation's, HF generate and decoding.decode (cuDNN's is off: hardware.cuda_settings);
   - one `train.train_step` of each method (grpo, avspo, aapo, dapo, and grpo with --beta), on tiny-qwen2 and
     on a random Qwen2.5-0.5B shape, in fp32 and bf16, with and without gradient checkpointing; the rewards are
-    `parity_reward`'s, which split the groups even on random weights, so every method's backward runs (a
-    check with no row trained fails);
+    `rewards.parity_reward`'s, which split the groups even on random weights, so every method's backward runs
+    (a check with no row trained fails);
   - one `train.train_step` of each method with every flag that makes other tensors meet (`OPENED`: the KL's
     reference, PPO's old log-probs, top-p, checkpointing) and torchrun's collectives through a one-process
     nccl group (`one_process_group`): what tests/test_device.py's CPU stand-in for CUDA cannot run;
@@ -128,14 +128,7 @@ def with_adapters(model, name: str = "tiny-qwen2") -> None:
                 p.normal_(0, 0.01)
 
 
-PARITY = "benchmarks.gpu_bench:parity_reward"
-
-
-def parity_reward(completion: str, gold: str) -> float:
-    """The parity of the sum of the completion's character codes, a coin flip per completion on random
-    weights: a group of G is split but with probability 2^(1 - G), so the methods' updates have rows to
-    train (the verifier's rewards on random weights are all 0: every group collapses, no backward runs)."""
-    return float(sum(map(ord, completion)) % 2)
+PARITY = "benchmarks.rewards:parity_reward"  # a coin flip per completion: groups split, rows train
 
 
 def mixed_rewards(prompts: int, group_size: int) -> torch.Tensor:

@@ -2,6 +2,7 @@
 one train_step of each method, with its defaults and with every flag that makes other tensors meet; the
 choice of device, precision and paths (--device, --precision, --fast)."""
 
+import contextlib
 import copy
 import dataclasses
 import functools
@@ -10,6 +11,7 @@ import subprocess
 import sys
 import types
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import torch
@@ -27,6 +29,7 @@ import packing
 import processes
 import run as run_module
 import train
+from benchmarks.gpu_bench import PARITY  # a coin flip per completion: groups split, rows train
 from data.tasks import Problem
 from decoding import decode
 from memory import estimate_memory
@@ -39,26 +42,35 @@ CROSSING = {torch.Tensor.to, torch.Tensor.cpu, torch.Tensor.copy_, torch.Tensor.
             torch.Tensor.__setitem__, torch._has_compatible_shallow_copy_type}
 INDEXING = {torch.Tensor.__getitem__, torch.Tensor.index_put_, torch.Tensor.__setitem__}
 WRITES = {torch.Tensor.index_put_, torch.Tensor.__setitem__}  # self, indices, values
-# The run's device under the rules, CUDA's stand-in: the CPU with an index, which the host never has
-DEVICE, HOST = torch.device("cpu", 0), torch.device("cpu")
-PARAMETER_NEW = torch.nn.Parameter.__dict__["__new__"]
+# Draws that take a generator: on the device without one, they draw from the device's own (CUDA's default)
+RANDOM = {torch.multinomial, torch.rand, torch.randn, torch.randint, torch.randperm, torch.bernoulli,
+          torch.normal, torch.Tensor.uniform_, torch.Tensor.normal_, torch.Tensor.bernoulli_,
+          torch.Tensor.random_, torch.Tensor.exponential_, torch.Tensor.multinomial}
+# The run's device under the rules reads as CUDA; its tensors are kept on the CPU with an index, which the
+# host never has (`STORAGE`)
+DEVICE, HOST, STORAGE = torch.device("cuda", 0), torch.device("cpu"), torch.device("cpu", 0)
+CUDA_SEED = 67280421310721  # a CUDA device's default generator's seed before any seeding (torch's default)
+PARAMETER_NEW, LOAD = torch.nn.Parameter.__dict__["__new__"], torch.load
 
 
 def names_device(device: torch.device | str) -> bool:
-    """Whether a device argument names the run's device: CUDA, or `DEVICE`; the CPU without an index (`"cpu"`,
-    `torch.device("cpu")`) is the host."""
+    """Whether a device argument names the run's device: CUDA, or `STORAGE`; the CPU without an index
+    (`"cpu"`, `torch.device("cpu")`) is the host."""
     device = torch.device(device)
     return device.type == "cuda" or device.index is not None
 
 
 def on_the_stand_in(func, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    """CUDA named in a call (`device=torch.device("cuda", 0)`, `.to("cuda")`) runs on `DEVICE` instead."""
+    """CUDA named in a call (`device=torch.device("cuda", 0)`, `.to("cuda")`) runs on `STORAGE` instead; host
+    memory pinned for copies to CUDA (`pin_memory=True`, which safetensors asks for where CUDA is) is plain
+    host memory, all a CPU build has."""
     def stand_in(value):
         cuda = isinstance(value, (torch.device, str)) and torch.device(value).type == "cuda"
-        return DEVICE if cuda else value
+        return STORAGE if cuda else value
     if func is torch.Tensor.to:
         args = (args[0], *map(stand_in, args[1:]))
-    return args, {k: stand_in(v) if k == "device" else v for k, v in kwargs.items()}
+    return args, {k: stand_in(v) if k == "device" else False if k == "pin_memory" else v
+                  for k, v in kwargs.items()}
 
 
 class CudaDeviceRules(TorchFunctionMode):
@@ -101,12 +113,39 @@ class CudaDeviceRules(TorchFunctionMode):
         def parameter(cls, data=None, requires_grad=True):  # a deepcopy's parameters: on the original's side
             return self.mark(PARAMETER_NEW(cls, data, requires_grad), self.on_device(data))
 
-        self.saved = torch.Generator
-        torch.Generator, torch.nn.Parameter.__new__ = Generator, staticmethod(parameter)
+        self.generator = Generator(DEVICE).manual_seed(CUDA_SEED)  # the device's own, apart from the host's
+
+        def seed(value: int, device=None) -> None:  # torch.manual_seed calls torch.cuda.manual_seed_all too
+            self.generator.manual_seed(value)
+
+        def load(f, map_location=None, **kwargs):  # onto the device named: its tensors are device tensors
+            named = isinstance(map_location, (torch.device, str)) and names_device(map_location)
+            loaded = LOAD(f, map_location=HOST if named else map_location, **kwargs)
+            for t in tree_flatten(loaded)[0] if named else []:
+                if isinstance(t, torch.Tensor):
+                    self.mark(t)
+            return loaded
+
+        self.patches = contextlib.ExitStack()
+        for owner, name, value in [
+                (torch, "Generator", Generator), (torch.nn.Parameter, "__new__", staticmethod(parameter)),
+                (torch, "load", load),
+                (torch.version, "cuda", "12.4"), (torch.cuda, "is_available", lambda: True),
+                (torch.cuda, "device_count", lambda: 1), (torch.cuda, "current_device", lambda: 0),
+                (torch.cuda, "set_device", lambda device: None),
+                (torch.cuda, "get_device_properties", lambda device=None: types.SimpleNamespace(
+                    name="CudaDeviceRules", total_memory=80 * 2**30, major=9, minor=0)),
+                (torch.cuda, "get_device_name", lambda device=None: "CudaDeviceRules"),
+                (torch.cuda, "is_bf16_supported", lambda including_emulation=True: True),
+                (torch.cuda, "synchronize", lambda device=None: None),
+                (torch.cuda, "manual_seed", seed), (torch.cuda, "manual_seed_all", seed),
+                (torch.cuda, "get_rng_state", lambda device="cuda": self.generator.get_state()),
+                (torch.cuda, "set_rng_state", lambda state, device="cuda": self.generator.set_state(state))]:
+            self.patches.enter_context(mock.patch.object(owner, name, value))
         return super().__enter__()
 
     def __exit__(self, *exc):
-        torch.Generator, torch.nn.Parameter.__new__ = self.saved, PARAMETER_NEW
+        self.patches.close()
         return super().__exit__(*exc)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
@@ -114,6 +153,8 @@ class CudaDeviceRules(TorchFunctionMode):
         attribute, name = getattr(func, "__self__", None), getattr(func, "__name__", str(func))
         if attribute is torch.Tensor.device:  # `t.device`
             return DEVICE if self.on_device(args[0]) else HOST
+        if attribute is torch.Tensor.is_cuda:
+            return self.on_device(args[0])
         if attribute in (torch.Tensor.data, torch.Tensor.grad) and name == "__set__":
             return self.assign(func, attribute, *args)
         args, kwargs = on_the_stand_in(func, args, kwargs)
@@ -136,6 +177,9 @@ class CudaDeviceRules(TorchFunctionMode):
         named = self.named_side(func, args, kwargs)
         on_device = named if named is not None else (func is not torch.Tensor.__setitem__
                                                      and any(self.on_device(t) for t in tensors))
+        if func in RANDOM and on_device and kwargs.get("generator") is None:
+            kwargs = {**kwargs, "generator": self.generator}
+            flat.append(self.generator)
         for generator in (g for g in flat if isinstance(g, torch._C.Generator)):
             if self.on_device(generator) != on_device:
                 sides = ["cuda" if side else "cpu" for side in (on_device, self.on_device(generator))]
@@ -227,7 +271,6 @@ def test_the_rules_know_an_explicit_cpu_generators_modules_gradients_and_cuda_by
 
 TINY = ["--model", "tiny-qwen2", "--max-new-tokens", "6", "--group-size", "4", "--micro-batch", "3",
         "--eval-size", "4", "--precision", "bf16", "--lr", "1e-2"]
-PARITY = "benchmarks.gpu_bench:parity_reward"  # a coin flip per completion: groups split, rows train
 # Every non-default flag that changes which tensors meet, at once: the reference's log-probs and the KL,
 # PPO's old log-probs, the nucleus (decode's buffer, generate's warper), recomputation in backward.
 OPENED = ["--beta", "0.04", "--updates-per-batch", "2", "--top-p", "0.9", "--grad-checkpointing"]

@@ -19,7 +19,8 @@ import processes
 import train
 from benchmarks.gpu_bench import PARITY, SIZES  # PARITY: a coin flip per completion, groups split, rows train
 from model import sample_with_generate
-from test_device import peak_bytes
+from test_device import LORA, OPENED, CudaDeviceRules, peak_bytes
+from test_device import TINY as STAND_IN
 
 TINY = ["--model", "tiny-qwen2", "--max-new-tokens", "8", "--group-size", "4", "--eval-size", "4"]
 ROOT = Path(__file__).resolve().parent.parent
@@ -38,10 +39,10 @@ def as_saved_on_cuda(path: Path) -> None:
             archive.writestr(name, data)
 
 
-def steps_of(run: Path) -> list[dict]:
+def steps_of(run: Path, algo: str = "grpo") -> list[dict]:
     """metrics.jsonl's records without their timings."""
     return [{k: v for k, v in json.loads(line).items() if not ("time_" in k or k.endswith("_per_s"))}
-            for line in (run / "grpo" / "metrics.jsonl").read_text().splitlines()]
+            for line in (run / algo / "metrics.jsonl").read_text().splitlines()]
 
 
 def test_a_gpu_runs_checkpoint_resumes_on_a_machine_without_cuda_exactly(tmp_path, monkeypatch):
@@ -144,3 +145,32 @@ def test_memory_sampling_is_the_peak_of_hf_generates_prefill(size, precision, ra
                                    lora_params=memory.adapter_count(config, rank))
     weights = sum(t.numel() * t.element_size() for t in [*net.parameters(), *net.buffers()])
     assert peak - weights == pytest.approx(terms["sampling"], rel=0.03)  # the profiler counts the weights
+
+
+# ------------------------------------------------------------------ the whole program under CUDA's rules
+
+
+def under_cudas_rules(main, argv: list[str]):
+    """main(argv) as a process of its own on the stand-in (`test_device.CudaDeviceRules`): a device that reads
+    as cuda:0, with its own generator, seeded as a fresh process's is."""
+    with CudaDeviceRules():
+        return main(argv)
+
+
+@pytest.mark.parametrize("algo", ["grpo", "aapo"])
+def test_train_py_on_the_stand_in_saves_and_resumes_exactly(tmp_path, capsys, algo):
+    """train.py --device cuda from main, bf16 under LoRA with every flag that makes tensors meet (`OPENED`):
+    two steps straight, and one step, saved, then --resume; the same steps, exactly. The device draws from
+    its own generator, so a step that reseeded the host's alone would sample the resumed step from the
+    device's state of a fresh process. The device's branches run: the first line names cuda:0."""
+    flags = STAND_IN + ["--algo", algo, *LORA, "--device", "cuda", "--reward", PARITY, "--save-every", "1",
+                        "--eval-every", "0", "--lr-decay", "0", "--log-samples", "every"]
+    runs = [(["--steps", "2"], "straight"), (["--steps", "1"], "resumed"), (["--steps", "2", "--resume"], "resumed")]
+    for more, out in runs:
+        under_cudas_rules(train.main, flags + [*more, "--out", str(tmp_path / out)])
+        assert f"[{algo}] cuda:0 (CudaDeviceRules, 80 GiB); bf16" in capsys.readouterr().out
+    straight, resumed = (steps_of(tmp_path / run, algo) for run in ("straight", "resumed"))
+    assert len(resumed) == 2 and all(r["rows_trained"] > 0 for r in straight)
+    assert resumed == straight
+    samples = [(tmp_path / run / algo / "samples.jsonl").read_text() for run in ("straight", "resumed")]
+    assert samples[0] == samples[1] and samples[0].count("\n") == 2 * 2  # the same completions
