@@ -15,10 +15,11 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 import hardware
 import lora
 import memory
+import model_files
 import processes
 import train
 from benchmarks.gpu_bench import PARITY, SIZES  # PARITY: a coin flip per completion, groups split, rows train
-from model import sample_with_generate
+from model import load_model, sample_with_generate
 from test_device import LORA, OPENED, CudaDeviceRules, peak_bytes
 from test_device import TINY as STAND_IN
 
@@ -174,3 +175,13 @@ def test_train_py_on_the_stand_in_saves_and_resumes_exactly(tmp_path, capsys, al
     assert resumed == straight
     samples = [(tmp_path / run / algo / "samples.jsonl").read_text() for run in ("straight", "resumed")]
     assert samples[0] == samples[1] and samples[0].count("\n") == 2 * 2  # the same completions
+
+
+def test_a_loaded_model_fetches_no_hub_kernels(tmp_path):
+    """transformers 5.25 loads with hub kernels on by default; on CUDA, model.train() then fetched layers from
+    the hub (kernels-community's rotary): without it, the first update failed; with it, another kernel ran
+    than this program's definition (found by the whole program on the stand-in)."""
+    tiny, tokenizer = model_files.tiny_qwen2()
+    model_files.save_folder(tiny, tokenizer, tmp_path / "folder")
+    loaded, _ = load_model(str(tmp_path / "folder"), torch.device("cpu"))
+    assert not getattr(loaded, "use_kernels", False)  # 5.17 has it off, and may not name it

@@ -234,33 +234,41 @@ def test_a_flag_newer_than_the_run_counts_as_its_default(tmp_path):
 
 
 @pytest.mark.parametrize("lora", [[], ["--lora-rank", "2"]], ids=["full", "lora"])
-def test_sigkill_at_random_moments_then_resume_loses_and_doubles_no_step(tmp_path, lora):
+def test_sigkill_at_random_moments_then_resume_loses_and_doubles_no_step(tmp_path, lora, monkeypatch):
     """A --save-every 1 run killed (SIGKILL) three times at random moments once it has logged a step, then
     resumed to the end: every step logged once, in order, and the last checkpoint loads (under LoRA: its
     adapters, with the base). Killed before its first checkpoint, it has nothing to resume from: it starts
-    again (--resume would refuse it)."""
+    again (--resume would refuse it). Each killed run is a process forked from a small one that imported
+    train.py (`small_processes`), so that its start costs no import."""
     (tmp_path / "user_rewards.py").write_text(REWARDS)
+    monkeypatch.syspath_prepend(str(tmp_path))  # user_rewards importable, here and in the runs' processes
     run = tmp_path / "run"
-    command = [sys.executable, str(ROOT / "train.py"), *TINY, "--steps", "40", "--save-every", "1",
-               "--eval-every", "0", "--reward", "user_rewards:parity", "--out", str(run), *lora]
-    env = {**os.environ, "PYTHONPATH": str(tmp_path)}  # user_rewards importable
+    argv = [*TINY, "--steps", "40", "--save-every", "1", "--eval-every", "0", "--reward", "user_rewards:parity",
+            "--out", str(run), *lora]
     draw = random.Random(0)
     for _ in range(3):
         how = "--resume" if run_folder.find_checkpoint(run / "grpo") else "--overwrite"
-        proc = subprocess.Popen(command + [how], cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
-                                stderr=subprocess.DEVNULL)
+        child = small_processes().Process(target=quiet_main, args=(argv + [how], sys.path))
+        child.start()
         done_before = len(read_jsonl(run / "grpo" / "metrics.jsonl"))
         deadline = time.monotonic() + 60
-        while len(read_jsonl(run / "grpo" / "metrics.jsonl")) <= done_before and time.monotonic() < deadline:
+        while (len(read_jsonl(run / "grpo" / "metrics.jsonl")) <= done_before and child.is_alive()
+               and time.monotonic() < deadline):
             time.sleep(0.05)
         time.sleep(draw.uniform(0.0, 0.5))
-        proc.send_signal(signal.SIGKILL)
-        proc.wait()
-    finished = subprocess.run(command + ["--resume"], cwd=ROOT, env=env, capture_output=True, text=True)
-    assert finished.returncode == 0, finished.stderr[-2000:]
+        child.kill()
+        child.join()
+    train.main(argv + ["--resume"])
     assert [r["step"] for r in read_jsonl(run / "grpo" / "metrics.jsonl")] == list(range(1, 41))
     assert torch.load(run / "grpo" / "checkpoint" / "state.pt", weights_only=False)["step"] == 40
     assert has_adapters(load_model(str(run / "grpo" / "checkpoint"), torch.device("cpu"))[0]) == bool(lora)
+
+
+def quiet_main(argv: list[str], path: list[str]) -> None:
+    """train.main(argv) with this sys.path, its output to /dev/null: a run to be killed."""
+    sys.path[:] = path
+    with open(os.devnull, "w") as null, contextlib.redirect_stdout(null), contextlib.redirect_stderr(null):
+        train.main(argv)
 
 
 # ---------------------------------------------------------------- a second run, damage, signals (issue 44)
