@@ -32,7 +32,8 @@ bf16 working weights with float32 master weights as train.py uses on CUDA. Cavea
     fed to the advantage step are a fixed mixed pattern: every row is trained, as in a useful batch.
 Rows take the path train.py takes there (`run.fast_or_plain`: plain on CUDA), plus one row of the fast
 paths forced on at the first size, to time them. "est GiB" is memory.py's estimate for the config, next to
-the measured peak, both with the CUDA context and the allocator's reserve (timing.peak_memory_bytes); "SDPA" names the attention kernels the update's forward ran (from the profiler).
+the measured peak, both with the CUDA context and the allocator's reserve (timing.peak_memory_bytes); "SDPA"
+names the attention kernels the update's forward ran (from the profiler).
 MFU = model FLOPs / time / the bf16 matmul rate measured on this card first (not the datasheet peak).
 Model FLOPs: 2 per parameter per token forward, x3 with backward (recomputation under gradient
 checkpointing is not counted, as usual for MFU), plus the LM head on the positions that get logits;

@@ -123,8 +123,8 @@ SMOLLM2 = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, nu
 
 
 @pytest.mark.parametrize("size, precision, rank", [
-    ("1.5B", "bf16", 0), ("1.5B", "bf16", 32), ("1.5B", "fp32", 0), ("0.5B", "fp32", 32), ("smollm2", "bf16", 0),
-    ("smollm2", "bf16", 8)])
+    ("1.5B", "bf16", 0), ("1.5B", "bf16", 32), ("1.5B", "fp32", 0), ("0.5B", "fp32", 32),
+    ("smollm2", "bf16", 0), ("smollm2", "bf16", 8)])
 def test_memory_sampling_is_the_peak_of_hf_generates_prefill(size, precision, rank):
     """Two layers at real widths, GQA included (Qwen2.5-1.5B: 2 KV heads of 12): torch's profiler's peak
     while HF generate (CUDA's sampling path) prefills 2 prompts x 2 completions, against memory.py's
@@ -158,18 +158,20 @@ def under_cudas_rules(main, argv: list[str]):
         return main(argv)
 
 
-@pytest.mark.parametrize("algo", ["grpo", "aapo"])
-def test_train_py_on_the_stand_in_saves_and_resumes_exactly(tmp_path, capsys, algo):
-    """train.py --device cuda from main, bf16 under LoRA with every flag that makes tensors meet (`OPENED`):
-    two steps straight, and one step, saved, then --resume; the same steps, exactly. The device draws from
-    its own generator, so a step that reseeded the host's alone would sample the resumed step from the
-    device's state of a fresh process. The device's branches run: the first line names cuda:0."""
+def test_train_py_on_the_stand_in_saves_and_resumes_exactly(tmp_path, capsys, algo="aapo"):
+    """train.py --device cuda from main, AAPO (the reference's completions too) in bf16 under LoRA with every
+    flag that makes tensors meet (`OPENED`): two steps straight, and one step, saved, then --resume; the same
+    steps, exactly. The device draws from its own generator, so a step that reseeded the host's alone would
+    sample the resumed step from the device's state of a fresh process. The device's branches run: the
+    first line names cuda:0 and counts the CUDA context."""
     flags = STAND_IN + ["--algo", algo, *LORA, "--device", "cuda", "--reward", PARITY, "--save-every", "1",
                         "--eval-every", "0", "--lr-decay", "0", "--log-samples", "every"]
-    runs = [(["--steps", "2"], "straight"), (["--steps", "1"], "resumed"), (["--steps", "2", "--resume"], "resumed")]
-    for more, out in runs:
+    for more, out in [(["--steps", "2"], "straight"), (["--steps", "1"], "resumed"),
+                      (["--steps", "2", "--resume"], "resumed")]:
         under_cudas_rules(train.main, flags + [*more, "--out", str(tmp_path / out)])
-        assert f"[{algo}] cuda:0 (CudaDeviceRules, 80 GiB); bf16" in capsys.readouterr().out
+        first = capsys.readouterr().out.splitlines()[0]  # CUDA's branches: the GPU named, its context counted
+        assert first.startswith(f"[{algo}] cuda:0 (CudaDeviceRules, 80 GiB); bf16")
+        assert "CUDA context 1.0 GiB" in first
     straight, resumed = (steps_of(tmp_path / run, algo) for run in ("straight", "resumed"))
     assert len(resumed) == 2 and all(r["rows_trained"] > 0 for r in straight)
     assert resumed == straight

@@ -243,8 +243,8 @@ def test_sigkill_at_random_moments_then_resume_loses_and_doubles_no_step(tmp_pat
     (tmp_path / "user_rewards.py").write_text(REWARDS)
     monkeypatch.syspath_prepend(str(tmp_path))  # user_rewards importable, here and in the runs' processes
     run = tmp_path / "run"
-    argv = [*TINY, "--steps", "40", "--save-every", "1", "--eval-every", "0", "--reward", "user_rewards:parity",
-            "--out", str(run), *lora]
+    argv = [*TINY, "--steps", "40", "--save-every", "1", "--eval-every", "0", "--out", str(run),
+            "--reward", "user_rewards:parity", *lora]
     draw = random.Random(0)
     for _ in range(3):
         how = "--resume" if run_folder.find_checkpoint(run / "grpo") else "--overwrite"
