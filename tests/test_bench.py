@@ -14,6 +14,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+import run
 import train
 from benchmarks import bench, floors, gpu_bench, timing
 from data.prepare import DOWNLOADS
@@ -35,8 +36,10 @@ def test_bench_quick_prints_the_step_table(capsys, monkeypatch):
         return isolated(fn, *args) if len(spawned) == 1 else fn(*args)
 
     monkeypatch.setattr(bench, "run_isolated", isolated_once)
+    wrapped = run.sample, run.score_groups  # bench_ours wraps them to record each batch's shape
     assert bench.main(["--quick", "--skip-trl", "--skip-verifier", "--rounds", "2"]) == 0
     assert spawned == ["measure_config"] * 8 + ["lora_update_seconds"]  # 4 configs, 2 rounds; LoRA's update
+    assert (run.sample, run.score_groups) == wrapped  # put back: a later test's run records nothing
     lines = capsys.readouterr().out.splitlines()
     header = next(i for i, line in enumerate(lines) if line.startswith("| impl |"))
     assert [c.strip() for c in lines[header].strip("|").split("|")] == bench.STEP_COLUMNS
