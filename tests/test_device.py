@@ -291,6 +291,9 @@ DRIVEN = {
     "lora_rank": "2: peft's adapters (float32) on the frozen bf16 weights, the reference with them off, "
                  "the gradients of the adapters alone summed over processes",
     "lora_alpha": "with --lora-rank: a Python float scaling the adapters' output on the device",
+    "resume": "test_device_program.py, train.py from main under the rules: the checkpoint's state.pt loads "
+              "onto the parameters' device, and the resumed step equals the straight one",
+    "device": "cuda, through main in test_device_program.py (pick_device, cuda_settings, the first line)",
 }
 NO_PLACEMENT = {
     **dict.fromkeys(["model", "dataset", "eval_dataset", "prompt_format", "system"],
@@ -299,9 +302,6 @@ NO_PLACEMENT = {
     **dict.fromkeys(["out", "overwrite", "eval_every", "save_every", "log_samples", "show_group", "steps"],
                     "when the host logs, evaluates and saves: run.after_step, from host numbers"),
     "seed": "torch.manual_seed seeds every device's default generator; no generator object is made",
-    "resume": "the checkpoint's model loads onto the run's device like any model, and "
-              "Optimizer.load_state_dict moves each saved state to its parameter's device",
-    "device": "the run's device is the stand-in `DEVICE` here",
     **dict.fromkeys(["prompts_per_step", "group_size", "max_new_tokens", "micro_batch", "eval_size"],
                     "shapes only"),
     "temperature": "a Python float dividing device logits; 0 takes the argmax on the device",
