@@ -151,8 +151,8 @@ class CudaDeviceRules(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         attribute, name = getattr(func, "__self__", None), getattr(func, "__name__", str(func))
-        if attribute is torch.Tensor.device:  # `t.device`
-            return DEVICE if self.on_device(args[0]) else HOST
+        if attribute is torch.Tensor.device:  # `t.device`; a meta tensor's stays meta, as from_pretrained needs
+            return DEVICE if self.on_device(args[0]) else func(*args, **kwargs)
         if attribute is torch.Tensor.is_cuda:
             return self.on_device(args[0])
         if attribute in (torch.Tensor.data, torch.Tensor.grad) and name == "__set__":

@@ -158,13 +158,16 @@ def under_cudas_rules(main, argv: list[str]):
         return main(argv)
 
 
-def test_train_py_on_the_stand_in_saves_and_resumes_exactly(tmp_path, capsys, algo="aapo"):
-    """train.py --device cuda from main, AAPO (the reference's completions too) in bf16 under LoRA with every
-    flag that makes tensors meet (`OPENED`): two steps straight, and one step, saved, then --resume; the same
-    steps, exactly. The device draws from its own generator, so a step that reseeded the host's alone would
-    sample the resumed step from the device's state of a fresh process. The device's branches run: the
-    first line names cuda:0 and counts the CUDA context."""
-    flags = STAND_IN + ["--algo", algo, *LORA, "--device", "cuda", "--reward", PARITY, "--save-every", "1",
+@pytest.mark.parametrize("algo, flags", [("aapo", LORA), ("grpo", OPENED)], ids=["aapo-lora", "grpo-full"])
+def test_train_py_on_the_stand_in_saves_and_resumes_exactly(tmp_path, capsys, algo, flags):
+    """train.py --device cuda from main, in bf16 with every flag that makes tensors meet (`OPENED`): AAPO (the
+    reference's completions too) under LoRA, GRPO fine-tuning every weight (the checkpoint's model loads
+    through from_pretrained, which once read garbage rotary buffers under the rules: a meta tensor's device
+    read as the host's). Two steps straight, and one step, saved, then --resume: the same steps, exactly.
+    The device draws from its own generator, so a step that reseeded the host's alone would sample the
+    resumed step from the device's state of a fresh process. The device's branches run: the first line
+    names cuda:0 and counts the CUDA context."""
+    flags = STAND_IN + ["--algo", algo, *flags, "--device", "cuda", "--reward", PARITY, "--save-every", "1",
                         "--eval-every", "0", "--lr-decay", "0", "--log-samples", "every"]
     for more, out in [(["--steps", "2"], "straight"), (["--steps", "1"], "resumed"),
                       (["--steps", "2", "--resume"], "resumed")]:
