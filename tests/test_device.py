@@ -373,6 +373,9 @@ def test_a_train_step_keeps_cudas_device_rules(tmp_path, monkeypatch, capsys, al
                                     "--no-fast", "--reward", "verifier" if algo == "dapo" else PARITY])
     if torchrun:
         nccl_processes(monkeypatch)
+    if fast:  # the fast paths on the stand-in's CUDA too, as gpu_bench.py forces them there to time them
+        monkeypatch.setattr(run_module, "FAST_ON", ("cuda",))
+        monkeypatch.setattr(eval_module, "FAST_ON", ("cuda",))
     monkeypatch.setattr(eval_module, "pick_device", lambda name: DEVICE)
     with owned(tmp_path / "run", "run") as files, CudaDeviceRules() as rules:
         run = run_module.start_run(args, tmp_path, DEVICE, True, train.algo_state(args),
