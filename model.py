@@ -84,8 +84,8 @@ def load_model(name: str,
     if adapters := adapter_folder(name):  # a --lora-rank checkpoint (lora.py): its base, then the adapters
         return load_adapters(load_model(base_of(adapters), device)[0], adapters), tokenizer
     # Safetensors only: unpickling weights could run code. No hub kernels: transformers 5.25 turns them on by
-    # default, and on CUDA model.train() and .eval() then fetch layers (rotary, RMSNorm) from the hub, which a
-    # machine without it fails at the first update and one with it swaps this file's definitions for.
+    # default, and on CUDA model.train() then fetches layers from the hub (kernels-community's rotary), which
+    # fails at the first update on a machine without it and swaps in other kernels on one with it.
     model = (tiny_qwen2()[0] if name == "tiny-qwen2"
              else from_source(AutoModelForCausalLM, name, dtype=torch.float32, use_safetensors=True,
                               use_kernels=False))

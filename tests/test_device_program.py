@@ -1,5 +1,7 @@
-"""What a GPU run meets around its steps, on the CPU: a checkpoint a GPU saved, the settings that change
-float32 numbers, the wait of the other processes while the first evaluates and saves."""
+"""What a GPU run meets around its steps, on the CPU (issue 62): a checkpoint a GPU saved, the settings that
+change float32 numbers, the wait of the other processes while the first evaluates and saves, sampling's memory
+as HF generate prefills every row, the hub kernels transformers would fetch, and train.py itself, from main,
+under CUDA's rules (`test_device.CudaDeviceRules`)."""
 
 import json
 import re
