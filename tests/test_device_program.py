@@ -14,8 +14,10 @@ import pytest
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
+import eval as eval_module
 import hardware
 import lora
+import merge
 import memory
 import model_files
 import processes
@@ -182,6 +184,15 @@ def test_train_py_on_the_stand_in_saves_and_resumes_exactly(tmp_path, capsys, al
     assert resumed == straight
     samples = [(tmp_path / run / algo / "samples.jsonl").read_text() for run in ("straight", "resumed")]
     assert samples[0] == samples[1] and samples[0].count("\n") == 2 * 2  # the same completions
+    checkpoint = str(tmp_path / "resumed" / algo / "checkpoint")  # eval.py on it, --samples, the plain path
+    summary = under_cudas_rules(eval_module.main, ["--model", checkpoint, "--samples", "2", "--limit", "2",
+                                                   "--max-new-tokens", "6", "--device", "cuda", "--no-fast",
+                                                   "--out", str(tmp_path / "eval")])
+    assert capsys.readouterr().out.startswith(f"[eval {checkpoint}] cuda:0 (CudaDeviceRules, 80 GiB)")
+    assert summary[checkpoint]["samples"] == 2
+    if "--lora-rank" in flags:  # merge.py: the adapters into their base, on the device
+        under_cudas_rules(merge.main, [checkpoint, str(tmp_path / "merged")])
+        assert (tmp_path / "merged" / "model" / "model.safetensors").exists()
 
 
 def test_a_loaded_model_fetches_no_hub_kernels(tmp_path):
