@@ -5,6 +5,7 @@ under CUDA's rules (`test_device.CudaDeviceRules`)."""
 
 import json
 import re
+import signal
 import subprocess
 import zipfile
 from datetime import timedelta
@@ -163,18 +164,32 @@ def under_cudas_rules(main, argv: list[str]):
 
 
 @pytest.mark.parametrize("algo, flags", [("aapo", LORA), ("grpo", OPENED)], ids=["aapo-lora", "grpo-full"])
-def test_train_py_on_the_stand_in_saves_and_resumes_exactly(tmp_path, capsys, algo, flags):
+def test_train_py_on_the_stand_in_saves_and_resumes_exactly(tmp_path, capsys, monkeypatch, algo, flags):
     """train.py --device cuda from main, in bf16 with every flag that makes tensors meet (`OPENED`): AAPO (the
     reference's completions too) under LoRA, GRPO fine-tuning every weight (the checkpoint's model loads
     through from_pretrained, which once read garbage rotary buffers under the rules: a meta tensor's device
-    read as the host's). Two steps straight, and one step, saved, then --resume: the same steps, exactly.
+    read as the host's). Two steps straight, and two stopped by a SIGTERM in step 1 (saved), then --resume:
+    the same steps, exactly.
     The device draws from its own generator, so a step that reseeded the host's alone would sample the
     resumed step from the device's state of a fresh process. The device's branches run: the first line
     names cuda:0 and counts the CUDA context."""
     flags = STAND_IN + ["--algo", algo, *flags, "--device", "cuda", "--reward", PARITY, "--save-every", "1",
-                        "--eval-every", "0", "--lr-decay", "0", "--log-samples", "every"]
-    for more, out in [(["--steps", "2"], "straight"), (["--steps", "1"], "resumed"),
-                      (["--steps", "2", "--resume"], "resumed")]:
+                        "--eval-every", "0", "--steps", "2", "--log-samples", "every"]
+    step = train.train_step
+
+    def sigterm_in_step_1(args, run, number, *rest):  # as a scheduler sends it: the step ends, saved
+        if number == 1:
+            signal.raise_signal(signal.SIGTERM)
+        return step(args, run, number, *rest)
+
+    for more, out in [([], "straight"), (["--resume"], "resumed")]:
+        if more == ["--resume"]:  # first stopped by a SIGTERM in step 1
+            monkeypatch.setattr(train, "train_step", sigterm_in_step_1)
+            with pytest.raises(SystemExit) as stopped:
+                under_cudas_rules(train.main, flags + ["--out", str(tmp_path / out)])
+            assert stopped.value.code == 128 + signal.SIGTERM
+            assert capsys.readouterr().out.strip().endswith("continue with --resume")
+            monkeypatch.undo()
         under_cudas_rules(train.main, flags + [*more, "--out", str(tmp_path / out)])
         first = capsys.readouterr().out.splitlines()[0]  # CUDA's branches: the GPU named, its context counted
         assert first.startswith(f"[{algo}] cuda:0 (CudaDeviceRules, 80 GiB); bf16")
