@@ -163,16 +163,16 @@ def under_cudas_rules(main, argv: list[str]):
         return main(argv)
 
 
-@pytest.mark.parametrize("algo, flags", [("aapo", LORA), ("grpo", OPENED)], ids=["aapo-lora", "grpo-full"])
+@pytest.mark.parametrize("algo, flags", [("aapo", LORA), ("avspo", OPENED)], ids=["aapo-lora", "avspo-full"])
 def test_train_py_on_the_stand_in_saves_and_resumes_exactly(tmp_path, capsys, monkeypatch, algo, flags):
     """train.py --device cuda from main, in bf16 with every flag that makes tensors meet (`OPENED`): AAPO (the
-    reference's completions too) under LoRA, GRPO fine-tuning every weight (the checkpoint's model loads
-    through from_pretrained, which once read garbage rotary buffers under the rules: a meta tensor's device
-    read as the host's). Two steps straight, and two stopped by a SIGTERM in step 1 (saved), then --resume:
-    the same steps, exactly.
-    The device draws from its own generator, so a step that reseeded the host's alone would sample the
-    resumed step from the device's state of a fresh process. The device's branches run: the first line
-    names cuda:0 and counts the CUDA context."""
+    reference's completions too) under LoRA, and AVSPO fine-tuning every weight (its trigger's state in the
+    checkpoint; the model loads through from_pretrained, which once read garbage rotary buffers under the
+    rules: a meta tensor's device read as the host's). Two steps straight, and two stopped by a SIGTERM in
+    step 1 (saved), then --resume: the same steps, exactly. The device draws from its own generator, so a
+    step that reseeded the host's alone would sample the resumed step from the device's state of a fresh
+    process. The device's branches run: the first line names cuda:0 and counts the CUDA context. Then
+    eval.py on the checkpoint, and merge.py under LoRA."""
     flags = STAND_IN + ["--algo", algo, *flags, "--device", "cuda", "--reward", PARITY, "--save-every", "1",
                         "--eval-every", "0", "--steps", "2", "--log-samples", "every"]
     step = train.train_step
