@@ -85,7 +85,7 @@ def load_model(name: str,
         return load_adapters(load_model(base_of(adapters), device)[0], adapters), tokenizer
     # Safetensors only: unpickling weights could run code. No hub kernels: transformers 5.25 turns them on by
     # default, and on CUDA model.train() then fetches layers from the hub (kernels-community's rotary), which
-    # fails at the first update on a machine without it and swaps in other kernels on one with it.
+    # fails at the first update on a machine without it and may swap in another kernel on one with it.
     model = (tiny_qwen2()[0] if name == "tiny-qwen2"
              else from_source(AutoModelForCausalLM, name, dtype=torch.float32, use_safetensors=True,
                               use_kernels=False))

@@ -212,8 +212,8 @@ def test_train_py_on_the_stand_in_saves_and_resumes_exactly(tmp_path, capsys, mo
 
 def test_a_loaded_model_fetches_no_hub_kernels(tmp_path):
     """transformers 5.25 loads with hub kernels on by default; on CUDA, model.train() then fetched layers from
-    the hub (kernels-community's rotary): without it, the first update failed; with it, another kernel ran
-    than this program's definition (found by the whole program on the stand-in)."""
+    the hub (kernels-community's rotary): without it, the first update failed; with it, another kernel may
+    run than this program's definition (found by the whole program on the stand-in)."""
     tiny, tokenizer = model_files.tiny_qwen2()
     model_files.save_folder(tiny, tokenizer, tmp_path / "folder")
     loaded, _ = load_model(str(tmp_path / "folder"), torch.device("cpu"))
