@@ -42,7 +42,7 @@ decoding.decode prefills it and the update streams it (train.py's `train_tokens`
 Results go to stdout (markdown) and to --out (JSON, rewritten after every part, and a .md beside it; default
 $OUT/gpu_bench.json where $OUT is set). Checks that would start after --smoke-s and parts after --budget-s
 are skipped and listed by name, not failed: a slow machine runs fewer of them (status 1: a check failed).
-A CUDA error stops the smoke: the checks after it are listed as not run, and the table is not measured.
+A CUDA error stops the smoke: the checks after it, and the table's configs, are listed as not run.
 """
 import argparse
 import contextlib
@@ -633,22 +633,22 @@ def main(argv: list[str] | None = None) -> int:
               "workload": {k: getattr(opts, k) for k in ("prompts", "group_size", "max_new_tokens",
                                                          "micro_batch", "steps", "warmup", "fast")},
               "smoke": [], "results": [], "skipped": []}
-    problems = load_problems("arith-mul1", "train")
+    problems, cuda_error = load_problems("arith-mul1", "train"), None
     if opts.smoke:
         print("smoke checks:", flush=True)
         checks = smoke(device, opts, problems, min(deadline, time.perf_counter() + opts.smoke_s))
-        report["smoke"] = checks.results
+        report["smoke"], cuda_error = checks.results, checks.cuda_error
         write(report, opts.out)
-        if checks.cuda_error:  # the table would measure a broken context
-            print(smoke_summary(report["smoke"]))
-            print(f"{opts.out} written; the table is not measured after the CUDA error")
-            return 1
     configs = [(size, checkpointing, False) for size in sizes for checkpointing in (False, True)]
     if opts.fast and device.type not in run.FAST_ON:  # time the fast paths where train.py runs the plain
         configs.append((sizes[0], False, True))
     last_duration = 0.0
     for size, checkpointing, forced_fast in configs:
         config = f"{size} grad_checkpointing={checkpointing}{' fast paths' if forced_fast else ''}"
+        if cuda_error:  # the table would measure a broken context
+            print(f"skipped {config}: after the CUDA error of {cuda_error}", flush=True)
+            report["skipped"].append({"config": config, "reason": f"after the CUDA error of {cuda_error}"})
+            continue
         now = time.perf_counter()
         if now + last_duration > deadline:
             print(f"skipped {config}: over the {opts.budget_s:.0f} s budget", flush=True)

@@ -282,6 +282,7 @@ def test_gpu_bench_smoke_stops_at_the_first_cuda_error_and_measures_no_table(tmp
     assert gpu_bench.main(["--tiny", "--device", "cpu", "--smoke", "--out", str(out)]) == 1
     report, printed = json.loads(out.read_text()), capsys.readouterr().out
     assert [c["ok"] for c in report["smoke"][:2]] == [True, False] and report["results"] == []
+    assert {s["reason"] for s in report["skipped"]} == {f"after the CUDA error of {report['smoke'][1]['check']}"}
     failed = report["smoke"][1]["check"]
     rest = report["smoke"][2:]  # the first part's other two checks, then each part named, none built
     assert [c["check"] for c in rest[2:]] == [

@@ -76,13 +76,16 @@ def on_the_stand_in(func, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
 class CudaDeviceRules(TorchFunctionMode):
     """Runs on CPU, but tells "device" tensors from host ones as a CUDA run would, and raises where CUDA does.
 
-    The run's device is `DEVICE` (the CPU with an index; CUDA named in a call is taken for it). Device
-    tensors: those made or moved with a device argument naming it, a module's parameters and buffers moved
+    The run's device is `DEVICE`, cuda:0, its tensors kept on `STORAGE` (the CPU with an index). Device
+    tensors: those made or moved with a device argument naming CUDA, a module's parameters and buffers moved
     there (`Module.to` sets `.data`) or copied from device ones, their gradients, and whatever an op computes
-    from a device tensor. A device tensor's `.device` reads `DEVICE`, so `device=t.device` follows t. Host
-    tensors: factories without a device, `.cpu()`, and an explicit CPU (`"cpu"`, `torch.device("cpu")`).
-    Generators: `torch.Generator(device=d)` is on d's side; `torch.Generator()` and `torch.default_generator`
-    on the host. CUDA's rules, as its errors state them:
+    from a device tensor. A device tensor's `.device` reads `DEVICE` (`.is_cuda` True), so `device=t.device`
+    follows t; any other tensor's reads its own (the host, or meta). Host tensors: factories without a
+    device, `.cpu()`, and an explicit CPU (`"cpu"`, `torch.device("cpu")`). `torch.cuda` answers as one GPU
+    (`is_available`, its name and memory, bf16), so the code's CUDA branches run. Generators:
+    `torch.Generator(device=d)` is on d's side; `torch.Generator()` and `torch.default_generator` on the host;
+    a draw on the device without one uses the device's own, seeded only as CUDA's is (`torch.manual_seed`,
+    `torch.cuda.manual_seed*`). CUDA's rules, as its errors state them:
       - an op may not mix a device tensor with a host tensor of one or more dimensions ("Expected all tensors
         to be on the same device"); a 0-dim host tensor is a scalar there;
       - a host tensor may not be indexed by device indices ("indices should be either on cpu or on the same
@@ -92,7 +95,8 @@ class CudaDeviceRules(TorchFunctionMode):
       - a device tensor has no numpy view ("can't convert cuda:0 device type tensor to numpy");
       - a generator draws for tensors on its own side only ("Expected a 'cuda' device type for generator");
       - a parameter's gradient is on the parameter's side ("assigned grad has data of a different device").
-    Within the block `torch.Generator` and `torch.nn.Parameter` are wrapped, to record their side."""
+    Within the block `torch.Generator` and `torch.nn.Parameter` are wrapped, to record their side, and
+    `torch.load` onto CUDA gives device tensors."""
 
     @staticmethod
     def mark(t, on_device: bool = True):

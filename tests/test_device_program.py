@@ -27,8 +27,8 @@ from benchmarks.gpu_bench import PARITY, SIZES  # PARITY: a coin flip per comple
 from model import load_model, sample_with_generate
 from test_device import LORA, OPENED, CudaDeviceRules, peak_bytes
 from test_device import TINY as STAND_IN
+from test_faults import TINY
 
-TINY = ["--model", "tiny-qwen2", "--max-new-tokens", "8", "--group-size", "4", "--eval-size", "4"]
 ROOT = Path(__file__).resolve().parent.parent
 
 
