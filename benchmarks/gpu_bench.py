@@ -22,7 +22,10 @@
     nonzero, `with_adapters`), in bf16, and one `train.train_step` of each method at rank 2, bf16 frozen
     weights and float32 adapters, with checkpointing, the reference the policy with its adapters off; each
     step must move the adapters and leave every frozen weight as it was.
-Then the table: each (size, checkpointing) config is a train.py step with B prompts x G completions.
+Then the table: each (size, checkpointing) config is a train.py step with B prompts x G completions, after a
+first row at the README's 24 GB recipe (`RECIPE`: 1.5B, LoRA rank 32, 1,024-token prompts), whose memory by
+phase (max_memory_allocated after sampling and after the steps) confirms or refutes the estimate's larger
+phase.
 Models are Qwen2ForCausalLM with the real Qwen2.5-0.5B / 1.5B dimensions and random weights (no download),
 bf16 working weights with float32 master weights as train.py uses on CUDA. Caveats:
   - The byte tokenizer of model_files.byte_tokenizer() writes the prompts (ids < 259), the vocabulary is
@@ -47,6 +50,7 @@ A CUDA error stops the smoke: the checks after it, and the table's configs, are 
 import argparse
 import contextlib
 import copy
+import dataclasses
 import gc
 import json
 import math
@@ -147,6 +151,7 @@ def run_step(model, net, tokenizer, optimizer, args: train.Args, problems, step:
                      args.temperature, args.top_p, fast_or_plain(args.fast, device).sample_completions)
     sync(device)
     t1 = time.perf_counter()
+    sampled = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0  # the peak so far
     score_groups([p.question for p in batch], rollout.texts, [p.answer for p in batch],
                  load_reward())  # timed as in train.py; the rewards are replaced below
     t2 = time.perf_counter()
@@ -163,7 +168,8 @@ def run_step(model, net, tokenizer, optimizer, args: train.Args, problems, step:
             "prompt_tokens": int(rollout.attention_mask[:: args.group_size, :prompt_len].sum()),
             "completion_len": rollout.completion_len,
             "gen_tokens": int(rollout.completion_mask.sum()), "train_tokens": stats["train_tokens"],
-            "rows_trained": stats.get("rows_trained", rows), "sdpa": sdpa_kernels(net, rollout, args)}
+            "rows_trained": stats.get("rows_trained", rows), "sdpa": sdpa_kernels(net, rollout, args),
+            "allocated_after_sampling": sampled}
 
 
 def attention_kernels(fn) -> str:
@@ -206,26 +212,71 @@ def fast_paths_on(device: torch.device):
     return mock.patch.object(run, "FAST_ON", (*run.FAST_ON, device.type))
 
 
-def bench_config(size: str, checkpointing: bool, device: torch.device, opts, problems, peak_tflops: float,
-                 deadline: float, forced_fast: bool = False) -> dict:
-    """Warm-up + timed steps of one (size, checkpointing) config; medians of the timed ones. The paths are
-    train.py's (`run.fast_or_plain`), or the fast ones if `forced_fast`."""
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """One row of the table: a size, with or without checkpointing, on train.py's paths or the fast ones;
+    LoRA's rank, a micro-batch other than --micro-batch, prompts lengthened to about `prompt_tokens`."""
+    size: str
+    checkpointing: bool
+    forced_fast: bool = False
+    lora_rank: int = 0
+    micro_batch: int = 0
+    prompt_tokens: int = 0
+
+    @property
+    def name(self) -> str:
+        lora = f" LoRA r{self.lora_rank}" if self.lora_rank else ""
+        prompts = f" {self.prompt_tokens}-token prompts" if self.prompt_tokens else ""
+        fast = " fast paths" if self.forced_fast else ""
+        return f"{self.size} grad_checkpointing={self.checkpointing}{fast}{lora}{prompts}"
+
+
+# The README's 24 GB recipe (Qwen2.5-Math-1.5B, LoRA rank 32, B = G = 8, 512 new tokens, train.py's
+# micro-batch 8, checkpointing) at 1,024-token prompts, where memory.py says sampling is the larger phase
+# (HF generate prefills all 64 rows): its row shows max_memory_allocated after the first sampling and after
+# the steps, beside the estimate of each phase (docs/performance.md says what confirms it). --tiny: the same
+# shape of row on the tiny model.
+RECIPE = {"1.5B": Config("1.5B", True, lora_rank=32, micro_batch=8, prompt_tokens=1024),
+          "tiny": Config("tiny", True, lora_rank=2, micro_batch=2, prompt_tokens=64)}
+FILLER = "Read the problem carefully, then answer it. "
+
+
+def lengthened(problems: list, tokens: int) -> list:
+    """The problems, each question led by filler to `tokens` bytes (the byte tokenizer's tokens)."""
+    return [dataclasses.replace(p, question=(FILLER * (tokens // len(FILLER) + 1))[: tokens - len(p.question)]
+                                + p.question) for p in problems]
+
+
+def bench_config(config: Config, device: torch.device, opts, problems, peak_tflops: float,
+                 deadline: float) -> dict:
+    """Warm-up + timed steps of one config; medians of the timed ones. The paths are train.py's
+    (`run.fast_or_plain`), or the fast ones if `config.forced_fast`."""
+    size, checkpointing, forced_fast = config.size, config.checkpointing, config.forced_fast
     tokenizer = byte_tokenizer()
     tokenizer.padding_side = "left"  # as model.load_model sets it: generation appends on the right
     model = build_model(size, device, tokenizer)
-    net = working_copy(model, "bf16")
+    if config.lora_rank:
+        add_adapters(model, config.lora_rank, 32, size, 0)
+    net = working_copy(model, "bf16")  # under LoRA: the model itself, its frozen weights cast in place
     if checkpointing:
         checkpoint_activations(net)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, weight_decay=0.0, fused=True)
+    trained = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trained, lr=1e-5, weight_decay=0.0, fused=True)
+    micro_batch = config.micro_batch or opts.micro_batch
     args = train.Args(algo="grpo", prompts_per_step=opts.prompts, group_size=opts.group_size,
-                      max_new_tokens=opts.max_new_tokens, micro_batch=opts.micro_batch, lr=1e-5, beta=0.0,
-                      grad_checkpointing=checkpointing, precision="bf16", fast=opts.fast)
+                      max_new_tokens=opts.max_new_tokens, micro_batch=micro_batch, lr=1e-5, beta=0.0,
+                      grad_checkpointing=checkpointing, precision="bf16", fast=opts.fast,
+                      lora_rank=config.lora_rank)
+    if config.prompt_tokens:
+        problems = lengthened(problems, config.prompt_tokens)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     steps, paths = [], fast_paths_on(device) if forced_fast else contextlib.nullcontext()
     for step in range(1, opts.warmup + opts.steps + 1):
         with paths:
             s = run_step(model, net, tokenizer, optimizer, args, problems, step)
+        if step == 1:  # the first sampling: no update before it
+            allocated_after_sampling = s["allocated_after_sampling"]
         print(f"  {size} ckpt={checkpointing} step {step}: generate {s['generate_s']:.2f}s "
               f"train {s['train_s']:.2f}s", flush=True)
         if step > opts.warmup:
@@ -236,14 +287,21 @@ def bench_config(size: str, checkpointing: bool, device: torch.device, opts, pro
     s = {k: sorted(r[k] for r in steps)[len(steps) // 2] for k in steps[0]}  # medians (upper for even counts)
     step_s = s["generate_s"] + s["score_s"] + s["train_s"]
     gen_flops, train_flops = model_flops(model, s)
-    params = sum(p.numel() for p in model.parameters())
+    params = sum(p.numel() for p in model.parameters() if not (config.lora_rank and p.requires_grad))
     estimate = estimate_memory(model.config, params, rows=s["rows"], prompt_len=s["prompt_len"],
-                               completion_len=opts.max_new_tokens,
-                               micro_batch=min(opts.micro_batch, s["rows"]),
+                               completion_len=opts.max_new_tokens, micro_batch=min(micro_batch, s["rows"]),
                                bf16=True, reference=False, checkpointing=checkpointing,
-                               cuda=device.type == "cuda")
+                               cuda=device.type == "cuda",
+                               lora_params=sum(p.numel() for p in trained) if config.lora_rank else 0)
+    static = sum(estimate[k] for k in STATIC) - estimate["cuda"]  # what tensors hold: no context
     result = {
-        "size": size, "grad_checkpointing": checkpointing,
+        "config": config.name, "size": size, "grad_checkpointing": checkpointing,
+        "lora_rank": config.lora_rank,
+        # max_memory_allocated after the first sampling, and after the steps, against the estimate's phases
+        "allocated_sampling_gib": allocated_after_sampling / GIB,
+        "est_sampling_gib": (static + estimate["sampling"]) / GIB,
+        "allocated_step_gib": (torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0) / GIB,
+        "est_update_gib": (static + estimate["activations"] + estimate["logits"]) / GIB,
         "path": "fast" if forced_fast or opts.fast and device.type in run.FAST_ON else "plain",
         "params_m": params / 1e6, "estimate_gib": estimate["total"] / GIB,
         "timed_steps": len(steps), **s, "step_s": step_s,
@@ -258,6 +316,7 @@ def bench_config(size: str, checkpointing: bool, device: torch.device, opts, pro
 
 
 COLUMNS = [("size", "size", "{}"), ("grad_checkpointing", "grad ckpt", "{}"), ("path", "path", "{}"),
+           ("lora_rank", "LoRA", "{}"), ("prompt_len", "prompt", "{}"),
            ("params_m", "params M", "{:.0f}"), ("generate_s", "generate s", "{:.2f}"),
            ("score_s", "reward s", "{:.3f}"),
            ("train_s", "logprob+backward s", "{:.2f}"), ("step_s", "step s", "{:.2f}"),
@@ -267,9 +326,18 @@ COLUMNS = [("size", "size", "{}"), ("grad_checkpointing", "grad ckpt", "{}"), ("
            ("mfu_step", "MFU step", "{:.1%}"), ("sdpa", "SDPA", "{}")]
 
 
+# Each phase's memory (CUDA: max_memory_allocated, what tensors held, no context) against memory.py's
+PHASES = [("config", "config", "{}"), ("allocated_sampling_gib", "allocated after sampling GiB", "{:.1f}"),
+          ("est_sampling_gib", "est static + sampling GiB", "{:.1f}"),
+          ("allocated_step_gib", "allocated after the steps GiB", "{:.1f}"),
+          ("est_update_gib", "est static + update GiB", "{:.1f}")]
+
+
 def markdown(results: list[dict]) -> str:
-    return markdown_table([title for _, title, _ in COLUMNS],
-                          [[form.format(r[key]) for key, _, form in COLUMNS] for r in results])
+    """The table, then each config's memory by phase."""
+    return "\n\n".join(markdown_table([title for _, title, _ in columns],
+                                       [[form.format(r[key]) for key, _, form in columns] for r in results])
+                        for columns in (COLUMNS, PHASES))
 
 
 # ------------------------------------------------------------------------------ --smoke: before the table
@@ -639,12 +707,13 @@ def main(argv: list[str] | None = None) -> int:
         checks = smoke(device, opts, problems, min(deadline, time.perf_counter() + opts.smoke_s))
         report["smoke"], cuda_error = checks.results, checks.cuda_error
         write(report, opts.out)
-    configs = [(size, checkpointing, False) for size in sizes for checkpointing in (False, True)]
+    configs = [RECIPE[size] for size in sizes if size in RECIPE]  # first: what the README's recipe needs
+    configs += [Config(size, checkpointing) for size in sizes for checkpointing in (False, True)]
     if opts.fast and device.type not in run.FAST_ON:  # time the fast paths where train.py runs the plain
-        configs.append((sizes[0], False, True))
+        configs.append(Config(sizes[0], False, forced_fast=True))
     last_duration = 0.0
-    for size, checkpointing, forced_fast in configs:
-        config = f"{size} grad_checkpointing={checkpointing}{' fast paths' if forced_fast else ''}"
+    for row in configs:
+        config = row.name
         if cuda_error:  # the table would measure a broken context
             print(f"skipped {config}: after the CUDA error of {cuda_error}", flush=True)
             report["skipped"].append({"config": config, "reason": f"after the CUDA error of {cuda_error}"})
@@ -657,7 +726,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{config}:", flush=True)
         try:
             report["results"].append(
-                bench_config(size, checkpointing, device, opts, problems, peak, deadline, forced_fast))
+                bench_config(row, device, opts, problems, peak, deadline))
         except torch.cuda.OutOfMemoryError as e:
             print(f"  out of memory: {e}".splitlines()[0], flush=True)
             report["skipped"].append({"config": config, "reason": "out of memory"})

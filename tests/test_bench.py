@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import run
+from memory import CUDA_ALLOWANCE, GIB
 import train
 from benchmarks import bench, floors, gpu_bench, timing
 from data.prepare import DOWNLOADS
@@ -171,55 +172,69 @@ def smoke_checks_ran_or_were_listed(report: dict, stdout: str, markdown: str) ->
     return ran
 
 
-def table_configs_ran_or_were_skipped_for_time(report: dict) -> list[dict]:
-    """The table's configs, each measured or skipped over --budget-s (named): its results."""
-    skipped = [s["config"] for s in report["skipped"]]
+TINY_CONFIGS = ["tiny grad_checkpointing=True LoRA r2 64-token prompts", "tiny grad_checkpointing=False",
+                "tiny grad_checkpointing=True"]  # the README recipe's row first, on the tiny model
+
+
+def table_configs_ran_or_were_skipped_for_time(report: dict, configs: list[str] = TINY_CONFIGS) -> list[dict]:
+    """The table's configs, in order, each measured or skipped over --budget-s (named): its results."""
     assert all(s["reason"] == "time budget" for s in report["skipped"]), report["skipped"]
-    configs = [f"tiny grad_checkpointing={r['grad_checkpointing']}" for r in report["results"]]
-    assert sorted(configs + skipped) == ["tiny grad_checkpointing=False", "tiny grad_checkpointing=True"]
+    ran, skipped = [r["config"] for r in report["results"]], [s["config"] for s in report["skipped"]]
+    assert sorted(ran + skipped) == sorted(configs)
     return report["results"]
 
 
-# docs/performance.md's GPU check in its CPU mode (smoke checks first), or HF generate and the plain forward;
-# within its time budgets: a slow machine skips checks and configs (listed), a check never fails for time
-@pytest.mark.parametrize("fast", ["--fast", "--no-fast"])
-def test_gpu_bench_tiny_runs_on_cpu(tmp_path, fast):
-    out = tmp_path / "gpu_bench.json"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}  # CPU even on a GPU machine
-    documented = gpu_check_command()
-    assert documented[:3] == ["python", "benchmarks/gpu_bench.py", "--smoke"]
-    # the smoke's time box is the GPU's: here every check runs, however slow the CPU
-    smoke = [*documented[3:], "--smoke", "--device", "cpu", "--smoke-s", "3600"] if fast == "--fast" else []
-    command = [sys.executable, "benchmarks/gpu_bench.py", "--tiny", fast, *smoke, "--out", str(out)]
-    # a hang guard, not a speed limit: --budget-s (400 s) ends the run, slow or fast, a config after it
-    proc = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    report, markdown = json.loads(out.read_text()), out.with_suffix(".md").read_text()
+def smoke_checks_all_ran(report: dict, stdout: str, markdown: str) -> None:
+    """The smoke of --tiny (its time box the GPU's: every check runs, however slow the CPU): the fast paths
+    against the plain ones, the attention kernels, each method in each setting, every flag opened."""
+    ran = smoke_checks_ran_or_were_listed(report, stdout, markdown)
     checks = [c["check"] for c in report["smoke"]]
-    if smoke:  # the fast paths against the plain ones, the attention kernels, each method in each setting
-        ran = smoke_checks_ran_or_were_listed(report, proc.stdout, markdown)
-        assert sum("fast paths:" in c for c in checks) == 4 and len(checks) == 4 + 2 * 4 + 4 * 5 + 5 + 1
-        for head_dim in (64, 128):  # the update's and generation's attention, each path: an SDPA kernel named
-            assert sum(c.endswith(f"head dim {head_dim})") for c in checks) == 4
-            assert all(c["detail"].startswith("SDPA kernel: ") for c in ran
-                       if c["check"].endswith(f"head dim {head_dim})"))
-        assert all(c["detail"].startswith("rows trained ") and int(c["detail"].split()[2].strip(",")) > 0
-                   for c in ran if c["check"].startswith("train_step"))  # every method trained
-        for algo in ("grpo:", "avspo:", "aapo:", "dapo:", "grpo beta 0.04:"):
-            assert sum(f"train_step {algo} tiny-qwen2" in c for c in checks) == 5  # fp32, bf16, +- ckpt, LoRA
-            lora = next(c for c in ran if c["check"] == f"train_step {algo} tiny-qwen2 bf16 ckpt LoRA r2")
-            assert "frozen weights unchanged: True" in lora["detail"]  # and the adapters moved
-        assert "train_step aapo, every flag opened (gloo): tiny-qwen2 bf16 ckpt" in checks  # 4 on a GPU
-    assert "| check | ok |" in markdown if smoke else not checks
-    assert report["workload"]["fast"] is (fast == "--fast")
-    for r in table_configs_ran_or_were_skipped_for_time(report):
+    assert sum("fast paths:" in c for c in checks) == 4 and len(checks) == 4 + 2 * 4 + 4 * 5 + 5 + 1
+    for head_dim in (64, 128):  # the update's and generation's attention, each path: an SDPA kernel named
+        assert sum(c.endswith(f"head dim {head_dim})") for c in checks) == 4
+        assert all(c["detail"].startswith("SDPA kernel: ") for c in ran
+                   if c["check"].endswith(f"head dim {head_dim})"))
+    assert all(c["detail"].startswith("rows trained ") and int(c["detail"].split()[2].strip(",")) > 0
+               for c in ran if c["check"].startswith("train_step"))  # every method trained
+    for algo in ("grpo:", "avspo:", "aapo:", "dapo:", "grpo beta 0.04:"):
+        assert sum(f"train_step {algo} tiny-qwen2" in c for c in checks) == 5  # fp32, bf16, +- ckpt, LoRA
+        lora = next(c for c in ran if c["check"] == f"train_step {algo} tiny-qwen2 bf16 ckpt LoRA r2")
+        assert "frozen weights unchanged: True" in lora["detail"]  # and the adapters moved
+    assert "| check | ok |" in markdown
+
+
+def table_rows_measured(report: dict, path: str, configs: list[str] = TINY_CONFIGS) -> None:
+    """--tiny's table: each config measured (or skipped for time) as it ran, on `path`'s code (a forced
+    one's on the fast paths), with each phase's memory beside its estimate."""
+    for r in table_configs_ran_or_were_skipped_for_time(report, configs):
         assert r["completion_len"] == 8 and r["rows_trained"] == 4  # runs to max_new_tokens, every row trains
         assert 0 < r["prompt_tokens"] <= r["prompt_len"]  # the one prompt's real tokens
         # 2 micro-batches of 2 rows, each its prompt once
         assert r["train_tokens"] == 2 * r["prompt_tokens"] + 4 * 8
         assert r["generate_s"] > 0 and r["train_s"] > 0 and 0 < r["mfu_step"] < 1
-        assert r["path"] == ("fast" if fast == "--fast" else "plain") and r["estimate_gib"] > 0
+        assert r["path"] == ("fast" if "fast paths" in r["config"] else path) and r["estimate_gib"] > 0
+        context = CUDA_ALLOWANCE / GIB if report["device"] == "CudaDeviceRules" else 0  # what tensors hold:
+        assert max(r["est_update_gib"], r["est_sampling_gib"]) == pytest.approx(r["estimate_gib"] - context)
+    recipe = report["results"][0]  # lengthened prompts, the adapters alone trained
+    assert recipe["lora_rank"] == 2 and recipe["prompt_len"] >= 64 > report["results"][1]["prompt_len"]
+
+
+def test_gpu_bench_tiny_runs_on_cpu(tmp_path):
+    """docs/performance.md's GPU check in its CPU mode, HF generate and the plain forward, from the command
+    line (the smoke: under CUDA's rules, test_device_program.py), within its time budget: a slow machine
+    skips configs (listed)."""
+    out = tmp_path / "gpu_bench.json"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}  # CPU even on a GPU machine
+    command = [sys.executable, "benchmarks/gpu_bench.py", "--tiny", "--no-fast", "--out", str(out)]
+    # a hang guard, not a speed limit: --budget-s (400 s) ends the run, slow or fast, a config after it
+    proc = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    report = json.loads(out.read_text())
+    assert not report["smoke"] and "| check | ok |" not in out.with_suffix(".md").read_text()
+    assert report["workload"]["fast"] is False
+    table_rows_measured(report, "plain")
     assert "| size | grad ckpt |" in proc.stdout
+    assert "| config | allocated after sampling GiB |" in proc.stdout  # the memory by phase
 
 
 def test_gpu_bench_smoke_past_its_budget_skips_the_rest_and_lists_them(tmp_path, monkeypatch, capsys):

@@ -3,19 +3,26 @@ change float32 numbers, the wait of the other processes while the first evaluate
 as HF generate prefills every row, the hub kernels transformers would fetch, and train.py itself, from main,
 under CUDA's rules (`test_device.CudaDeviceRules`)."""
 
+import dataclasses
 import json
+import math
+import os
 import re
 import signal
+import socket
 import subprocess
 import zipfile
+from concurrent.futures import ProcessPoolExecutor
 from datetime import timedelta
 from pathlib import Path
 
 import pytest
 import torch
+from torch.utils._pytree import tree_flatten
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 import eval as eval_module
+import experiments
 import hardware
 import lora
 import merge
@@ -23,11 +30,13 @@ import memory
 import model_files
 import processes
 import train
+from benchmarks import gpu_bench
 from benchmarks.gpu_bench import PARITY, SIZES  # PARITY: a coin flip per completion, groups split, rows train
 from model import load_model, sample_with_generate
-from test_device import LORA, OPENED, CudaDeviceRules, peak_bytes
+from test_bench import TINY_CONFIGS, gpu_check_command, smoke_checks_all_ran, table_rows_measured
+from test_device import DRIVEN, LORA, OPENED, CudaDeviceRules, peak_bytes
 from test_device import TINY as STAND_IN
-from test_faults import TINY
+from test_faults import TINY, small_processes
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -163,18 +172,42 @@ def under_cudas_rules(main, argv: list[str]):
         return main(argv)
 
 
-@pytest.mark.parametrize("algo, flags", [("aapo", LORA), ("avspo", OPENED)], ids=["aapo-lora", "avspo-full"])
-def test_train_py_on_the_stand_in_saves_and_resumes_exactly(tmp_path, capsys, monkeypatch, algo, flags):
-    """train.py --device cuda from main, in bf16 with every flag that makes tensors meet (`OPENED`): AAPO (the
-    reference's completions too) under LoRA, and AVSPO fine-tuning every weight (its trigger's state in the
-    checkpoint; the model loads through from_pretrained, which once read garbage rotary buffers under the
-    rules: a meta tensor's device read as the host's). Two steps straight, and two stopped by a SIGTERM in
-    step 1 (saved), then --resume: the same steps, exactly. The device draws from its own generator, so a
-    step that reseeded the host's alone would sample the resumed step from the device's state of a fresh
-    process. The device's branches run: the first line names cuda:0 and counts the CUDA context. Then
-    eval.py on the checkpoint, and merge.py under LoRA."""
-    flags = STAND_IN + ["--algo", algo, *flags, "--device", "cuda", "--reward", PARITY, "--save-every", "1",
-                        "--eval-every", "0", "--steps", "2", "--log-samples", "every"]
+# Every train.py flag off its default in one of the programs below (`test_every_flag_runs_off_its_default`):
+# under full fine-tuning, raw prompts and every method's knobs; under LoRA, chat prompts with a system message
+PROGRAMS = {
+    "full": [*OPENED, "--prompt-format", "raw", "--dataset", "arith-add1", "--eval-dataset", "arith-mul1",
+             "--temperature", "0.7", "--lr-decay", "0.5", "--epsilon", "0.1", "--epsilon-high", "0.3",
+             "--max-grad-norm", "0.5", "--acr-threshold", "0.3", "--alpha", "1", "--num-virtual", "2",
+             "--virtual-delta", "0.2", "--virtual-ends", "all-wrong", "--delta-low", "0.1",
+             "--delta-high", "0.2",
+             "--resample-rounds", "1", "--reward-range=-1,1", "--reward-timeout", "30", "--seed", "3",
+             "--micro-batch", "2", "--eval-every", "1", "--eval-size", "2", "--no-show-group", "--no-fast"],
+    "lora": [*LORA, "--system", "Answer briefly.", "--fixed-threshold", "--eval-every", "0",
+             "--log-samples", "none", "--prompts-per-step", "1"],
+}
+ALGOS = "grpo,avspo,aapo,dapo"
+
+
+def program_argv(case: str) -> list[str]:
+    """train.py's flags for one program on the stand-in: every method, bf16, 2 steps of 2 prompts x 3 (LoRA:
+    1 prompt)."""
+    return [*STAND_IN, "--algo", ALGOS, "--device", "cuda", "--reward", PARITY, "--save-every", "1",
+            "--steps", "2", "--prompts-per-step", "2", "--group-size", "3", "--max-new-tokens", "5",
+            "--log-samples", "every", *PROGRAMS[case]]  # later flags win: lora's --log-samples none
+
+
+@pytest.mark.parametrize("case", PROGRAMS)
+def test_train_py_on_the_stand_in_saves_and_resumes_each_method_exactly(tmp_path, capsys, monkeypatch, case):
+    """train.py --device cuda from main, each method in turn, in bf16 with every flag that makes tensors meet
+    (`OPENED`), fine-tuning every weight and under LoRA (`PROGRAMS`). Straight, then stopped by a SIGTERM in
+    step 1 of each method (saved, exit 143) and continued with --resume: the same steps and completions,
+    exactly. AVSPO's trigger's state goes through the checkpoint; the resumed models load through
+    from_pretrained, which once read garbage rotary buffers under the rules (a meta tensor's device read as
+    the host's). The device draws from its own generator, so a step that reseeded the host's alone would
+    sample the resumed step from the device's state of a fresh process. The device's branches run: the first
+    line names cuda:0 and counts the CUDA context. Then eval.py on a checkpoint (--samples 2), and merge.py
+    under LoRA."""
+    argv = program_argv(case)
     step = train.train_step
 
     def sigterm_in_step_1(args, run, number, *rest):  # as a scheduler sends it: the step ends, saved
@@ -182,32 +215,168 @@ def test_train_py_on_the_stand_in_saves_and_resumes_exactly(tmp_path, capsys, mo
             signal.raise_signal(signal.SIGTERM)
         return step(args, run, number, *rest)
 
-    for more, out in [([], "straight"), (["--resume"], "resumed")]:
-        if more == ["--resume"]:  # first stopped by a SIGTERM in step 1
-            monkeypatch.setattr(train, "train_step", sigterm_in_step_1)
-            with pytest.raises(SystemExit) as stopped:
-                under_cudas_rules(train.main, flags + ["--out", str(tmp_path / out)])
-            assert stopped.value.code == 128 + signal.SIGTERM
-            assert capsys.readouterr().out.strip().endswith("continue with --resume")
-            monkeypatch.undo()
-        under_cudas_rules(train.main, flags + [*more, "--out", str(tmp_path / out)])
-        first = capsys.readouterr().out.splitlines()[0]  # CUDA's branches: the GPU named, its context counted
-        assert first.startswith(f"[{algo}] cuda:0 (CudaDeviceRules, 80 GiB); bf16")
-        assert "CUDA context 1.0 GiB" in first
-    straight, resumed = (steps_of(tmp_path / run, algo) for run in ("straight", "resumed"))
-    assert len(resumed) == 2 and all(r["rows_trained"] > 0 for r in straight)
-    assert resumed == straight
-    samples = [(tmp_path / run / algo / "samples.jsonl").read_text() for run in ("straight", "resumed")]
-    assert samples[0] == samples[1] and samples[0].count("\n") == 2 * 2  # the same completions
-    checkpoint = str(tmp_path / "resumed" / algo / "checkpoint")  # eval.py on it, --samples, the plain path
+    under_cudas_rules(train.main, argv + ["--overwrite", "--out", str(tmp_path / "straight")])
+    lines = capsys.readouterr().out.splitlines()
+    firsts = [line for line in lines if " cuda:0 (" in line]  # CUDA's branches: the GPU named, its context
+    assert len(firsts) == 4 and all(f"] cuda:0 (CudaDeviceRules, 80 GiB); bf16" in line
+                                    and "CUDA context 1.0 GiB" in line for line in firsts)
+    monkeypatch.setattr(train, "train_step", sigterm_in_step_1)
+    for algo in ALGOS.split(","):  # the first call stops GRPO; each next one resumes it and stops the next
+        with pytest.raises(SystemExit) as stopped:
+            under_cudas_rules(train.main, argv + ["--resume", "--out", str(tmp_path / "resumed")])
+        assert stopped.value.code == 128 + signal.SIGTERM
+        saved = f"[{algo}] interrupted: step 1 saved in {tmp_path / 'resumed' / algo}; continue with --resume"
+        assert capsys.readouterr().out.strip().endswith(saved)
+    under_cudas_rules(train.main, argv + ["--resume", "--out", str(tmp_path / "resumed")])
+    capsys.readouterr()
+    for algo in ALGOS.split(","):
+        straight, resumed = (steps_of(tmp_path / run, algo) for run in ("straight", "resumed"))
+        assert len(resumed) == 2 and all(r["rows_trained"] > 0 for r in straight)
+        assert resumed == straight, algo
+        saved = [torch.load(tmp_path / run / algo / "checkpoint" / "state.pt", weights_only=True)
+                 for run in ("straight", "resumed")]  # AVSPO's trigger state, AdamW's moments: as straight
+        assert saved[0]["algo_state"] == saved[1]["algo_state"] and saved[1]["step"] == 2
+        assert all(torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b for a, b in zip(
+            *(tree_flatten(state["optimizer"])[0] for state in saved)))
+        samples = [(tmp_path / run / algo / "samples.jsonl") for run in ("straight", "resumed")]
+        if case == "full":  # the same completions
+            text = samples[0].read_text()
+            assert text == samples[1].read_text() and text.count("\n") == 4
+    assert sum(r["resampled_groups"] for r in steps_of(tmp_path / "straight", "dapo")) > 0
+    checkpoint = str(tmp_path / "resumed" / "aapo" / "checkpoint")  # eval.py on it, --samples, the plain path
     summary = under_cudas_rules(eval_module.main, ["--model", checkpoint, "--samples", "2", "--limit", "2",
                                                    "--max-new-tokens", "6", "--device", "cuda", "--no-fast",
                                                    "--out", str(tmp_path / "eval")])
     assert capsys.readouterr().out.startswith(f"[eval {checkpoint}] cuda:0 (CudaDeviceRules, 80 GiB)")
     assert summary[checkpoint]["samples"] == 2
-    if "--lora-rank" in flags:  # merge.py: the adapters into their base, on the device
+    if case == "lora":  # merge.py: the adapters into their base, on the device
         under_cudas_rules(merge.main, [checkpoint, str(tmp_path / "merged")])
         assert (tmp_path / "merged" / "model" / "model.safetensors").exists()
+
+
+def test_every_flag_runs_off_its_default(tmp_path):
+    """Each train.py flag takes another value than its default in a program on the stand-in (its
+    --resume and --overwrite in the calls), or in test_device's step test (`DRIVEN`): no flag's path goes
+    untried under CUDA's rules."""
+    default, fields = train.Args(), dataclasses.fields(train.Args)
+    with CudaDeviceRules():  # --device cuda
+        runs = [train.parse_args(program_argv(case) + extra) for case in PROGRAMS
+                for extra in (["--resume"], ["--overwrite", "--out", str(tmp_path)])]
+    off = {f.name for f in fields for args in runs if getattr(args, f.name) != getattr(default, f.name)}
+    missing = {f.name for f in fields} - off - DRIVEN.keys()
+    assert not missing, f"at its default in every program on the stand-in: {sorted(missing)}"
+
+
+def test_experiments_quick_runs_its_runs_and_evaluations_on_the_stand_in(tmp_path, capsys):
+    """experiments.py --quick under the rules: the untrained model's ACR by level (sampled on the device), the
+    compare runs of GRPO and DAPO and the final checkpoints' evaluations, and the precision part's bf16 and
+    fp32 runs, each on cuda:0 (`--device auto` finds it), with every number of their tables."""
+    results = under_cudas_rules(experiments.main, [
+        "--quick", "--out", str(tmp_path), "--only", "difficulty,compare,precision", "--methods", "grpo,dapo",
+        "--seeds", "0", "--precision-seeds", "0"])
+    firsts = [line for line in capsys.readouterr().out.splitlines() if re.match(r"\[\w+\] \S+ \(", line)]
+    assert len(firsts) == 4 and all("] cuda:0 (CudaDeviceRules, 80 GiB); " in line for line in firsts)
+    assert {"; fp32 (float32 master weights); " in line for line in firsts} == {True, False}
+    assert set(results["difficulty"]) == {*experiments.LEVELS, "mix"}
+    assert list(results["compare"]) == ["grpo", "dapo"] and set(results["precision"]) == {"bf16", "fp32"}
+    for row in results["compare"].values():
+        assert all(math.isfinite(v) for v in [row["accuracy"]["mean"], *row["by_level"]["add1"]["ci"]])
+
+
+def test_gpu_bench_smoke_runs_every_check_on_the_stand_in(tmp_path, capsys):
+    """docs/performance.md's one GPU command, its smoke on --tiny, under the rules: every check on cuda:0,
+    the collectives through nccl (gloo beneath, `CudaDeviceRules.collective`), then the table's rows,
+    HF generate's and the plain forward's (CUDA's paths) and the fast paths forced on."""
+    documented = gpu_check_command()
+    assert documented[:3] == ["python", "benchmarks/gpu_bench.py", "--smoke"]
+    out = tmp_path / "gpu_bench.json"  # the smoke's time box is the GPU's: here every check runs
+    argv = [*documented[2:], "--tiny", "--device", "cuda", "--smoke-s", "3600", "--out", str(out)]
+    assert under_cudas_rules(gpu_bench.main, argv) == 0
+    stdout, report = capsys.readouterr().out, json.loads(out.read_text())
+    smoke_checks_all_ran(report, stdout, out.with_suffix(".md").read_text())
+    assert report["device"] == "CudaDeviceRules"
+    opened = "train_step aapo, every flag opened (nccl): tiny-qwen2 bf16 ckpt"  # through the nccl rules
+    assert opened in [c["check"] for c in report["smoke"]]
+    table_rows_measured(report, "plain", TINY_CONFIGS + ["tiny grad_checkpointing=False fast paths"])
+
+
+# ------------------------------------------------------------------ torchrun's processes, a GPU each
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def as_torchrun_process(rank: int, port: int, body, *args) -> tuple[object, list[int]]:
+    """body(*args) as process `rank` of 2 that torchrun started on a machine of 2 GPUs, under the rules:
+    (its exit status, or what it raised in one line; the CUDA devices it made tensors on)."""
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    torch.set_num_threads(1)  # two processes on the cores
+    rules = CudaDeviceRules(index=0, count=2)  # a fresh process: cuda:0 current until it sets its own
+    try:
+        with rules:
+            body(*args)
+        status = 0
+    except SystemExit as e:
+        status = e.code
+    except Exception as e:  # noqa: BLE001 - said in the test's failure
+        status = f"{type(e).__name__}: {e}"
+    return status, sorted(rules.seen)
+
+
+def two_processes(body, *args, wait: float = 300) -> list[tuple[object, list[int]]]:
+    """body(*args) in two processes of one torchrun group (`as_torchrun_process`), forked from the small
+    process (test_faults.py); `wait` seconds at most for both."""
+    port = free_port()
+    with ProcessPoolExecutor(max_workers=2, mp_context=small_processes()) as pool:
+        futures = [pool.submit(as_torchrun_process, rank, port, body, *args) for rank in (0, 1)]
+        return [f.result(timeout=wait) for f in futures]
+
+
+def collectives(entered: dict) -> None:
+    """torchrun's process group as processes.py starts it (nccl on CUDA, waiting `COLLECTIVE_WAIT`), then
+    each process's collective from `entered` (by rank): a sum, a gather, or none (it leaves the group)."""
+    rank, world, device = processes.init_processes("cuda")
+    torch.zeros(1, device=device)  # on its GPU
+    if entered[rank] == "sum":
+        processes.all_sum([1.0], device)
+    elif entered[rank] == "gather":
+        processes.gather_groups(torch.zeros(1, 3, device=device))
+    processes.close_processes()
+
+
+@pytest.mark.parametrize("entered", [{0: "sum", 1: "sum"}, {0: "sum", 1: "gather"}, {0: "gather", 1: None}],
+                         ids=["alike", "unlike", "skipped"])
+def test_a_collective_one_process_skips_fails_fast_on_the_stand_in(entered):
+    """Two processes under nccl's rules (gloo beneath), each on its GPU: the same collective passes; another
+    collective, or none (the process leaves), raises in every process that entered one, at once, though
+    the group waits 2 hours (`processes.COLLECTIVE_WAIT`): a real nccl would hang there."""
+    results = two_processes(collectives, entered, wait=60)
+    assert [seen for _, seen in results] == [[0], [1]]  # each process on its own GPU (LOCAL_RANK)
+    if entered == {0: "sum", 1: "sum"}:
+        assert [status for status, _ in results] == [0, 0]
+    else:
+        assert re.search("entered different collectives|Connection reset by peer", str(results[0][0]))
+
+
+def test_train_py_under_torchrun_on_two_gpus_of_the_stand_in(tmp_path):
+    """train.py --algo dapo,grpo in two processes, each on its GPU, their collectives through nccl's rules:
+    DAPO resamples a round in which only one process has a collapsed group (the other must still enter the
+    gather), and both finish. Before, a process on its GPU would have met the other's tensors nowhere: a
+    slip that put every process on cuda:0 is "Duplicate GPU detected" here."""
+    argv = [*STAND_IN, "--algo", "dapo,grpo", "--device", "cuda", "--reward", PARITY, "--steps", "2",
+            "--prompts-per-step", "2", "--group-size", "3", "--max-new-tokens", "5", "--eval-every", "0",
+            "--save-every", "0", "--seed", "2", "--out", str(tmp_path)]  # seed 2: step 1 redoes 1 group of 2
+    results = two_processes(train.main, argv)
+    assert results == [(0, [0]), (0, [1])]
+    records = steps_of(tmp_path, "dapo") + steps_of(tmp_path, "grpo")
+    assert all(0 <= r["reward_mean"] <= 1 for r in records)  # the gathered rewards, as their copies landed
+    resampled = [r["resampled_groups"] for r in steps_of(tmp_path, "dapo")]
+    assert any(n % 2 for n in resampled), resampled  # a round of 1 collapsed group of 2: one process redid it
+    assert all(r["rows_trained"] > 0 and r["skipped"] == 0 for r in steps_of(tmp_path, "grpo"))
 
 
 def test_a_loaded_model_fetches_no_hub_kernels(tmp_path):

@@ -14,6 +14,7 @@ import sys
 import time
 import types
 from concurrent.futures import ProcessPoolExecutor
+from multiprocessing import forkserver
 from pathlib import Path
 
 import numpy as np
@@ -536,6 +537,11 @@ def small_processes() -> multiprocessing.context.BaseContext:
     its models) costs a tenth of a second or more, a fork of the small one milliseconds."""
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(["experiments", "eval", "merge"])  # before its start only: always the same
+    # Started from the checkout: Python 3.11's fork server imports them from its own folder (it ignores the
+    # sys.path it is given), and each test runs in its tmp_path, where the imports failed silently and every
+    # fork imported the program again (seconds each). A fork goes back to its parent's folder.
+    with contextlib.chdir(ROOT):
+        forkserver.ensure_running()
     return context
 
 
