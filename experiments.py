@@ -85,6 +85,7 @@ from plots import (plot_accuracy_vs_compute, plot_accuracy_vs_tokens, plot_colla
                    plot_difficulty, plot_early_acr_scatter, plot_precision_curves)
 from processes import STOP_SIGNALS, on_stop_signals
 from run_folder import RunFolderError, find_checkpoint, read_jsonl, saved_config
+from stats import bootstrap_accuracy, interval, line_fit, verdict
 from verifier import load_reward
 from written import Folder, NotWritten, owned
 
@@ -199,6 +200,9 @@ def finished(run: Path) -> bool:
         return False
 
 
+# what the study reads of a train.py run (`check_run`: each as train.py wrote it, or the study stops)
+STUDY_READS = ("config.json", "metrics.jsonl", "evals.jsonl", "eval_records.jsonl", "summary.json")
+OWN_READS = ("final_eval.jsonl", "machines.jsonl")  # and what experiments.py wrote beside it
 # where a run went and how it was started or logged: not what it computed
 HOW_RUN = ("out", "resume", "overwrite", "save_every", "micro_batch", "grad_checkpointing", "log_samples",
            "show_group")
@@ -207,7 +211,8 @@ HOW_RUN = ("out", "resume", "overwrite", "save_every", "micro_batch", "grad_chec
 def check_run(out: Path, seed: int, algo: str, flags: list[str]) -> None:
     """A RunFolderError, in one line saying what to type, when the run <out>/<algo> may not be reused or
     continued for train.py `flags` on `seed`: its config.json records other flags (another level at a
-    scatter point, fewer steps), or its summary.json is damaged."""
+    scatter point, fewer steps), or its summary.json is damaged; NotWritten when a file the study reads
+    (`STUDY_READS`, its final evaluation's cache) is not as the script that wrote it left it."""
     run = out / algo
     summary = run / "summary.json"
     if summary.exists() and not finished(run):  # train.py writes it whole: damaged since, by someone else
@@ -215,6 +220,10 @@ def check_run(out: Path, seed: int, algo: str, flags: list[str]) -> None:
                              f"committed run), or move {run} away to train the run again")
     if not (finished(run) or find_checkpoint(run)):
         return  # absent, or stopped before its first checkpoint: trained afresh
+    for folder, kind, names in ((run, "run", STUDY_READS), (out, "runs", OWN_READS)):
+        with owned(folder, kind) as files:  # each as its script left it (its record), or NotWritten
+            for name in names:
+                files.now(name)
     saved = saved_config(run)
     asked = vars(dataclass_parser(train.Args, "").parse_args(train_argv(out, seed, algo, flags)))  # unchecked
     asked, default = (json.loads(json.dumps(config)) for config in  # as config.json holds them
@@ -367,33 +376,6 @@ def final_records(run: Path, problems: list, max_new_tokens: int) -> list[dict]:
             runs.write(cache.name, "".join(json.dumps({k: r[k] for k in keep}) + "\n"
                                            for r in result["records"]))
     return read_jsonl(cache)
-
-
-def bootstrap_accuracy(correct: np.ndarray, levels: np.ndarray, resamples: int = 2000, seed: int = 0) -> dict:
-    """Bootstrap accuracies [R, M] of M methods from correct [M, S, N] (seeds x held-out problems, 0/1).
-
-    Each resample draws S seeds with replacement, and within each drawn seed N problems with replacement,
-    stratified by level (the test split is). Every method sees the same draws, so a difference between two
-    methods is paired by seed and by problem. Returns {"all": [R, M], level: [R, M] for each level}.
-    """
-    rng = np.random.default_rng(seed)
-    m, s, n = correct.shape
-    seeds = rng.integers(0, s, size=(resamples, s))  # [R, S]
-    problems = np.empty((resamples, s, n), dtype=int)  # [R, S, N]: stays within each level's positions
-    for level in dict.fromkeys(levels):
-        where = np.flatnonzero(levels == level)
-        problems[:, :, where] = rng.choice(where, size=(resamples, s, len(where)))
-    picked = correct[:, seeds[:, :, None], problems]  # [M, R, S, N]
-    out = {"all": picked.mean(axis=(2, 3)).T}
-    for level in dict.fromkeys(levels):
-        out[level] = picked[..., levels == level].mean(axis=(2, 3)).T
-    return out
-
-
-def interval(point: float, samples: np.ndarray) -> dict:
-    """Point estimate (on the data as observed) with the percentile 95% CI of its bootstrap samples."""
-    low, high = np.percentile(samples, [2.5, 97.5])
-    return {"mean": float(point), "ci": [float(low), float(high)], "half_width": float(high - low) / 2}
 
 
 def accuracy_table(correct: np.ndarray, levels: np.ndarray, names: list[str], resamples: int,
@@ -565,23 +547,7 @@ def with_ci(x: dict, sign: str = "") -> str:
 def early_acr_scatter(runs: list[dict], resamples: int) -> dict:
     """Fit final accuracy = slope * early ACR + intercept over the runs; bootstrap CIs over runs."""
     x, y = np.array([r["early_acr"] for r in runs]), np.array([r["accuracy"] for r in runs])
-
-    def fit(x: np.ndarray, y: np.ndarray) -> tuple[float, float, float]:
-        if np.ptp(x) == 0 or np.ptp(y) == 0:  # no spread: no line (a flat y has R^2 undefined)
-            return math.nan, math.nan, math.nan
-        slope, intercept = np.polyfit(x, y, 1)
-        return slope, intercept, 1 - np.sum((y - slope * x - intercept) ** 2) / np.sum((y - y.mean()) ** 2)
-
-    slope, intercept, r2 = fit(x, y)
-    rng = np.random.default_rng(0)
-    boot = np.array([fit(x[i], y[i]) for i in rng.integers(0, len(x), size=(resamples, len(x)))])  # [R, 3]
-
-    def ci(col: int) -> list[float]:  # resamples that drew a single x (or y) value have no line: left out
-        finite = boot[np.isfinite(boot[:, col]), col]
-        return [float(v) for v in np.percentile(finite, [2.5, 97.5])] if len(finite) else [math.nan, math.nan]
-
-    return {"slope": float(slope), "slope_ci": ci(0), "intercept": float(intercept), "r2": float(r2),
-            "r2_ci": ci(2), "distinct_early_acr": len(set(x.tolist())), "runs": runs}
+    return {**line_fit(x, y, resamples), "distinct_early_acr": len(set(x.tolist())), "runs": runs}
 
 
 def scatter_runs(args: argparse.Namespace, out: Path) -> dict[tuple[str, int, int], Run]:
@@ -880,15 +846,6 @@ def lr_list(text: str) -> list[str]:
 def pick_lr(accuracy: dict[str, float]) -> str:
     """The learning rate with the most accurate final model; the smaller of those that tie."""
     return max(sorted(accuracy, key=float), key=accuracy.__getitem__)  # max keeps the first of a tie
-
-
-def verdict(delta: dict, margin: float) -> str:
-    """Whether Δ's 95% interval says two arms match, as the README's claims are judged: confirmed when it
-    excludes a difference of `margin` either way, refuted when it excludes every difference under it."""
-    low, high = delta["ci"]
-    if -margin < low and high < margin:
-        return "confirmed"
-    return "refuted" if high < -margin or low > margin else "inconclusive"
 
 
 def lora_table(result: dict) -> str:

@@ -43,7 +43,7 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
 # plain definitions <- fast paths <- the run <- scripts: a file imports only files of its layer or below
 LAYERS = {
     "plain": {"advantage", "model", "hardware", "memory", "model_files", "verifier", "flags", "data.tasks",
-              "written", "records", "lora"},
+              "written", "records", "lora", "stats"},
     "fast": {"decoding", "packing"},
     "run": {"run", "run_folder", "processes", "metrics", "eval", "plots"},
     "scripts": {"train", "experiments", "merge"},
