@@ -151,7 +151,7 @@ def run_step(model, net, tokenizer, optimizer, args: train.Args, problems, step:
                      args.temperature, args.top_p, fast_or_plain(args.fast, device).sample_completions)
     sync(device)
     t1 = time.perf_counter()
-    sampled = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0  # the peak so far
+    sampled = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None  # the peak so far
     score_groups([p.question for p in batch], rollout.texts, [p.answer for p in batch],
                  load_reward())  # timed as in train.py; the rewards are replaced below
     t2 = time.perf_counter()
@@ -298,9 +298,9 @@ def bench_config(config: Config, device: torch.device, opts, problems, peak_tflo
         "config": config.name, "size": size, "grad_checkpointing": checkpointing,
         "lora_rank": config.lora_rank,
         # max_memory_allocated after the first sampling, and after the steps, against the estimate's phases
-        "allocated_sampling_gib": allocated_after_sampling / GIB,
+        "allocated_sampling_gib": None if allocated_after_sampling is None else allocated_after_sampling / GIB,
         "est_sampling_gib": (static + estimate["sampling"]) / GIB,
-        "allocated_step_gib": (torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0) / GIB,
+        "allocated_step_gib": torch.cuda.max_memory_allocated(device) / GIB if device.type == "cuda" else None,
         "est_update_gib": (static + estimate["activations"] + estimate["logits"]) / GIB,
         "path": "fast" if forced_fast or opts.fast and device.type in run.FAST_ON else "plain",
         "params_m": params / 1e6, "estimate_gib": estimate["total"] / GIB,
@@ -327,6 +327,7 @@ COLUMNS = [("size", "size", "{}"), ("grad_checkpointing", "grad ckpt", "{}"), ("
 
 
 # Each phase's memory (CUDA: max_memory_allocated, what tensors held, no context) against memory.py's
+# (CUDA only: "-" elsewhere)
 PHASES = [("config", "config", "{}"), ("allocated_sampling_gib", "allocated after sampling GiB", "{:.1f}"),
           ("est_sampling_gib", "est static + sampling GiB", "{:.1f}"),
           ("allocated_step_gib", "allocated after the steps GiB", "{:.1f}"),
@@ -336,7 +337,8 @@ PHASES = [("config", "config", "{}"), ("allocated_sampling_gib", "allocated afte
 def markdown(results: list[dict]) -> str:
     """The table, then each config's memory by phase."""
     return "\n\n".join(markdown_table([title for _, title, _ in columns],
-                                       [[form.format(r[key]) for key, _, form in columns] for r in results])
+                                       [["-" if r[key] is None else form.format(r[key])
+                                         for key, _, form in columns] for r in results])
                         for columns in (COLUMNS, PHASES))
 
 
