@@ -1,7 +1,7 @@
 """Problems for training and evaluation: the project's own arithmetic task, and GSM8K/MATH JSONL files.
 
 A problem is a question, a gold answer string that `verifier.verify` compares completions against, the
-level it comes from (the mixed task), and its dataset's instruction (a JSONL file's asks for \boxed{}), which
+level it comes from (the mixed task's, or a JSONL file's "level": MATH's), and its dataset's instruction (a JSONL file's asks for \boxed{}), which
 the prompt format adds or replaces (model.format_prompts).
 Specs accepted by `load_problems`:
   arith-<level>   generated arithmetic, deterministic; levels from easy to hard are listed in LEVELS
@@ -22,7 +22,7 @@ from pathlib import Path
 class Problem:
     question: str
     answer: str
-    level: str = ""  # the arithmetic level of an arith-mix problem, for accuracy per level
+    level: str = ""  # arith-mix's level, or a file's (MATH's "Level 1".."Level 5"): accuracy per level
     instruction: str = ""  # the dataset's instruction, which a chat prompt adds (model.format_prompts)
     where: str = field(default="", compare=False)  # file:line of a JSONL problem, for errors that name it
 
@@ -122,10 +122,21 @@ def read_jsonl(path: Path) -> list[Problem]:
                 answer = gold_from_gsm8k(answer)
             if not question.strip() or not answer.strip():
                 raise ValueError(f"{where}: empty question or answer")
-            problems.append(Problem(question, answer, instruction=BOXED_INSTRUCTION, where=where))
+            problems.append(Problem(question, answer, file_level(row.get("level", ""), where),
+                                    instruction=BOXED_INSTRUCTION, where=where))
     if not problems:
         raise ValueError(f"{path}: dataset is empty")
     return problems
+
+
+def file_level(level, where: str) -> str:
+    """A JSONL problem's level as a name: MATH's own files say "Level 2", MATH-500's (PRM800K's) say 2; none
+    is ""."""
+    if type(level) is int:
+        return f"Level {level}"
+    if not isinstance(level, str):
+        raise ValueError(f"{where}: 'level' must be a string or an integer, got {json.dumps(level)[:40]}")
+    return level
 
 
 def step_problems(problems: list[Problem], size: int, seed: int, step: int, round: int = 0) -> list[Problem]:

@@ -58,6 +58,19 @@ def test_gsm8k_and_math_forms(tmp_path):
     assert problems[0].question == "2 apples and 1,000 more?"  # the prompt format adds the instruction
     assert {p.instruction for p in problems} == {"Put the final answer in \\boxed{}."}
     assert load_eval_problems(str(path)) == problems  # a JSONL evaluation set is the whole file
+    assert [p.level for p in problems] == ["", "Level 2", "", "", ""]  # MATH-500's level 2
+
+
+def test_a_files_levels_are_kept_by_name_and_a_bad_one_is_named_with_its_line(tmp_path):
+    """MATH's own files say "Level 3", MATH-500's 3: both are "Level 3"; a file without levels is one level
+    (""); a level that is neither a string nor an integer is one line naming the file and line."""
+    path = write(tmp_path, [json.dumps({"problem": "a?", "answer": "1", "level": "Level 3", "subject": "x"}),
+                            json.dumps({"problem": "b?", "answer": "2", "level": 3}),
+                            json.dumps({"problem": "c?", "answer": "3"})])
+    assert [p.level for p in load_problems(str(path), "all")] == ["Level 3", "Level 3", ""]
+    bad = write(tmp_path, [json.dumps({"problem": "a?", "answer": "1", "level": [1]})])
+    with pytest.raises(ValueError, match=rf"{bad}:1: 'level' must be a string or an integer, got \[1\]"):
+        load_problems(str(bad), "all")
 
 
 def test_jsonl_train_test_split_is_disjoint(tmp_path):

@@ -178,9 +178,8 @@ PROGRAMS = {
     "full": [*OPENED, "--prompt-format", "raw", "--dataset", "arith-add1", "--eval-dataset", "arith-mul1",
              "--temperature", "0.7", "--lr-decay", "0.5", "--epsilon", "0.1", "--epsilon-high", "0.3",
              "--max-grad-norm", "0.5", "--acr-threshold", "0.3", "--alpha", "1", "--num-virtual", "2",
-             "--virtual-delta", "0.2", "--virtual-ends", "all-wrong", "--delta-low", "0.1",
-             "--delta-high", "0.2",
-             "--resample-rounds", "1", "--reward-range=-1,1", "--reward-timeout", "30", "--seed", "3",
+             "--virtual-delta", "0.2", "--virtual-ends", "all-wrong", "--delta-low", "0.1", "--delta-high",
+             "0.2", "--resample-rounds", "1", "--reward-range=-1,1", "--reward-timeout", "30", "--seed", "3",
              "--micro-batch", "2", "--eval-every", "1", "--eval-size", "2", "--no-show-group", "--no-fast"],
     "lora": [*LORA, "--system", "Answer briefly.", "--fixed-threshold", "--eval-every", "0",
              "--log-samples", "none", "--prompts-per-step", "1"],
@@ -218,7 +217,7 @@ def test_train_py_on_the_stand_in_saves_and_resumes_each_method_exactly(tmp_path
     under_cudas_rules(train.main, argv + ["--overwrite", "--out", str(tmp_path / "straight")])
     lines = capsys.readouterr().out.splitlines()
     firsts = [line for line in lines if " cuda:0 (" in line]  # CUDA's branches: the GPU named, its context
-    assert len(firsts) == 4 and all(f"] cuda:0 (CudaDeviceRules, 80 GiB); bf16" in line
+    assert len(firsts) == 4 and all("] cuda:0 (CudaDeviceRules, 80 GiB); bf16" in line
                                     and "CUDA context 1.0 GiB" in line for line in firsts)
     monkeypatch.setattr(train, "train_step", sigterm_in_step_1)
     for algo in ALGOS.split(","):  # the first call stops GRPO; each next one resumes it and stops the next
