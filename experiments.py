@@ -62,6 +62,7 @@ import math
 import multiprocessing
 import os
 import platform
+import re
 import signal
 import sys
 from concurrent.futures import ALL_COMPLETED, FIRST_EXCEPTION, ProcessPoolExecutor, wait
@@ -85,7 +86,8 @@ from plots import (plot_accuracy_vs_compute, plot_accuracy_vs_tokens, plot_colla
                    plot_difficulty, plot_early_acr_scatter, plot_precision_curves)
 from processes import STOP_SIGNALS, on_stop_signals
 from run_folder import RunFolderError, find_checkpoint, read_jsonl, saved_config
-from stats import bootstrap_accuracy, interval, line_fit, verdict
+from stats import (bootstrap_accuracy, expected_half_width, interval, line_fit, seeds_to_decide,
+                   variance_parts, verdict)
 from verifier import load_reward
 from written import Folder, NotWritten, owned
 
@@ -220,10 +222,8 @@ def check_run(out: Path, seed: int, algo: str, flags: list[str]) -> None:
                              f"committed run), or move {run} away to train the run again")
     if not (finished(run) or find_checkpoint(run)):
         return  # absent, or stopped before its first checkpoint: trained afresh
-    for folder, kind, names in ((run, "run", STUDY_READS), (out, "runs", OWN_READS)):
-        with owned(folder, kind) as files:  # each as its script left it (its record), or NotWritten
-            for name in names:
-                files.now(name)
+    as_written(run, "run", STUDY_READS)
+    as_written(out, "runs", OWN_READS)
     saved = saved_config(run)
     asked = vars(dataclass_parser(train.Args, "").parse_args(train_argv(out, seed, algo, flags)))  # unchecked
     asked, default = (json.loads(json.dumps(config)) for config in  # as config.json holds them
@@ -233,6 +233,14 @@ def check_run(out: Path, seed: int, algo: str, flags: list[str]) -> None:
                    if key not in HOW_RUN and saved.get(key, default[key]) != value]:  # newer flag: default
         raise RunFolderError(f"{run} was trained with {', '.join(changed)} (its config.json): ask for the "
                              "flags it was trained with, or choose another --out")
+
+
+def as_written(folder: Path, kind: str, names: tuple[str, ...]) -> None:
+    """NotWritten, one line naming the file, unless each of `names` in `folder` is absent or as the script that
+    wrote it left it (the folder's record): the study uses no other."""
+    with owned(folder, kind) as files:
+        for name in names:
+            files.now(name)
 
 
 def machine() -> dict:
@@ -692,6 +700,8 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--dry-run", action="store_true",
                    help="print the run count and time estimate, run nothing")
     p.add_argument("--budget-minutes", type=SECONDS, default=360.0, help="warn when the estimate exceeds it")
+    p.add_argument("--margin", type=in_range(0, 1, low_open=True), default=MARGIN,
+                   help="the plan: the seeds that would decide a difference of this size (0.025: 2.5 points)")
     return p
 
 
@@ -763,6 +773,61 @@ def print_estimate(args: argparse.Namespace, parts: list[str]) -> None:
         fits = (args.budget_minutes * 60 - eval_units * args.eval_seconds) / step_units
         print(f"warning: over the {args.budget_minutes:g}-min budget; it fits at <= {fits:.1f} s/step, "
               "or with fewer --steps, --seeds, --scatter-steps or a smaller --scatter-g grid")
+
+
+COMMITTED = Path(__file__).resolve().parent / "runs" / "experiments" / "compare"  # the README's comparison
+
+
+def evaluated_seeds(folder: Path, method: str) -> set[int]:
+    """The seeds of `method` in a compare folder whose final evaluation is there (`run_dir`'s names)."""
+    named = (re.fullmatch(rf"seed(\d+)-{re.escape(method)}", p.name) for p in folder.glob(f"seed*-{method}"))
+    return {int(m[1]) for m in named if m and (folder / m[0] / "final_eval.jsonl").exists()}
+
+
+def compare_variances(folders: list[Path], methods: list[str]) -> tuple[float, float, Path] | None:
+    """(problem_var, seed_var, folder) of the paired Δs against GRPO (`stats.variance_parts`, averaged over
+    the methods) from the first folder holding finished compare runs of GRPO and another method on two seeds
+    or more, each final evaluation on the same problems; None where none does."""
+    for folder in folders:
+        parts = []
+        for method in [m for m in methods if m != BASELINE]:
+            seeds = sorted(evaluated_seeds(folder, method) & evaluated_seeds(folder, BASELINE))
+            if len(seeds) < 2:
+                continue
+            correct = []
+            for name in (BASELINE, method):
+                runs = [folder / f"seed{s}-{name}" for s in seeds]
+                for run in runs:
+                    as_written(run, "runs", ("final_eval.jsonl",))
+                correct.append(np.array([[r["correct"] for r in read_jsonl(run / "final_eval.jsonl")]
+                                         for run in runs], dtype=float))
+            if correct[0].shape == correct[1].shape:
+                parts.append(variance_parts(*correct))
+        if parts:
+            return (*np.mean(parts, axis=0).tolist(), folder)
+    return None
+
+
+def print_interval_plan(args: argparse.Namespace) -> None:
+    """compare's expected 95% half width of each Δ vs GRPO, and the seeds that would decide ±--margin, from
+    the variances of finished compare runs (this study's, else the checkout's committed ones; `stats`)."""
+    methods, seeds = args.methods.split(","), len(args.seeds.split(","))
+    try:
+        found = compare_variances([Path(args.out) / "compare", COMMITTED], methods)
+    except NotWritten as e:  # a final evaluation changed since it was written: nothing taken from it
+        print(f"compare: no interval planned: {e}")
+        return
+    if found is None:
+        print("compare: no finished runs of two seeds to take the variances from: no interval planned")
+        return
+    problem_var, seed_var, folder = found
+    problems = len(held_out(0, args.per_level or None))
+    width = expected_half_width(seeds, problems, problem_var, seed_var)
+    needed = seeds_to_decide(args.margin, problems, problem_var, seed_var)
+    print(f"compare: each Δ vs {BASELINE} over {seeds} seeds of {problems} held-out problems: expected 95% "
+          f"interval ±{100 * width:.1f} points (variances from {folder}: {problem_var:.3f} a problem, "
+          f"{seed_var:.5f} between seeds); deciding ±{100 * args.margin:g} points 4 times in 5 at a true Δ "
+          f"of 0 takes {needed or 'more than 1000'} seeds")
 
 
 FIGURES = {"difficulty": ("acr_vs_difficulty.png",),  # what each part draws, in the figures folder
@@ -950,6 +1015,8 @@ def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     parts = args.only.split(",")
     print_estimate(args, parts)
+    if "compare" in parts:
+        print_interval_plan(args)
     if args.dry_run:
         return {}
     try:

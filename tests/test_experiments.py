@@ -372,6 +372,26 @@ def test_a_run_file_changed_since_train_py_wrote_it_is_named_in_one_line_and_not
         assert tree(out) == before
 
 
+def plan_line(argv: list[str], capsys) -> str:
+    assert experiments.main(["--dry-run", "--only", "compare", *argv]) == {}
+    return next(line for line in capsys.readouterr().out.splitlines() if line.startswith("compare: each Δ"))
+
+
+def test_the_plan_states_each_comparisons_interval_and_the_seeds_that_decide_the_margin(tmp_path, capsys):
+    """With no runs of its own, the plan takes the variances from the committed comparison (5 seeds of 336
+    problems, runs/experiments/compare): its intervals were ±1.9 to ±4.0 points, and the plan expects ±2.9
+    (`stats.expected_half_width`); more seeds narrow it, a wider --margin takes fewer seeds."""
+    line = plan_line(["--out", str(tmp_path)], capsys)
+    assert "over 5 seeds of 336 held-out problems: expected 95% interval ±2.9 points" in line
+    assert f"variances from {experiments.COMMITTED}: 0.105 a problem, 0.00064 between seeds" in line
+    assert line.endswith("deciding ±2.5 points 4 times in 5 at a true Δ of 0 takes 19 seeds")
+    twelve = ",".join(map(str, range(12)))
+    assert "over 12 seeds of 336 held-out problems: expected 95% interval ±1.9 points" in plan_line(
+        ["--out", str(tmp_path), "--seeds", twelve], capsys)
+    assert line.replace("±2.5 points", "±5 points").replace("19 seeds", "5 seeds") == plan_line(
+        ["--out", str(tmp_path), "--margin", "0.05"], capsys)
+
+
 def test_a_results_json_that_is_not_json_is_one_line_before_any_run(tmp_path, capsys):
     figures = tmp_path / "figures"
     with owned(figures, "experiments") as folder:  # as experiments.py wrote it, then damaged
