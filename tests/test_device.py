@@ -29,7 +29,7 @@ import packing
 import processes
 import run as run_module
 import train
-from benchmarks.gpu_bench import PARITY  # a coin flip per completion: groups split, rows train
+from benchmarks.gpu_bench import PARITY, SIZES  # PARITY: a coin flip per completion, groups split
 from data.tasks import Problem
 from decoding import decode
 from memory import estimate_memory
@@ -606,6 +606,16 @@ def test_the_first_line_under_lora_counts_frozen_weights_and_adapters_and_no_cop
 # ------------------------------------------------------------------------------ memory.py
 
 
+# SmolLM2-135M's widths (its config.json; a Llama, taken here as a Qwen2 of the same widths: GQA 3 of 9)
+SMOLLM2 = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+               num_key_value_heads=3)
+
+
+def widths(size: str) -> dict:
+    """A model's widths: Qwen2.5's (gpu_bench.SIZES: 0.5B, 1.5B, tiny) or SmolLM2's."""
+    return SMOLLM2 if size == "smollm2" else SIZES[size]
+
+
 def shapes(**overrides):
     return {"rows": 16, "prompt_len": 40, "completion_len": 60, "micro_batch": 4, "bf16": True,
             "reference": False, "checkpointing": False, **overrides}
@@ -623,13 +633,12 @@ def test_memory_static_terms_count_the_models_parameters():
     assert terms["total"] == static + max(terms["sampling"], terms["activations"] + terms["logits"])
 
 
-@pytest.mark.parametrize("size, rank", [("tiny", 4), ("0.5B", 32), ("1.5B", 1)])
+@pytest.mark.parametrize("size, rank", [("tiny", 4), ("0.5B", 32), ("1.5B", 1), ("smollm2", 8)])
 def test_memory_static_terms_under_lora_count_the_frozen_weights_once_and_the_adapters(size, rank):
     """peft's adapters on every linear layer but the output layer number `memory.adapter_count`; the model's
     own weights count once, in the working precision, and only the adapters have float32 weights, AdamW
     moments and gradients: no working copy, and the reference (the adapters off) costs nothing."""
-    from benchmarks.gpu_bench import SIZES
-    config = Qwen2Config(vocab_size=1000, tie_word_embeddings=True, **SIZES[size])
+    config = Qwen2Config(vocab_size=1000, tie_word_embeddings=True, **widths(size))
     with torch.device("meta"):  # the real widths, nothing allocated
         net = Qwen2ForCausalLM(config)
     own = sum(p.numel() for p in net.parameters())
@@ -676,15 +685,14 @@ def saved_bytes(net, ids: torch.Tensor, mask: torch.Tensor, completion_len: int)
 @pytest.mark.parametrize("checkpointing", [False, True])
 @pytest.mark.parametrize("size, precision, rank", [  # rank: LoRA's
     ("0.5B", "bf16", 0), ("1.5B", "bf16", 0), ("0.5B", "fp32", 0), ("0.5B", "bf16", 32), ("1.5B", "bf16", 1),
-    ("0.5B", "fp32", 32)])
+    ("0.5B", "fp32", 32), ("smollm2", "bf16", 0), ("smollm2", "bf16", 8)])
 def test_memory_activations_are_what_the_forward_keeps_for_backward(size, precision, rank, checkpointing):
     """Two layers at Qwen2.5's real widths, rows padded on the left and the right as in training: the bytes
     autograd saves (the logits' own among them) against memory.py's activations and logits. Under
     checkpointing the forward keeps each layer's input only, and the estimate adds one layer's
     `layer_bytes`, recomputed in backward. `rank`: LoRA through peft, frozen weights in the working precision
     and float32 adapters (`lora_layer_bytes`)."""
-    from benchmarks.gpu_bench import SIZES
-    config = Qwen2Config(vocab_size=1000, tie_word_embeddings=True, **{**SIZES[size], "num_hidden_layers": 2})
+    config = Qwen2Config(vocab_size=1000, tie_word_embeddings=True, **{**widths(size), "num_hidden_layers": 2})
     torch.manual_seed(0)
     net = Qwen2ForCausalLM(config)
     if rank:

@@ -31,10 +31,10 @@ import model_files
 import processes
 import train
 from benchmarks import gpu_bench
-from benchmarks.gpu_bench import PARITY, SIZES  # PARITY: a coin flip per completion, groups split, rows train
+from benchmarks.gpu_bench import PARITY  # PARITY: a coin flip per completion, groups split, rows train
 from model import load_model, sample_with_generate
 from test_bench import TINY_CONFIGS, gpu_check_command, smoke_checks_all_ran, table_rows_measured
-from test_device import DRIVEN, LORA, OPENED, CudaDeviceRules, peak_bytes
+from test_device import DRIVEN, LORA, OPENED, CudaDeviceRules, peak_bytes, widths
 from test_device import TINY as STAND_IN
 from test_faults import TINY, small_processes
 
@@ -131,11 +131,6 @@ def test_under_torchrun_on_cuda_each_process_takes_its_gpu_and_waits_out_the_fir
     assert started["timeout"] >= timedelta(hours=1)
 
 
-# SmolLM2-135M's widths (its config.json; a Llama, taken here as a Qwen2 of the same widths)
-SMOLLM2 = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
-               num_key_value_heads=3)
-
-
 @pytest.mark.parametrize("size, precision, rank", [
     ("1.5B", "bf16", 0), ("1.5B", "bf16", 32), ("1.5B", "fp32", 0), ("0.5B", "fp32", 32),
     ("smollm2", "bf16", 0), ("smollm2", "bf16", 8)])
@@ -143,9 +138,8 @@ def test_memory_sampling_is_the_peak_of_hf_generates_prefill(size, precision, ra
     """Two layers at real widths, GQA included (Qwen2.5-1.5B: 2 KV heads of 12): torch's profiler's peak
     while HF generate (CUDA's sampling path) prefills 2 prompts x 2 completions, against memory.py's
     sampling term. Before, the term counted the KV cache alone: at 1.5B under LoRA in bf16 a sixth of it."""
-    widths = SMOLLM2 if size == "smollm2" else SIZES[size]
     config = Qwen2Config(vocab_size=1000, tie_word_embeddings=True, eos_token_id=999, pad_token_id=998,
-                         **{**widths, "num_hidden_layers": 2})
+                         **{**widths(size), "num_hidden_layers": 2})
     torch.manual_seed(0)
     net = Qwen2ForCausalLM(config)
     if rank:
