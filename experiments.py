@@ -788,21 +788,25 @@ def compare_variances(folders: list[Path], methods: list[str]) -> tuple[float, f
     """(problem_var, seed_var, folder) of the paired Δs against GRPO (`stats.variance_parts`, averaged over
     the methods) from the first folder holding finished compare runs of GRPO and another method on two seeds
     or more, each final evaluation on the same problems; None where none does."""
+    answers = {}  # (folder, method, seed) -> the final evaluation's answers, each file read once
+
+    def answers_of(folder: Path, method: str, seed: int) -> list[bool]:
+        if (folder, method, seed) not in answers:
+            run = run_dir(folder, method, seed).parent  # where the study caches final_eval.jsonl
+            as_written(run, "runs", ("final_eval.jsonl",))
+            answers[folder, method, seed] = [r["correct"] for r in read_jsonl(run / "final_eval.jsonl")]
+        return answers[folder, method, seed]
+
     for folder in folders:
         parts = []
         for method in [m for m in methods if m != BASELINE]:
             seeds = sorted(evaluated_seeds(folder, method) & evaluated_seeds(folder, BASELINE))
             if len(seeds) < 2:
                 continue
-            correct = []
-            for name in (BASELINE, method):
-                runs = [folder / f"seed{s}-{name}" for s in seeds]
-                for run in runs:
-                    as_written(run, "runs", ("final_eval.jsonl",))
-                correct.append(np.array([[r["correct"] for r in read_jsonl(run / "final_eval.jsonl")]
-                                         for run in runs], dtype=float))
-            if correct[0].shape == correct[1].shape:
-                parts.append(variance_parts(*correct))
+            pair = [np.array([answers_of(folder, name, s) for s in seeds], dtype=float)
+                    for name in (BASELINE, method)]  # [S, N] each
+            if pair[0].shape == pair[1].shape:
+                parts.append(variance_parts(*pair))
         if parts:
             return (*np.mean(parts, axis=0).tolist(), folder)
     return None
