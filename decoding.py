@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from transformers import DynamicCache, PreTrainedModel
 
 from lora import adapter_output, has_variants
-from model import next_tokens
+from model import last_positions, next_tokens
 
 FAST_ON = ("cpu",)  # device types where this file's and packing.py's paths were shown equal and faster
 SHAPE_MULTIPLE = 16  # token counts are padded to a multiple of this, so matmul shapes recur (see `decode`)
@@ -207,7 +207,8 @@ def decode(model: PreTrainedModel, prompt_ids: torch.Tensor, prompt_mask: torch.
     positions = (prompt_mask.cumsum(dim=1) - 1).clamp(min=0)  # [B, P]: left padding must not shift positions
     # The cache goes fourth, by position: transformers 5.17 names that argument past_key_values, 5.25 cache
     # (and warns at the old name); a keyword either end lacks is dropped silently, and the cache stays empty.
-    logits = model(prompt_ids, prompt_mask, positions, cache, use_cache=True, logits_to_keep=1).logits[:, -1]
+    logits = model(prompt_ids, prompt_mask, positions, cache, use_cache=True,
+                   logits_to_keep=last_positions(prompt_ids, 1)).logits[:, -1]
     logits = logits.repeat_interleave(group_size, dim=0)  # [N, V]: rows b*G .. b*G+G-1 share prompt b
     if weights:
         cache = DecodeCache.from_prefill(cache, group_size, max_new_tokens)

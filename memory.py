@@ -22,7 +22,8 @@ then the larger of the two phases, which never overlap:
     worth is recomputed at a time in backward;
     logits at the m x C completion positions, V each: 2w per entry (the logits, then their gradient), plus
     16 bytes for each of LOGPROB_CHUNK x V entries, one chunk's float32 log-softmax and its gradient
-    (model.completion_logprobs; measured on the CPU with torch's memory profiler, tests/test_device.py).
+    (model.completion_logprobs; measured on the CPU with torch's memory profiler, tests/test_device.py, at
+    a narrow layer's, SmolLM2's and Qwen2.5-1.5B's widths).
 eval.py samples and never updates (`training` False): no optimizer, gradients or update phase, and a working
 copy of 2P without its gradients.
 Left out: the attention mask (m T^2 w, shared by the layers), the reference's forward (no grad, one

@@ -16,6 +16,7 @@ from torch.utils.checkpoint import checkpoint
 from transformers import PreTrainedModel
 
 from decoding import SHAPE_MULTIPLE, rotate, writes_out_block
+from model import last_positions
 
 
 class TokenLogProbs(torch.autograd.Function):
@@ -252,8 +253,8 @@ def completion_logprobs(model: PreTrainedModel, input_ids: torch.Tensor, attenti
         picked = TokenLogProbs.apply(logits, rows.targets, temperature)[: rows.num_targets]  # row by row
     else:
         positions = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)  # [N, T]
-        logits = model(input_ids=input_ids[:, :-1], attention_mask=attention_mask[:, :-1],
-                       position_ids=positions[:, :-1], use_cache=False,
-                       logits_to_keep=completion_len).logits[real]  # [M, V]
+        inputs, mask = input_ids[:, :-1], attention_mask[:, :-1]
+        logits = model(input_ids=inputs, attention_mask=mask, position_ids=positions[:, :-1], use_cache=False,
+                       logits_to_keep=last_positions(inputs, completion_len)).logits[real]  # [M, V]
         picked = TokenLogProbs.apply(logits, input_ids[:, -completion_len:][real], temperature)
     return picked.new_zeros(real.shape).masked_scatter(real, picked)

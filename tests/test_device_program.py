@@ -152,8 +152,7 @@ def test_memory_sampling_is_the_peak_of_hf_generates_prefill(size, precision, ra
     terms = memory.estimate_memory(config, 0, rows=4, prompt_len=48, completion_len=1, micro_batch=4,
                                    bf16=precision == "bf16", reference=False, checkpointing=False,
                                    lora_params=memory.adapter_count(config, rank))
-    weights = sum(t.numel() * t.element_size() for t in [*net.parameters(), *net.buffers()])
-    assert peak - weights == pytest.approx(terms["sampling"], rel=0.03)  # the profiler counts the weights
+    assert peak == pytest.approx(terms["sampling"], rel=0.03)
 
 
 # ------------------------------------------------------------------ the whole program under CUDA's rules

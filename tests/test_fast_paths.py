@@ -833,6 +833,32 @@ def test_other_blocks_take_fast_logprobs_from_their_own_forward(tiny, monkeypatc
         torch.testing.assert_close(b, a)
 
 
+@pytest.mark.parametrize("path", ["plain log-probs", "fast log-probs, own forward", "decode's prefill"])
+def test_the_output_layer_takes_a_contiguous_input_on_every_path(tiny, monkeypatch, path):
+    """`model.last_positions`: with a frozen output layer (LoRA, the reference), a sliced [N, C, h] input
+    makes torch's matmul copy the layer once per row on the CPU. Every path that asks the model for the
+    logits of some positions gives it a contiguous input."""
+    model, tokenizer = tiny
+    rollout = sample_fast(model, tokenizer, QUESTIONS[:2], 2, 4)
+    monkeypatch.setattr(packing, "writes_out_block", lambda config: False)
+    inputs = []
+    hook = model.lm_head.register_forward_pre_hook(lambda _, args: inputs.append(args[0]))
+    try:
+        with torch.no_grad():
+            if path == "decode's prefill":
+                prompts = tokenizer(model_module.format_prompts(tokenizer, QUESTIONS[:2]),
+                                    return_tensors="pt", padding=True, padding_side="left")
+                decode(model, prompts.input_ids, prompts.attention_mask, 2, 1, 1.0, 1.0,
+                       tokenizer.eos_token_id, tokenizer.pad_token_id)
+            else:
+                logprobs = plain_logprobs if path == "plain log-probs" else packed_logprobs
+                logprobs(model, rollout.input_ids, rollout.attention_mask, rollout.completion_len)
+    finally:
+        hook.remove()
+    assert inputs and all(x.is_contiguous() for x in inputs)
+    assert inputs[0].shape[1] == (1 if path == "decode's prefill" else rollout.completion_len)  # the last
+
+
 def test_decode_pads_prompts_to_a_multiple_of_16_for_its_prefill(tiny):
     """The prefill sees whole multiples of 16 columns (masked left padding), so its matmul shapes recur; the
     rollout keeps the tokenizer's own prompt columns, as sampling with generate does."""
