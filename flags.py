@@ -80,18 +80,28 @@ def folder(text: str) -> str:
 
 
 def dataclass_parser(config_class, description: str) -> FlagParser:
-    """One --flag per dataclass field, its help from the field's metadata (extra metadata: argparse options).
-    A bool field is a switch: --x sets a False default; one whose default is True gets --x/--no-x."""
+    """One --flag per dataclass field (`add_fields`)."""
     parser = FlagParser(description=description)
+    add_fields(parser, config_class)
+    return parser
+
+
+def add_fields(parser, config_class, skip: tuple[str, ...] = (), given_only: bool = False) -> None:
+    """One --flag per dataclass field but `skip`, its help from the field's metadata (extra metadata: argparse
+    options), on a parser or an argument group. A bool field is a switch: --x sets a False default; one whose
+    default is True gets --x/--no-x. `given_only`: a flag not given leaves no attribute (experiments.py
+    passes on the train.py flags given)."""
     for f in dataclasses.fields(config_class):
+        if f.name in skip:
+            continue
         flag, options = "--" + f.name.replace("_", "-"), {k: v for k, v in f.metadata.items() if k != "help"}
         help = f.metadata["help"].replace("%", "%%")  # argparse formats help strings with %
+        default = argparse.SUPPRESS if given_only else f.default
         if f.type is bool and f.default is True:
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=True, help=help,
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=help,
                                 **options)
         elif f.type is bool:
-            parser.add_argument(flag, action="store_true", help=help, **options)
+            parser.add_argument(flag, action="store_true", default=default, help=help, **options)
         else:
-            parser.add_argument(flag, **{"type": f.type, "default": f.default, **options},
+            parser.add_argument(flag, **{"type": f.type, "default": default, **options},
                                 help=f"{help} (default: {f.default})")
-    return parser

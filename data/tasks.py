@@ -14,9 +14,11 @@ Specs accepted by `load_problems`:
 import json
 import math
 import random
+import re
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
+from typing import Iterable
 
 
 @dataclass(frozen=True)
@@ -145,6 +147,25 @@ def step_problems(problems: list[Problem], size: int, seed: int, step: int, roun
     process and resumed run of a seed."""
     rng = random.Random(seed * 1_000_003 + step + round * 1_000_000_007)
     return rng.sample(problems, min(size, len(problems)))
+
+
+NO_LEVEL = "no level"  # the one level of a file whose problems have no "level" field
+
+
+def level_order(names: Iterable[str]) -> list[str]:
+    """Level names from easy to hard as the names say: by the first number in each (MATH's "Level 1" to
+    "Level 5"; arith's add1, mul1, add2, mul2, mul3), a tie or a name without a number in the order given."""
+    number = lambda name: int(m[0]) if (m := re.search(r"\d+", name)) else math.inf  # noqa: E731
+    return sorted(dict.fromkeys(names), key=number)  # stable: a tie keeps its order
+
+
+def by_level(problems: list[Problem]) -> dict[str, list[Problem]]:
+    """The problems of each level, easy to hard (`level_order`); a file without levels is one level,
+    NO_LEVEL."""
+    levels = {}
+    for problem in problems:
+        levels.setdefault(problem.level or NO_LEVEL, []).append(problem)
+    return {name: levels[name] for name in level_order(levels)}
 
 
 def load_eval_problems(spec: str, seed: int = 0) -> list[Problem]:

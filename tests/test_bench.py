@@ -211,7 +211,10 @@ def table_rows_measured(report: dict, path: str, configs: list[str] = TINY_CONFI
         assert 0 < r["prompt_tokens"] <= r["prompt_len"]  # the one prompt's real tokens
         # 2 micro-batches of 2 rows, each its prompt once
         assert r["train_tokens"] == 2 * r["prompt_tokens"] + 4 * 8
-        assert r["generate_s"] > 0 and r["train_s"] > 0 and 0 < r["mfu_step"] < 1
+        assert r["generate_s"] > 0 and r["train_s"] > 0 and r["mfu_step"] > 0  # not < 1: a busy machine's
+        # measured peak may be below a later step's speed; the step's MFU is its phases' work over its time
+        work = r["mfu_generate"] * r["generate_s"] + r["mfu_train"] * r["train_s"]
+        assert r["mfu_step"] * r["step_s"] == pytest.approx(work)
         assert r["path"] == ("fast" if "fast paths" in r["config"] else path) and r["estimate_gib"] > 0
         context = CUDA_ALLOWANCE / GIB if report["device"] == "CudaDeviceRules" else 0  # what tensors hold:
         assert max(r["est_update_gib"], r["est_sampling_gib"]) == pytest.approx(r["estimate_gib"] - context)

@@ -1,11 +1,12 @@
 """Problem sources: the generated arithmetic task and GSM8K/MATH JSONL, with named errors."""
 
 import json
+import random
 from pathlib import Path
 
 import pytest
 
-from data.tasks import LEVELS, load_eval_problems, load_problems
+from data.tasks import LEVELS, NO_LEVEL, Problem, by_level, level_order, load_eval_problems, load_problems
 from verifier import verify
 from written import RECORD, owned
 
@@ -71,6 +72,25 @@ def test_a_files_levels_are_kept_by_name_and_a_bad_one_is_named_with_its_line(tm
     bad = write(tmp_path, [json.dumps({"problem": "a?", "answer": "1", "level": [1]})])
     with pytest.raises(ValueError, match=rf"{bad}:1: 'level' must be a string or an integer, got \[1\]"):
         load_problems(str(bad), "all")
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_levels_go_easy_to_hard_by_the_number_in_their_names(seed):
+    """MATH's "Level 1".."Level 10" by number, not as text; arith's by their digits, a tie in the order given
+    (arith-mix's data gives LEVELS' order); a file without levels is one level, NO_LEVEL, holding every
+    problem."""
+    rng = random.Random(seed)
+    math_levels = [f"Level {n}" for n in range(1, 11)]
+    assert level_order(rng.sample(math_levels, 10)) == math_levels
+    shuffled = rng.sample(list(LEVELS), len(LEVELS))
+    ordered = level_order(shuffled)
+    assert sorted(ordered) == sorted(LEVELS) and [n[-1] for n in ordered] == sorted(n[-1] for n in LEVELS)
+    assert [n for n in ordered if n.endswith("1")] == [n for n in shuffled if n.endswith("1")]
+    problems = load_problems("arith-mix", "test")
+    assert list(by_level(problems)) == list(LEVELS)
+    assert all(p.level == level for level, group in by_level(problems).items() for p in group)
+    flat = [Problem(f"{n}?", str(n)) for n in range(7)]
+    assert by_level(flat) == {NO_LEVEL: flat}
 
 
 def test_jsonl_train_test_split_is_disjoint(tmp_path):

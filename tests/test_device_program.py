@@ -23,6 +23,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 
 import eval as eval_module
 import experiments
+from data.tasks import LEVELS
 import hardware
 import lora
 import merge
@@ -269,7 +270,7 @@ def test_experiments_quick_runs_its_runs_and_evaluations_on_the_stand_in(tmp_pat
     firsts = [line for line in capsys.readouterr().out.splitlines() if re.match(r"\[\w+\] \S+ \(", line)]
     assert len(firsts) == 4 and all("] cuda:0 (CudaDeviceRules, 80 GiB); " in line for line in firsts)
     assert {"; fp32 (float32 master weights); " in line for line in firsts} == {True, False}
-    assert set(results["difficulty"]) == {*experiments.LEVELS, "mix"}
+    assert set(results["difficulty"]) == {*LEVELS, "mix"}
     assert list(results["compare"]) == ["grpo", "dapo"] and set(results["precision"]) == {"bf16", "fp32"}
     for row in results["compare"].values():
         assert all(math.isfinite(v) for v in [row["accuracy"]["mean"], *row["by_level"]["add1"]["ci"]])

@@ -19,7 +19,17 @@ import pytest
 import torch
 
 import experiments
+import plan
 import run_folder
+import study_flags
+import study_runs
+import tables
+import train
+import workers
+from data import tasks
+from flags import dataclass_parser
+from lora import has_adapters
+from model import sample_with_generate
 from processes import on_stop_signals
 from test_faults import small_processes
 from written import Folder, owned
@@ -41,7 +51,7 @@ def synthetic_correct(rng: np.random.Generator, methods: int, seeds: int, p_easy
 
 def test_paired_difference_of_identical_methods_is_exactly_zero():
     one = synthetic_correct(np.random.default_rng(0), 1, 5)
-    table = experiments.accuracy_table(np.concatenate([one, one]), LEVELS, ["grpo", "same"], resamples=2000)
+    table = tables.accuracy_table(np.concatenate([one, one]), LEVELS, ["grpo", "same"], resamples=2000)
     delta = table["same"]["delta"]
     assert delta["mean"] == 0 and delta["ci"] == [0.0, 0.0] and delta["half_width"] == 0
     assert all(d["ci"] == [0.0, 0.0] for d in table["same"]["delta_by_level"].values())
@@ -57,7 +67,7 @@ def test_paired_difference_recovers_a_known_shift():
     for s in range(5):
         wrong_hard = np.flatnonzero((base[s] == 0) & (LEVELS == "hard"))
         better[s, wrong_hard[:5]] = 1
-    table = experiments.accuracy_table(np.stack([base, better]), LEVELS, ["grpo", "better"], resamples=2000)
+    table = tables.accuracy_table(np.stack([base, better]), LEVELS, ["grpo", "better"], resamples=2000)
     delta = table["better"]["delta"]
     assert math.isclose(delta["mean"], 5 / 50)
     assert 0 < delta["ci"][0] <= 0.1 <= delta["ci"][1]  # paired: the CI excludes 0 though accuracies overlap
@@ -72,14 +82,14 @@ def test_avspo_is_also_compared_with_its_ablations_paired():
     better = base.copy()
     for s in range(5):
         better[s, np.flatnonzero(base[s] == 0)[:5]] = 1
-    table = experiments.accuracy_table(np.stack([base, base, better, base]), LEVELS,
+    table = tables.accuracy_table(np.stack([base, base, better, base]), LEVELS,
                                        ["grpo", "avspo-always", "avspo", "avspo-fixed"], resamples=2000)
     against = table["avspo"]["delta_vs_ablation"]
     assert list(against) == ["avspo-always", "avspo-fixed"]
     for delta in against.values():
         assert math.isclose(delta["mean"], 5 / 50) and 0 < delta["ci"][0] <= 0.1 <= delta["ci"][1]
     assert all("delta_vs_ablation" not in table[name] for name in ("grpo", "avspo-always", "avspo-fixed"))
-    ends = experiments.accuracy_table(np.stack([base, base, better]), LEVELS,
+    ends = tables.accuracy_table(np.stack([base, base, better]), LEVELS,
                                       ["grpo", "avspo-correct", "avspo-wrong"], resamples=2000)
     assert math.isclose(ends["avspo-wrong"]["delta_vs_ablation"]["avspo-correct"]["mean"], 5 / 50)
 
@@ -91,7 +101,7 @@ def test_seed_deltas_pair_collapse_and_cost_by_seed():
     stat = lambda values: {"mean": float(np.mean(values)), "per_seed": values}  # noqa: E731
     table = {name: {"collapse": {"acr": stat([v + shift for v in grpo])},
                     "cost": {"seconds": stat([1.0] * 5)}} for name, shift in (("grpo", 0.0), ("later", 0.1))}
-    experiments.seed_deltas(table, resamples=500)
+    tables.seed_deltas(table, resamples=500)
     delta = table["later"]["collapse"]["acr"]["delta"]
     assert math.isclose(delta["mean"], 0.1) and np.allclose(delta["ci"], [0.1, 0.1])
     low, high = table["grpo"]["collapse"]["acr"]["ci"]
@@ -103,32 +113,32 @@ def test_early_acr_fit_recovers_a_line_with_finite_cis():
     rng = np.random.default_rng(4)
     x = rng.random(32)
     runs = [{"early_acr": float(xi), "accuracy": float(0.9 - 0.5 * xi + rng.normal(0, 0.05))} for xi in x]
-    fit = experiments.early_acr_scatter(runs, resamples=2000)
+    fit = tables.early_acr_scatter(runs, resamples=2000)
     assert fit["slope_ci"][0] < -0.5 < fit["slope_ci"][1] and fit["slope_ci"][1] < 0
     assert 0.7 < fit["r2"] < 1 and fit["r2_ci"][0] < fit["r2"] <= fit["r2_ci"][1] <= 1
     assert fit["distinct_early_acr"] == 32
     runs[1]["early_acr"] = runs[0]["early_acr"]  # two runs at one early ACR: one x value fewer
-    assert experiments.early_acr_scatter(runs, resamples=10)["distinct_early_acr"] == 31
+    assert tables.early_acr_scatter(runs, resamples=10)["distinct_early_acr"] == 31
 
 
 def test_quick_pipeline_writes_every_number_and_figure(tmp_path):
     results = experiments.main(["--quick", "--out", str(tmp_path)])
     assert set(results) >= {"scale", "difficulty", "compare", "compare_table", "readings", "readings_table",
                             "scatter"}
-    assert set(results["difficulty"]) == {*experiments.LEVELS, "mix"}
+    assert set(results["difficulty"]) == {*tasks.LEVELS, "mix"}
     table = results["compare"]
-    assert list(table) == list(experiments.COMPARE)
-    assert list(results["readings"]) == list(experiments.READINGS)
+    assert list(table) == list(study_runs.COMPARE)
+    assert list(results["readings"]) == list(study_runs.READINGS)
     for name, row in table.items():
         assert len(row["per_seed"]) == 2  # two seeds
-        assert set(row["by_level"]) == set(experiments.LEVELS)
+        assert set(row["by_level"]) == set(tasks.LEVELS)
         for stat in [row["accuracy"], row["delta"], *row["by_level"].values(),
                      *row["delta_by_level"].values()]:
             assert all(math.isfinite(v) for v in [stat["mean"], *stat["ci"], stat["half_width"]])
             assert stat["ci"][0] <= stat["mean"] <= stat["ci"][1]
         assert row["cost"]["gen_tokens"]["mean"] > 0 and row["cost"]["seconds"]["mean"] > 0
-        assert (experiments.run_dir(tmp_path / "compare", name, 0) / "summary.json").exists()
-        run = experiments.run_dir(tmp_path / "compare", name, 0)
+        assert (study_runs.run_dir(tmp_path / "compare", name, 0) / "summary.json").exists()
+        run = study_runs.run_dir(tmp_path / "compare", name, 0)
         machines = run_folder.read_jsonl(run.parent / "machines.jsonl")  # one start: one line, naming the CPU
         assert [m["algos"] for m in machines] == [[run.name]] and "cpu_features" in machines[0]
         acr = row["collapse"]
@@ -170,13 +180,13 @@ def test_accuracy_curves_average_seeds_by_step_and_name_a_run_with_a_missing_eva
                                           for s, a in zip((0, 2, 4), accuracy)])
         write_jsonl(run / "metrics.jsonl", [{"step": s, "gen_tokens_total": tokens * s}
                                             for s in (1, 2, 3, 4)])
-    curve = experiments.accuracy_curves(runs)
+    curve = tables.accuracy_curves(runs)
     assert curve["steps"] == [0, 2, 4] and curve["gen_tokens"] == [0, 40, 80]
     assert curve["accuracy"] == pytest.approx([0.3, 0.5, 0.8])
     assert curve["accuracy_low"] == [0.2, 0.4, 0.6] and curve["accuracy_high"] == [0.4, 0.6, 1.0]
     write_jsonl(runs[1] / "evals.jsonl", [{"step": s, "eval_accuracy": 0.5} for s in (0, 4)])
     with pytest.raises(SystemExit, match=r"seed1/evals.jsonl: evaluated at steps \[0, 4\], not \[0, 2, 4\]"):
-        experiments.accuracy_curves(runs)
+        tables.accuracy_curves(runs)
 
 
 def test_collapse_counts_the_steps_whose_gradient_norm_was_clipped(tmp_path):
@@ -189,7 +199,7 @@ def test_collapse_counts_the_steps_whose_gradient_norm_was_clipped(tmp_path):
         write_jsonl(run / "metrics.jsonl", [
             {"step": s, "grad_norm": n, "acr": 0.5, "acr_effective": 0.5, "all_correct_frac": 0.25,
              "all_wrong_frac": 0.25} for s, n in enumerate(norms, 1)])
-    clipped = experiments.collapse(runs)["clipped"]
+    clipped = tables.collapse(runs)["clipped"]
     assert clipped["per_seed"] == [0.5, 0.25] and clipped["mean"] == 0.375
 
 
@@ -197,17 +207,17 @@ def test_seed_cpus_reads_each_runs_machines(tmp_path):
     """A run resumed on another CPU adds a line: the seed then names both, and a run made before
     machines.jsonl names none."""
     for method, cpus in (("grpo", ["Xeon"]), ("avspo", ["Xeon", "EPYC"]), ("aapo", [])):
-        folder = experiments.run_dir(tmp_path, method, 0).parent
+        folder = study_runs.run_dir(tmp_path, method, 0).parent
         folder.mkdir(parents=True)
         write_jsonl(folder / "machines.jsonl", [{"cpu": cpu} for cpu in cpus])
-    assert experiments.seed_cpus(tmp_path, ["grpo", "aapo"], 0) == {"Xeon"}
-    assert experiments.seed_cpus(tmp_path, ["grpo", "avspo"], 0) == {"Xeon", "EPYC"}
+    assert study_runs.seed_cpus(tmp_path, ["grpo", "aapo"], 0) == {"Xeon"}
+    assert study_runs.seed_cpus(tmp_path, ["grpo", "avspo"], 0) == {"Xeon", "EPYC"}
 
 
 def test_run_all_in_parallel_processes_keeps_the_task_order():
     tasks = [(operator.add, 1, 2), (operator.mul, 3, 4), (torch.get_num_threads,)]
-    assert experiments.run_all(tasks, jobs=1)[:2] == experiments.run_all(tasks, jobs=2)[:2] == [3, 12]
-    assert experiments.run_all(tasks, jobs=2)[2] == max(1, (os.cpu_count() or 1) // 2)  # the cores are split
+    assert workers.run_all(tasks, jobs=1)[:2] == workers.run_all(tasks, jobs=2)[:2] == [3, 12]
+    assert workers.run_all(tasks, jobs=2)[2] == max(1, (os.cpu_count() or 1) // 2)  # the cores are split
 
 
 def test_run_all_stops_queued_runs_when_one_fails(tmp_path):
@@ -217,7 +227,7 @@ def test_run_all_stops_queued_runs_when_one_fails(tmp_path):
     tasks = [(operator.truediv, 1, 0), (time.sleep, 3), (time.sleep, 3)]
     tasks += [(Path.touch, tmp_path / str(i)) for i in range(4)]
     with pytest.raises(ZeroDivisionError):
-        experiments.run_all(tasks, jobs=2)
+        workers.run_all(tasks, jobs=2)
     assert not list(tmp_path.iterdir())
 
 
@@ -383,7 +393,7 @@ def test_the_plan_states_each_comparisons_interval_and_the_seeds_that_decide_the
     (`stats.expected_half_width`); more seeds narrow it, a wider --margin takes fewer seeds."""
     line = plan_line(["--out", str(tmp_path)], capsys)
     assert "over 5 seeds of 336 held-out problems: expected 95% interval ±2.9 points" in line
-    assert f"variances from {experiments.COMMITTED}: 0.105 a problem, 0.00064 between seeds" in line
+    assert f"variances from {plan.COMMITTED}: 0.105 a problem, 0.00064 between seeds" in line
     assert line.endswith("deciding ±2.5 points 4 times in 5 at a true Δ of 0 takes 19 seeds")
     twelve = ",".join(map(str, range(12)))
     assert "over 12 seeds of 336 held-out problems: expected 95% interval ±1.9 points" in plan_line(
@@ -459,9 +469,9 @@ def test_killed_at_20_random_moments_it_continues_exactly_and_the_users_files_st
 
 # ------------------------------------------------------- issue 56: does LoRA match full fine-tuning?
 def test_the_sweep_picks_the_most_accurate_rate_and_the_smaller_on_a_tie():
-    assert experiments.pick_lr({"1e-05": 0.30, "2e-05": 0.35, "4e-05": 0.33}) == "2e-05"
-    assert experiments.pick_lr({"0.0004": 0.4, "0.0001": 0.4, "0.0002": 0.1}) == "0.0001"  # a tie
-    assert experiments.pick_lr({"0.0001": 0.1, "0.0002": 0.2, "0.0004": 0.2}) == "0.0002"
+    assert tables.pick_lr({"1e-05": 0.30, "2e-05": 0.35, "4e-05": 0.33}) == "2e-05"
+    assert tables.pick_lr({"0.0004": 0.4, "0.0001": 0.4, "0.0002": 0.1}) == "0.0001"  # a tie
+    assert tables.pick_lr({"0.0001": 0.1, "0.0002": 0.2, "0.0004": 0.2}) == "0.0002"
 
 
 @pytest.mark.parametrize("flags, says", [(["--sweep-seed", "3"], "--sweep-seed 3 is one of --seeds 0,1,2,3,4"),
@@ -485,7 +495,7 @@ def test_lora_delta_is_paired_with_full_fine_tuning_by_seed_and_problem():
     lora = full.copy()
     for s in range(5):
         lora[s, np.flatnonzero(full[s] == 0)[:3]] = 1
-    table = experiments.accuracy_table(np.stack([full, lora]), LEVELS, ["full-ft", "lora-r1"], resamples=2000,
+    table = tables.accuracy_table(np.stack([full, lora]), LEVELS, ["full-ft", "lora-r1"], resamples=2000,
                                        baseline="full-ft")
     delta = table["lora-r1"]["delta"]
     assert math.isclose(delta["mean"], 3 / 50) and 0.02 < delta["ci"][0] <= 0.06 <= delta["ci"][1] < 0.1
@@ -498,28 +508,28 @@ def test_quick_lora_part_sweeps_each_arm_then_trains_the_seeds_at_the_chosen_rat
     argv = ["--quick", "--out", str(tmp_path), "--only", "lora", "--seeds", "3", "--lora-lrs", "1e-4"]
     results = experiments.main(argv)
     lora, folder = results["lora"], tmp_path / "lora"
-    assert list(lora["arms"]) == list(experiments.LORA) and lora["sweep"]["seed"] == 100
+    assert list(lora["arms"]) == list(study_runs.LORA) and lora["sweep"]["seed"] == 100
     grids = {"full-ft": ["1e-05", "2e-05"], "lora-r1": ["0.0001"], "lora-r32": ["0.0001"]}
     ranks = {"full-ft": 0, "lora-r1": 1, "lora-r32": 32}
     for arm, row in lora["arms"].items():
         assert list(lora["sweep"]["accuracy"][arm]) == grids[arm]
         sweep = lora["sweep"]["accuracy"][arm]
-        assert row["lr"] == lora["sweep"]["chosen"][arm] == experiments.pick_lr(sweep)
+        assert row["lr"] == lora["sweep"]["chosen"][arm] == tables.pick_lr(sweep)
         for lr in grids[arm]:
-            config = json.loads((experiments.run_dir(folder / "sweep" / f"lr{lr}", arm, 100) / "config.json")
+            config = json.loads((study_runs.run_dir(folder / "sweep" / f"lr{lr}", arm, 100) / "config.json")
                                 .read_text())
             assert (config["seed"], config["lr"], config["lora_rank"]) == (100, float(lr), ranks[arm])
         for seed in (3,):
-            config = json.loads((experiments.run_dir(folder, arm, seed) / "config.json").read_text())
+            config = json.loads((study_runs.run_dir(folder, arm, seed) / "config.json").read_text())
             assert (config["seed"], config["lr"], config["lora_rank"]) == (seed, float(row["lr"]), ranks[arm])
             assert config["lora_alpha"] == 32 and config["steps"] == 2 and config["dataset"] == "arith-mix"
         assert len(row["per_seed"]) == 1 and row["seconds_per_step"]["mean"] > 0
         assert row["verdict"] in ({None} if arm == "full-ft" else {"confirmed", "refuted", "inconclusive"})
         assert row["cost"]["seconds"]["delta"] if arm != "full-ft" else row["delta"]["ci"] == [0.0, 0.0]
-    logs = [experiments.run_dir(folder, arm, 3) / "samples.jsonl" for arm in experiments.LORA]
+    logs = [study_runs.run_dir(folder, arm, 3) / "samples.jsonl" for arm in study_runs.LORA]
     asked = [[g["prompt"] for g in run_folder.read_jsonl(log) if g["step"] == 1] for log in logs]
     assert asked[0] and asked[0] == asked[1] == asked[2]
-    assert all(f"| {arm} | {lora['arms'][arm]['lr']} (" in results["lora_table"] for arm in experiments.LORA)
+    assert all(f"| {arm} | {lora['arms'][arm]['lr']} (" in results["lora_table"] for arm in study_runs.LORA)
     again = experiments.main(argv)  # finished runs reused
     assert timeless(again["lora"]) == timeless(lora)
 
@@ -561,8 +571,8 @@ def test_a_stop_signal_ends_the_tasks_at_once_and_starts_no_queued_one(tmp_path,
 
     threading.Thread(target=signal_this_thread, daemon=True).start()
     start = time.monotonic()
-    with on_stop_signals(experiments.stop_handler()), pytest.raises(experiments.Stopped) as stopped:
-        experiments.run_all(tasks, jobs=2)
+    with on_stop_signals(workers.stop_handler()), pytest.raises(workers.Stopped) as stopped:
+        workers.run_all(tasks, jobs=2)
     assert stopped.value.signum == (signal.SIGINT if deaf else signal.SIGTERM)
     assert time.monotonic() - start < 110  # not after the tasks' 120 s
     assert sorted(p.name for p in tmp_path.iterdir()) == ["started0", "started1"] + ["told0", "told1"] * deaf
@@ -621,3 +631,94 @@ def test_a_write_that_fails_is_one_line(scatter_run, tmp_path, monkeypatch, caps
         experiments.main([*SCATTER, "--out", str(out)])
     assert one_line(exit_info, capsys) == (f"error: [Errno {errno.ENOSPC}] {os.strerror(errno.ENOSPC)}: "
                                            f"'{out / 'figures' / 'early_acr_vs_accuracy.png'}'")
+
+
+# off train.py's defaults, and set by no part of the study: each must reach every run
+GIVEN = {"top_p": 0.9, "temperature": 0.7, "prompt_format": "raw", "system": "Be brief.", "beta": 0.04,
+         "epsilon": 0.1, "max_grad_norm": 0.5, "micro_batch": 2, "grad_checkpointing": True,
+         "reward_range": (-1.0, 1.0), "show_group": False, "log_samples": "none", "lr_decay": 0.5}
+
+
+def test_every_train_py_flag_given_reaches_every_run_of_every_part():
+    """Each train.py flag given to experiments.py is in every planned run's flags (parsed as train.py parses
+    them), in every part; a part's own settings win: scatter's levels and G, precision's precision, the
+    lora arms' rank and rate; the study sets seed and out."""
+    argv = ["--quick", "--dataset", "arith-mul2", "--top-p", "0.9", "--temperature", "0.7", "--prompt-format",
+            "raw", "--system", "Be brief.", "--beta", "0.04", "--epsilon", "0.1", "--max-grad-norm", "0.5",
+            "--micro-batch", "2", "--grad-checkpointing", "--reward-range=-1,1", "--no-show-group",
+            "--log-samples", "none", "--lr-decay", "0.5", "--lora-rank", "4"]
+    args = experiments.parse_args(argv)
+    parser = dataclass_parser(train.Args, "train.py")
+    for part in study_flags.PARTS:
+        runs = experiments.planned_runs(args, [part])
+        assert runs or part == "difficulty"
+        for run in runs:
+            config = parser.parse_args(study_runs.train_argv(*run))
+            assert {k: getattr(config, k) for k in GIVEN} == GIVEN, (part, run)
+            out, seed, _, _ = run
+            assert config.seed == seed and config.out == str(out)
+            if part == "scatter":
+                assert config.dataset in {f"arith-{level}" for level in args.scatter_levels.split(",")}
+            elif part == "lora":
+                assert config.lora_rank in (0, 1, 32)  # the arm's, not the 4 given
+            else:
+                assert config.dataset == "arith-mul2" and config.lora_rank == 4
+            if part == "precision":
+                assert config.precision in ("bf16", "fp32")
+
+
+def math_form_file(path: Path, levels: bool) -> Path:
+    """A small MATH-form file: 100 problems of levels 1-5 (as MATH-500 gives them: integers), or none."""
+    rows = [{"problem": f"What is {i} + {i % 7}?", "answer": str(i + i % 7), "subject": "Prealgebra",
+             **({"level": i * 7 // 10 % 5 + 1} if levels else {})} for i in range(100)]  # all in either split
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
+
+
+@pytest.mark.parametrize("levels", [True, False])
+def test_a_study_on_your_own_file_groups_by_its_levels_and_passes_its_flags(tmp_path, levels):
+    """The study on a MATH-form file, under LoRA and raw prompts: the difficulty part and the by-level
+    accuracies take the file's levels ("Level 1".."Level 5"); a file without levels is one level, named so,
+    not dropped. Every run's config.json holds the flags given, and each final evaluation is on the file's
+    held-out problems."""
+    data = math_form_file(tmp_path / "math.jsonl", levels)
+    results = experiments.main(["--quick", "--only", "difficulty,compare", "--methods", "grpo,avspo",
+                                "--dataset", str(data), "--lora-rank", "2", "--prompt-format", "raw",
+                                "--out", str(tmp_path / "study")])
+    names = [f"Level {n}" for n in range(1, 6)] if levels else [tasks.NO_LEVEL]
+    assert list(results["difficulty"]) == (names + ["mix"] if levels else names)
+    assert [results["difficulty"][name]["prompts"] for name in names] == [4] * len(names)  # --quick's
+    held = tasks.load_problems(str(data), "test")
+    for name, row in results["compare"].items():
+        assert list(row["by_level"]) == names
+        for seed in (0, 1):
+            run = study_runs.run_dir(tmp_path / "study" / "compare", name, seed)
+            config = json.loads((run / "config.json").read_text())
+            assert (config["dataset"], config["lora_rank"], config["prompt_format"]) == (str(data), 2, "raw")
+            records = run_folder.read_jsonl(run.parent / "final_eval.jsonl")
+            per_level = [p.question for p in study_runs.held_out(train.Args(dataset=str(data)), seed, 2)]
+            assert [r["question"] for r in records] == per_level
+            assert set(per_level) <= {p.question for p in held}
+
+
+def test_the_final_evaluation_is_train_pys_own_under_the_runs_flags(tmp_path, monkeypatch):
+    """A run's final model evaluated by the study (re-evaluated: the problems in another order) is evaluated
+    as train.py evaluated it: the same prompt format and system message, adapters, precision, length and
+    sampling path, not the study's defaults; and it answers as train.py's own last evaluation did."""
+    train.main(["--model", "tiny-qwen2", "--dataset", "arith-add1", "--steps", "1", "--prompts-per-step", "2",
+                "--group-size", "2", "--max-new-tokens", "8", "--eval-every", "0", "--eval-size", "6",
+                "--prompt-format", "raw", "--lora-rank", "2", "--precision", "bf16", "--no-fast",
+                "--out", str(tmp_path)])
+    run = tmp_path / "grpo"
+    logged = {r["question"]: r["extracted"] for r in run_folder.read_jsonl(run / "eval_records.jsonl")}
+    problems = tasks.load_problems("arith-add1", "test")[:6][::-1]
+    assert set(logged) == {p.question for p in problems}
+    calls, evaluate = [], study_runs.evaluate
+    monkeypatch.setattr(study_runs, "evaluate",
+                        lambda net, *a, **kw: calls.append((net, kw)) or evaluate(net, *a, **kw))
+    records = study_runs.final_records(run, problems)
+    assert {r["question"]: r["extracted"] for r in records} == logged
+    [(net, kw)] = calls  # evaluated, not read back from train.py's records
+    assert (kw["prompt_format"], kw["system"], kw["max_new_tokens"]) == ("raw", "", 8)
+    assert kw["sample_completions"] is sample_with_generate  # --no-fast: the plain path, as train.py sampled
+    assert has_adapters(net) and net.dtype == torch.bfloat16

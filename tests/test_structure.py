@@ -46,7 +46,8 @@ LAYERS = {
               "written", "records", "lora", "stats"},
     "fast": {"decoding", "packing"},
     "run": {"run", "run_folder", "processes", "metrics", "eval", "plots"},
-    "scripts": {"train", "experiments", "merge"},
+    "scripts": {"train", "merge"},
+    "study": {"workers", "study_runs", "study_flags", "tables", "plan", "experiments"},  # and its rooms
 }
 
 
@@ -66,7 +67,7 @@ def test_each_file_says_first_what_it_holds_and_stays_short():
     lines = {name: len(path.read_text().splitlines()) for name, path in MODULES.items()}
     assert lines["train"] <= 350
     assert lines["advantage"] + lines["train"] + lines["model"] <= 1000
-    assert all(n <= 400 for name, n in lines.items() if name not in ("verifier", "experiments")), lines
+    assert all(n <= 400 for name, n in lines.items() if name != "verifier"), lines
     for path in MODULES.values():
         first = ast.get_docstring(ast.parse(path.read_text()))
         assert first and len(first.splitlines()[0]) > 20, path

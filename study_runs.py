@@ -1,0 +1,207 @@
+"""The study's train.py runs: the methods as train.py runs them, where each run goes, whether a finished or
+stopped one may be reused (its flags, its files as train.py wrote them), training it, and its final model's
+per-problem evaluation."""
+
+import dataclasses
+import json
+import platform
+from pathlib import Path
+
+import torch
+
+import train
+from data.tasks import by_level, load_eval_problems, load_problems
+from eval import evaluate
+from flags import dataclass_parser
+from hardware import cpu_features, pick_device, working_copy
+from model import load_model
+from processes import STOP_SIGNALS
+from run import fast_or_plain
+from run_folder import RunFolderError, find_checkpoint, read_jsonl, saved_config
+from workers import Stopped
+from verifier import load_reward
+from written import owned
+
+COMPARE = ("grpo", "avspo", "avspo-always", "aapo", "dapo")
+READINGS = ("grpo", "avspo", "avspo-fixed", "avspo-k1", "avspo-wrong", "avspo-correct")
+METHODS = {"grpo": ("grpo", []), "avspo": ("avspo", []),  # name: (train.py --algo, extra flags)
+           # AVSPO's readings: each changes one choice that is ours or unverified (advantage.py's docstring)
+           "avspo-always": ("avspo", ["--acr-threshold", "0", "--fixed-threshold"]),  # no trigger
+           "avspo-fixed": ("avspo", ["--fixed-threshold"]),  # the paper's ablation: a fixed threshold, 0.5
+           "avspo-k1": ("avspo", ["--num-virtual", "1"]),  # "a few" virtual rewards: K = 1, |A| = 1/3
+           "avspo-wrong": ("avspo", ["--virtual-ends", "all-wrong"]),  # the paper's ablation of the two ends
+           "avspo-correct": ("avspo", ["--virtual-ends", "all-correct"]),
+           "aapo": ("aapo", []), "dapo": ("dapo", []),
+           # the lora part's arms, each at the learning rate its sweep chose (lora.py's alpha, layers)
+           "full-ft": ("grpo", ["--lora-rank", "0"]),
+           "lora-r1": ("grpo", ["--lora-rank", "1", "--lora-alpha", "32"]),
+           "lora-r32": ("grpo", ["--lora-rank", "32", "--lora-alpha", "32"])}
+BASELINE = "grpo"
+LORA = ("full-ft", "lora-r1", "lora-r32")  # the first is the lora part's baseline
+# also compared paired with these: does AVSPO's trigger help, and which end of collapse costs accuracy?
+ABLATIONS = {"avspo": ("avspo-always", "avspo-fixed"), "avspo-wrong": ("avspo-correct",)}
+PRECISIONS = ("bf16", "fp32")  # the precision part's arms
+Run = tuple[Path, int, str, list[str]]  # a training run: run_training's arguments (train.py's --out, ...)
+
+
+def run_training(out: Path, seed: int, algo: str, flags: list[str]) -> None:
+    """train.py's run <out>/<algo> (`check_run` allowed it), unless it is finished: one that stopped part-way
+    goes on from its checkpoint (--resume; steps depend on seed and step alone), one stopped before its first
+    checkpoint (or with --save-every 0) starts again (--overwrite: --resume refuses it). Stopped by a signal,
+    saved, it raises Stopped."""
+    if finished(out / algo):
+        return
+    with owned(out, "runs") as runs:  # released before train.py takes it
+        runs.remove_temporaries()
+        runs.append("machines.jsonl", json.dumps({"algos": [algo], **machine()}) + "\n")  # one per (re)start
+    try:
+        train.main(train_argv(out, seed, algo, flags)
+                   + ["--resume" if find_checkpoint(out / algo) else "--overwrite"])
+    except SystemExit as e:
+        if e.code in [128 + signum for signum in STOP_SIGNALS]:  # train.py's exit once it saved its step
+            raise Stopped(e.code - 128) from None
+        raise
+
+
+def train_argv(out: Path, seed: int, algo: str, flags: list[str]) -> list[str]:
+    """train.py's flags for a run (`Run`), but --resume or --overwrite."""
+    return flags + ["--algo", algo, "--seed", str(seed), "--out", str(out)]
+
+
+def finished(run: Path) -> bool:
+    """Whether train.py finished the run: its summary.json is whole (a run killed while writing it is not)."""
+    try:
+        return isinstance(json.loads((run / "summary.json").read_text()), dict)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return False
+
+
+# what the study reads of a train.py run (`check_run`: each as train.py wrote it, or the study stops)
+STUDY_READS = ("config.json", "metrics.jsonl", "evals.jsonl", "eval_records.jsonl", "summary.json")
+OWN_READS = ("final_eval.jsonl", "machines.jsonl")  # and what experiments.py wrote beside it
+# where a run went and how it was started or logged: not what it computed
+HOW_RUN = ("out", "resume", "overwrite", "save_every", "micro_batch", "grad_checkpointing", "log_samples",
+           "show_group")
+
+
+def check_run(out: Path, seed: int, algo: str, flags: list[str]) -> None:
+    """A RunFolderError, in one line saying what to type, when the run <out>/<algo> may not be reused or
+    continued for train.py `flags` on `seed`: its config.json records other flags (another level at a
+    scatter point, fewer steps), or its summary.json is damaged; NotWritten when a file the study reads
+    (`STUDY_READS`, its final evaluation's cache) is not as the script that wrote it left it."""
+    run = out / algo
+    summary = run / "summary.json"
+    if summary.exists() and not finished(run):  # train.py writes it whole: damaged since, by someone else
+        raise RunFolderError(f"{summary} is damaged (not a run's summary): restore it (git checkout, for a "
+                             f"committed run), or move {run} away to train the run again")
+    if not (finished(run) or find_checkpoint(run)):
+        return  # absent, or stopped before its first checkpoint: trained afresh
+    as_written(run, "run", STUDY_READS)
+    as_written(out, "runs", OWN_READS)
+    saved = saved_config(run)
+    asked = vars(dataclass_parser(train.Args, "").parse_args(train_argv(out, seed, algo, flags)))  # unchecked
+    asked, default = (json.loads(json.dumps(config)) for config in  # as config.json holds them
+                      (asked, {f.name: f.default for f in dataclasses.fields(train.Args)}))
+    if changed := [f"--{key.replace('_', '-')} {saved.get(key, default[key])} (asked: {value})"
+                   for key, value in asked.items()
+                   if key not in HOW_RUN and saved.get(key, default[key]) != value]:  # newer flag: default
+        raise RunFolderError(f"{run} was trained with {', '.join(changed)} (its config.json): ask for the "
+                             "flags it was trained with, or choose another --out")
+
+
+def as_written(folder: Path, kind: str, names: tuple[str, ...]) -> None:
+    """NotWritten, one line naming the file, unless each of `names` in `folder` is absent or as the script
+    that wrote it left it (the folder's record): the study uses no other."""
+    with owned(folder, kind) as files:
+        for name in names:
+            files.now(name)
+
+
+def check_flags(out: Path, seed: int, algo: str, flags: list[str]) -> None:
+    """A RunFolderError naming the run (`Run`) when train.py would refuse its flags: train.py's own parser and
+    checks (`train.parse_args`), whose error is then this one line, not train.py's exit."""
+    parser = dataclass_parser(train.Args, "train.py")
+
+    def refuse(message: str):
+        raise RunFolderError(f"{out / algo}: train.py refuses this run's flags ({message}): no run started")
+
+    parser.error = refuse
+    train.parse_args(train_argv(out, seed, algo, flags), parser)
+
+
+def machine() -> dict:
+    """The CPU that trains a run (its model name and matmul flags), and torch's version and threads: bf16
+    kernels round differently per CPU, so a run repeats token for token only on the same kind of CPU."""
+    cpuinfo = Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").exists() else []
+    names = [line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name")]
+    return {"cpu": names[0] if names else platform.processor(), "cpu_features": sorted(cpu_features()),
+            "torch": torch.__version__, "threads": torch.get_num_threads()}
+
+
+def run_dir(folder: Path, method: str, seed: int) -> Path:
+    """<folder>/seed0-grpo/grpo: one train.py folder per method and seed, so parallel runs share no file."""
+    return folder / f"seed{seed}-{method}" / METHODS[method][0]
+
+
+def method_runs(folder: Path, methods: list[str], seeds: list[int], flags: list[str],
+                extra: dict[str, list[str]] | None = None) -> dict[tuple[str, int], Run]:
+    """Each method on each seed, seed by seed (a partial sweep is whole for its seeds): (method, seed) -> its
+    run in `folder` (`run_dir`), with the method's flags and its `extra` ones (the lora part's rates)."""
+    extra = extra or {}
+    return {(m, s): (run_dir(folder, m, s).parent, s, METHODS[m][0], flags + extra.get(m, []) + METHODS[m][1])
+            for s in seeds for m in methods}
+
+
+def train_and_score(run: Run, problems: list) -> list[dict]:
+    """Train one run, then its final model's per-problem records on `problems`."""
+    run_training(*run)
+    out, _, algo, _ = run
+    return final_records(out / algo, problems)
+
+
+def held_out(config: train.Args, seed: int, per_level: int | None) -> list:
+    """The held-out problems train.py evaluates a run of `config` on, for this seed (its --eval-dataset, else
+    the test split of its --dataset), or their first `per_level` problems of each level (`by_level`)."""
+    problems = (load_eval_problems(config.eval_dataset, seed) if config.eval_dataset
+                else load_problems(config.dataset, "test", seed))
+    if per_level is None:
+        return problems
+    return [p for problems_of_level in by_level(problems).values() for p in problems_of_level[:per_level]]
+
+
+def run_config(run: Path) -> train.Args:
+    """The settings a finished run was trained with (its config.json; a newer field, its default)."""
+    saved = saved_config(run)
+    return train.Args(**{f.name: tuple(saved[f.name]) if isinstance(f.default, tuple) else saved[f.name]
+                         for f in dataclasses.fields(train.Args) if f.name in saved})
+
+
+def final_records(run: Path, problems: list) -> list[dict]:
+    """Per-problem correctness of the run's final model (greedy, deterministic): train.py's last evaluation
+    when it covered these problems (--eval-size as large as the held-out split), else the final checkpoint
+    evaluated once, as train.py evaluates (its device, precision, prompts, reward and sampling path), and
+    cached beside the run, in <out>/final_eval.jsonl (train.py's --out, which holds this run alone)."""
+    if [r["question"] for r in read_jsonl(run / "eval_records.jsonl")] == [p.question for p in problems]:
+        return read_jsonl(run / "eval_records.jsonl")
+    cache = run.parent / "final_eval.jsonl"
+    # absent, or other problems
+    if [r["question"] for r in read_jsonl(cache)] != [p.question for p in problems]:
+        config, device = run_config(run), pick_device(run_config(run).device)
+        model, tokenizer = load_model(str(run / "checkpoint"), device)
+        net = working_copy(model, config.precision)  # the network train.py evaluates: the same greedy answers
+        result = evaluate(net, tokenizer, problems, max_new_tokens=config.max_new_tokens,
+                          reward_fn=load_reward(config.reward, config.reward_range, config.reward_timeout),
+                          prompt_format=config.prompt_format, system=config.system,
+                          sample_completions=fast_or_plain(config.fast, device).sample_completions)
+        keep = ("question", "level", "gold", "extracted", "correct")
+        with owned(run.parent, "runs") as runs:
+            runs.remove_temporaries()
+            runs.write(cache.name, "".join(json.dumps({k: r[k] for k in keep}) + "\n"
+                                           for r in result["records"]))
+    return read_jsonl(cache)
+
+
+def seed_cpus(folder: Path, methods: list[str], seed: int) -> set[str]:
+    """The CPUs that trained this seed's runs, from their machines.jsonl (none for runs made before it)."""
+    return {line["cpu"] for method in methods
+            for line in read_jsonl(run_dir(folder, method, seed).parent / "machines.jsonl")}
