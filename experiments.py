@@ -1,124 +1,78 @@
-"""Evidence that can tell the methods apart, at small scale: figures and results.json (docs/ holds those the
-README quotes).
+"""The methods side by side with error bars, on your model and data: figures, results.json (docs/ has ours).
 
     python experiments.py                  # difficulty, compare, scatter (--dry-run: the time estimate)
     python experiments.py --figures docs   # the same, rewriting docs/results.json and docs/*.png
-    python experiments.py --only compare   # one or more parts: difficulty, compare, scatter, precision, lora
+    python experiments.py --only compare   # parts: difficulty, compare, readings, scatter, precision, lora
     python experiments.py --quick          # tiny model, 2 steps: the whole pipeline in ~1 min (a CI test)
+    python experiments.py --model M --dataset D.jsonl --lora-rank 32   # yours: any train.py flag, every run
 
-1. difficulty: ACR of the untrained model at each arith-mix level (and all levels pooled), split into
-   all-correct and all-wrong groups.
-2. compare:    GRPO, AVSPO, AVSPO always on (avspo-always: no trigger), AAPO and DAPO's dynamic sampling on
-   arith-mix, train.py's own schedule (lr decaying to 0), the same prompts per
-   seed, several seeds. train.py evaluates a stratified prefix of the held-out split every --eval-every steps
-   (the curves of accuracy against generated tokens); the final checkpoint of every run is then evaluated
-   greedily on the whole split (336 problems), its per-problem records cached in final_eval.jsonl beside its
-   run folder (in train.py's --out of that run). A bootstrap over seeds AND problems gives a 95% CI for each
-   method's accuracy (overall, per level) and for its difference to GRPO paired by seed: the same resampled
-   seeds and problems for both methods (a seed fixes the held-out split too, so methods of one seed are scored
-   on the same 336 problems). Each accuracy sits next to the collapse the method left (raw and effective ACR,
-   the all-correct and all-wrong groups of the last quarter of the steps) and its cost: generated tokens
-   (policy + AAPO's reference + DAPO's resampled groups) and seconds. A collapse map shows seed 0's groups
-   step by step, and what each method did with the collapsed ones.
+Runs: SmolLM2-135M on arith-mix unless a train.py flag given says otherwise (each reaches every run); levels:
+the data's (a JSONL file's "level", MATH's "Level 1".."Level 5"; a file without them is one level).
+
+1. difficulty: ACR of the untrained model at each level of the training data (and all levels pooled), split
+   into all-correct and all-wrong groups.
+2. compare:    GRPO, AVSPO, AVSPO always on (avspo-always: no trigger), AAPO and DAPO's dynamic sampling,
+   train.py's own schedule (lr decaying to 0), the same prompts per seed, several seeds. train.py evaluates a
+   stratified prefix of the held-out split every --eval-every steps (the curves against generated tokens);
+   each final checkpoint is then evaluated greedily on the whole split, as train.py evaluates, its records
+   cached in final_eval.jsonl beside its run. A bootstrap over seeds AND problems gives a 95% CI for each
+   method's accuracy (overall, per level) and for its difference to GRPO paired by seed and problem (a seed
+   fixes the held-out split too). Beside each: the collapse the method left (raw and effective ACR, the
+   all-correct and all-wrong groups of the last quarter of the steps) and its cost (generated tokens: policy,
+   AAPO's reference, DAPO's resampled groups; seconds). A collapse map shows seed 0's groups step by step;
+   AVSPO's Figure 1 takes the GRPO runs' early ACR and final accuracy level by level (`early_acr_by_level`);
+   report.md judges the papers' claims.
 3. readings:   AVSPO's readings side by side, each changing one choice of ours or an unverified one (a fixed
    threshold, K = 1, one end only: `METHODS`), with GRPO rerun beside them; as compare, in its own folder.
-   bf16 kernels round differently per CPU (the untrained model's greedy accuracy on the same 112 problems was
-   0.223 on an AMD EPYC, 0.188 on an Intel Xeon), so the arms of a seed are compared only on one machine: each
-   run folder's machines.jsonl says which CPU trained it.
+   bf16 rounds differently per CPU: a seed's arms are compared on one kind (machines.jsonl).
 4. scatter:    the AVSPO paper's Figure 1: early raw ACR (train.py's summary: the mean over the first 20% of
    the steps) against final held-out accuracy (train.py's last eval, on that level's test split) over a grid
    of levels x group sizes x seeds of short GRPO runs; slope and R^2 with bootstrap CIs over runs.
-5. precision:  the default run (`python train.py`: GRPO on arith-mul1, train.py's own settings) in bf16 and in
-   fp32 on the same seeds: does bf16, what `--precision auto` picks where the CPU has native bf16, learn as
-   well as fp32? Held-out accuracy, batch reward and seconds per step against steps. Only with
-   --only precision: where bf16 is emulated (a CPU with AVX2 alone) its runs take many times longer.
+5. precision:  the default run (`python train.py`) in bf16 and in fp32 on the same seeds: does bf16 learn as
+   well? Held-out accuracy, batch reward and seconds per step against steps. Only with --only precision (bf16
+   without native support, AVX2 alone, takes many times longer).
 6. lora:       does LoRA match full fine-tuning in RL, even at rank 1 ("LoRA Without Regret", Schulman et al.,
-   2025)? GRPO with full fine-tuning, LoRA rank 1 and LoRA rank 32 (alpha 32, every linear layer: lora.py),
-   as compare (its flags, seeds and paired bootstrap, Δ against full fine-tuning), each arm at its own
-   learning rate. The rate is chosen per arm by a sweep on one seed that is not among --seeds (--sweep-seed):
-   full fine-tuning over --full-lrs, LoRA over --lora-lrs (Schulman et al.: LoRA's best is ~10x full
-   fine-tuning's; 8e-4, then 1.6e-3, added when a rank's best lay at the top of the grid); the rule: the rate
-   whose final model is the most accurate (greedy, on that seed's whole held-out split), the smaller on
-   a tie. Verdict on "matches" (`verdict`): confirmed when the Δ interval lies within +-MARGIN, refuted when
-   it lies wholly outside, inconclusive otherwise. Only with --only lora.
+   2025)? GRPO with full fine-tuning, LoRA rank 1 and rank 32 (lora.py), as compare (Δ against full
+   fine-tuning), each arm at the learning rate of its sweep on --sweep-seed, not one of --seeds (--full-lrs,
+   --lora-lrs): the rate whose final model is the most accurate, the smaller on a tie. "Matches" (`verdict`):
+   confirmed when the Δ interval lies within +-MARGIN, refuted when wholly outside. Only with --only lora.
 
-Finished runs are reused and unfinished ones resume from their last checkpoint, so a rerun (after Ctrl-C, in
-another session, or with more --seeds) only fills gaps; a run is reused or resumed only when its config.json
-holds the flags asked for (else one line names the run and the flag: `check_run`). Before any run, every run's
-flags and data pass train.py's own checks (`check_flags`), and every folder it writes can be written
-(`check_writable`). Ctrl-C or SIGTERM stops it at once, in one line: the runs under way save their step, no
-other starts (`run_all`). A failed write (a full disk) is one line, as in train.py. Everything goes through
-written.py's records: the runs, results.json and the figures under --out (<out>/figures), or the figures and
-results.json in --figures (`--figures docs` rewrites the committed ones: a folder experiments.py wrote, or a
-new one).
-Time: steps x step_seconds x (B*G / 64) + evaluations x eval_seconds, summed over runs
-(`estimate`, printed first).
+Finished runs are reused and unfinished ones resume from their last checkpoint, so a rerun only fills gaps; a
+run is reused only when its config.json holds the flags asked for (`check_run`). Before any run, every run's
+flags and data pass train.py's checks and every folder it writes can be written (`check_before_any_run`).
+Ctrl-C or SIGTERM stops it at once, in one line: the runs under way save their step, no other starts
+(`run_all`). Every write goes through written.py's records. --print-commands prints each run's train.py
+command for a scheduler instead; the same study then gathers the finished runs.
 """
 
 import argparse
 import json
 import os
+import shlex
 import sys
 from contextlib import ExitStack
 from pathlib import Path
 
 import numpy as np
-import torch
-from tqdm import tqdm
 
 import train
-from advantage import advantage_collapse_rate
-from data.tasks import NO_LEVEL, by_level, load_problems
-from eval import score_groups
-from hardware import pick_device, resolve_precision, working_copy
-from model import load_model, sample
+from data.tasks import NO_LEVEL
+from hardware import pick_device, resolve_precision
 from plan import print_estimate, print_interval_plan
 from plots import (plot_accuracy_vs_compute, plot_accuracy_vs_tokens, plot_collapse_map, plot_compare_curves,
                    plot_difficulty, plot_early_acr_scatter, plot_precision_curves)
 from processes import on_stop_signals
-from run import fast_or_plain
 from run_folder import RunFolderError, read_jsonl
 from stats import verdict
-from study_flags import MARGIN, as_flags, lr_grid, parse_args, part_flags
-from study_runs import (BASELINE, LORA, PRECISIONS, Run, check_flags, check_run, held_out, method_runs,
-                        run_dir, run_training, seed_cpus, train_and_score)
-from tables import (accuracy_curves, accuracy_table, collapse, compute_cost, early_acr_scatter, lora_table,
-                    markdown_table, pick_lr, print_results, seed_deltas)
-from verifier import load_reward
+from study_flags import MARGIN, as_flags, lr_grid, parse_args, part_flags, study_title
+from study_runs import (BASELINE, LORA, PRECISIONS, Run, acr_by_difficulty, check_flags, check_run, held_out,
+                        method_runs, run_dir, run_training, seed_cpus, train_and_score, train_argv)
+from tables import (accuracy_curves, accuracy_table, collapse, compute_cost, early_acr_by_level,
+                    early_acr_scatter, lora_table, markdown_table, pick_lr, print_results, report,
+                    results_so_far, seed_deltas)
 from workers import Stopped, run_all, stop_handler
 from written import Folder, NotWritten, owned
 
-
-
-def acr_by_difficulty(config: train.Args, prompts: int, group_size: int, batch: int = 8) -> dict:
-    """The untrained model's collapse at each level of the runs' training data: G completions for the first
-    `prompts` problems of each level (`by_level`: a file without levels is one), sampled and scored as
-    train.py does (`config`: its model, precision, prompts, temperature, reward); "mix": the levels pooled
-    in equal shares, the batch ACR of training on all of them at once."""
-    device = pick_device(config.device)
-    model, tokenizer = load_model(config.model, device)
-    net, (low, high) = working_copy(model, config.precision), config.reward_range
-    reward = load_reward(config.reward, config.reward_range, config.reward_timeout)
-    sample_completions = fast_or_plain(config.fast, device).sample_completions
-    torch.manual_seed(0)
-    result, pooled = {}, []
-    levels = by_level(load_problems(config.dataset, "train"))
-    for level, problems in levels.items():
-        rewards = []
-        for i in tqdm(range(0, len(problems[:prompts]), batch), desc=level):
-            chunk = problems[i : min(i + batch, prompts)]
-            rollout = sample(net, tokenizer, [p.question for p in chunk], group_size, config.max_new_tokens,
-                             config.temperature, config.top_p, sample_completions, config.prompt_format,
-                             config.system, [p.instruction for p in chunk])
-            rewards.append(torch.tensor(score_groups([p.question for p in chunk], rollout.texts,
-                                                     [p.answer for p in chunk], reward)))
-        pooled.append(torch.cat(rewards))  # [prompts, G]
-    names = [*levels, "mix"] if len(levels) > 1 else [*levels]
-    for level, r in zip(names, [*pooled, torch.cat(pooled)]):
-        result[level] = {"accuracy": r.mean().item(), "acr": advantage_collapse_rate(r),
-                         "all_correct_frac": (r.amin(1) == high).float().mean().item(),
-                         "all_wrong_frac": (r.amax(1) == low).float().mean().item(), "prompts": len(r)}
-    return result
 
 
 def compare(folder: Path, methods: list[str], seeds: list[int], config: train.Args, per_level: int | None,
@@ -211,9 +165,10 @@ def precision(runs: dict[tuple[str, int], Run], jobs: int) -> dict:
 
 
 FIGURES = {"difficulty": ("acr_vs_difficulty.png",),  # what each part draws, in the figures folder
-           "compare": ("compare.png", "compare_accuracy.png", "compare_learning.png", "collapse_map.png"),
+           "compare": ("compare.png", "compare_accuracy.png", "compare_learning.png", "collapse_map.png",
+                       "early_acr_by_level.png"),
            "scatter": ("early_acr_vs_accuracy.png",), "precision": ("precision.png",)}
-RESULTS = "results.json"  # every number the README quotes (docs/results.json)
+RESULTS, REPORT = "results.json", "report.md"  # every number (docs/results.json: the README's); in --out
 
 
 def compare_part(args: argparse.Namespace, folder: Path, methods: list[str], figures: Folder | None) -> dict:
@@ -223,12 +178,11 @@ def compare_part(args: argparse.Namespace, folder: Path, methods: list[str], fig
     table = compare(folder, methods, seeds, args.train, args.per_level or None, args.resamples, args.jobs)
     if figures:
         runs_by_method = {m: [run_dir(folder, m, s) for s in seeds] for m in methods}
-        config = args.train
-        title = f"{config.model} on {config.dataset}, B={config.prompts_per_step}, G={config.group_size}"
+        title = study_title(args.train)
         plot_compare_curves(runs_by_method, figures, "compare.png", f"{title}, seeds {seeds}")
         plot_accuracy_vs_compute(table, figures, "compare_accuracy.png", f"{title}, seeds {seeds}")
         plot_accuracy_vs_tokens(table, figures, "compare_learning.png", f"{title}, seeds {seeds}: "
-                                f"{config.eval_size} held-out problems, mean and range of the seeds")
+                                f"{args.train.eval_size} held-out problems, mean and range of the seeds")
         plot_collapse_map({m: runs[0] for m, runs in runs_by_method.items()}, figures, "collapse_map.png",
                           f"{title}, seed {seeds[0]}")
     return table
@@ -279,9 +233,9 @@ def scatter_part(args: argparse.Namespace, folder: Path, figures: Folder) -> dic
 def precision_part(args: argparse.Namespace, folder: Path, figures: Folder) -> dict:
     """The default run in bf16 and fp32, and its figure."""
     result = precision(precision_runs(args, folder), args.jobs)
-    seeds = [int(s) for s in args.precision_seeds.split(",")]
-    plot_precision_curves({name: [Path(run) for run in result[name]["runs"]] for name in PRECISIONS}, figures,
-                          "precision.png", f"{args.train.model}, the default run, seeds {seeds}")
+    runs = {name: [Path(run) for run in result[name]["runs"]] for name in PRECISIONS}
+    plot_precision_curves(runs, figures, "precision.png", f"{args.train.model}, the default run, seeds "
+                          f"{args.precision_seeds}")
     return result
 
 
@@ -304,11 +258,30 @@ def planned_runs(args: argparse.Namespace, parts: list[str]) -> list[Run]:
     return runs
 
 
-def check_writable(args: argparse.Namespace, parts: list[str]) -> None:
-    """A RunFolderError in one line, before any run starts and before anything is written, where a folder
-    experiments.py writes cannot be written (read-only, or another user's; one still to be made: the folder
-    it would be made in) and the study would fail part-way (`main` checked each run's flags before)."""
+def print_commands(args: argparse.Namespace, parts: list[str]) -> dict:
+    """Each run's train.py command line, paths absolute, once every run's flags pass train.py's checks; the
+    study's folders made, so that the runs land where the study looks for them. lora's runs follow its
+    sweep's choice: it runs here alone."""
+    runs = planned_runs(args, [p for p in parts if p != "lora"])
+    for run in runs:
+        check_flags(*run)
+    with owned(Path(args.out), "experiments") as out:
+        for part in [p for p in parts if p in ("compare", "readings", "scatter", "precision")]:
+            out.subfolder(part, "experiments")
+    for run_out, seed, algo, flags in runs:
+        print(shlex.join([sys.executable, str(Path(train.__file__).resolve()),
+                          *train_argv(run_out.resolve(), seed, algo, flags)]))
+    return {}
+
+
+def check_before_any_run(args: argparse.Namespace, parts: list[str]) -> None:
+    """A RunFolderError in one line, before any run starts and before anything is written, where a run would
+    fail part-way through the study: train.py refuses its flags (`check_flags`), or a folder experiments.py
+    writes cannot be written (read-only, or another user's; one still to be made: the folder it would be
+    made in)."""
     runs = planned_runs(args, parts)
+    for run in runs:
+        check_flags(*run)
     figures = Path(args.figures) if args.figures else Path(args.out) / "figures"
     written = [Path(args.out), figures, *(p for out, _, algo, _ in runs for p in (out, out / algo))]
     for folder in dict.fromkeys(written):
@@ -325,9 +298,10 @@ def main(argv: list[str] | None = None) -> dict:
     is one line too, as in train.py."""
     args = parse_args(argv)
     parts = args.only.split(",")
-    try:  # train.py's checks of each run's flags and data, before the plan reads the data
-        for run in planned_runs(args, parts):
-            check_flags(*run)
+    try:  # train.py's checks of the runs' data and flags before the plan reads the data (each run's: below)
+        check_flags(*(planned_runs(args, parts) or [(Path(args.out), 0, "grpo", as_flags(args.train))])[0])
+        if args.print_commands:  # a scheduler will run them all
+            return print_commands(args, parts)
     except RunFolderError as e:
         sys.exit(f"error: {e}")
     print_estimate(args, parts)
@@ -337,7 +311,7 @@ def main(argv: list[str] | None = None) -> dict:
         return {}
     try:
         with on_stop_signals(stop_handler()):
-            check_writable(args, parts)
+            check_before_any_run(args, parts)
             with owned(Path(args.out), "experiments") as out, ExitStack() as stack:
                 apart = args.figures and Path(args.figures).resolve() != out.path.resolve()
                 figures = (stack.enter_context(owned(Path(args.figures), "experiments")) if apart
@@ -358,16 +332,8 @@ def run_parts(args: argparse.Namespace, parts: list[str], out: Folder, figures: 
         folder.remove_temporaries()  # what a write killed part-way left
     for name in [RESULTS, *(f for part in parts for f in FIGURES.get(part, ()))]:
         figures.now(name)  # NotWritten: not ours
-    results = {}
-    if figures.ours(RESULTS):
-        try:
-            results = json.loads((figures.path / RESULTS).read_text())
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise RunFolderError(f"{figures.path / RESULTS} is not JSON ({e}): restore it, or choose another "
-                                 "--figures") from None
-        if not isinstance(results, dict):
-            raise RunFolderError(f"{figures.path / RESULTS} holds a {type(results).__name__}, not results: "
-                                 "restore it, or choose another --figures")
+    out.now(REPORT)
+    results = results_so_far(figures, RESULTS)
     study = {k: v for k, v in vars(args).items() if k not in ("out", "figures", "only", "train")}
     results["scale"] = {**study, "train": as_flags(args.train)}  # and the comparison runs' train.py flags
     if "difficulty" in parts:
@@ -379,6 +345,12 @@ def run_parts(args: argparse.Namespace, parts: list[str], out: Folder, figures: 
             folder = out.subfolder(part, "experiments").path
             results[part] = compare_part(args, folder, methods.split(","), drawn)
             results[f"{part}_table"] = markdown_table(results[part])
+            if part == "compare" and BASELINE in methods.split(","):  # AVSPO's Figure 1, level by level
+                runs = {s: run_dir(folder, BASELINE, s) for s in map(int, args.seeds.split(","))}
+                fit = early_acr_by_level(runs, args.train, args.per_level or None, args.resamples)
+                plot_early_acr_scatter(fit, figures, "early_acr_by_level.png", "(GRPO seed, level) points")
+                results["early_acr_by_level"] = fit
+                out.write(REPORT, report(results, f"{study_title(args.train)}, seeds {args.seeds}"))
     if "scatter" in parts:
         results["scatter"] = scatter_part(args, out.subfolder("scatter", "experiments").path, figures)
     if "precision" in parts:

@@ -15,6 +15,12 @@ from study_runs import BASELINE, LORA, PRECISIONS, as_written, held_out, run_dir
 from written import NotWritten
 
 
+def evaluations(steps: int, every: int) -> int:
+    """train.py's evaluations of a run: before training, every `every` steps, and after the last (0: before
+    and after alone)."""
+    return 2 if every == 0 else steps // every + 1 + (steps % every > 0)
+
+
 def estimate(args, parts: list[str]) -> tuple[int, int, float, float]:
     """(runs, training steps, step units, eval units), before skipping finished runs. Time in seconds is about
     step_units x step_seconds + eval_units x eval_seconds: a step of B prompts x G completions is B*G/64 step
@@ -30,7 +36,7 @@ def estimate(args, parts: list[str]) -> tuple[int, int, float, float]:
         if part in parts:
             runs, steps = runs + n, steps + n * config.steps
             step_units += n * config.steps * config.prompts_per_step * config.group_size / 64
-            evals = config.steps // config.eval_every + 1 + (config.steps % config.eval_every > 0)  # from 0
+            evals = evaluations(config.steps, config.eval_every)
             eval_units += n * (evals * min(config.eval_size, held) + final) / 336
     if "scatter" in parts:
         gs = [int(g) for g in args.scatter_g.split(",")]
@@ -44,8 +50,7 @@ def estimate(args, parts: list[str]) -> tuple[int, int, float, float]:
         n, default = len(PRECISIONS) * len(args.precision_seeds.split(",")), train.Args(**args.given)
         runs, steps = runs + n, steps + n * args.precision_steps
         step_units += n * args.precision_steps * default.prompts_per_step * default.group_size / 64
-        every = default.eval_every  # before training, every `every` steps, and after the last
-        evals = args.precision_steps // every + 1 + (args.precision_steps % every > 0)
+        evals = evaluations(args.precision_steps, default.eval_every)
         eval_units += n * evals * min(default.eval_size, 336) / 336
     return runs, steps, step_units, eval_units
 

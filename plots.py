@@ -175,7 +175,7 @@ def plot_accuracy_vs_compute(table: dict, folder: Folder, name: str, title: str)
     save_figure(fig, folder, name, dpi=80, title=title)
 
 
-def plot_early_acr_scatter(result: dict, folder: Folder, name: str) -> None:
+def plot_early_acr_scatter(result: dict, folder: Folder, name: str, points: str = "GRPO runs") -> None:
     """The AVSPO paper's Figure 1 at small scale: colour = level, marker = group size, the fitted line."""
     markers = dict(zip(sorted({r["group_size"] for r in result["runs"]}), "ov^sDP*X"))
     levels = list(dict.fromkeys(r["level"] for r in result["runs"]))
@@ -194,7 +194,7 @@ def plot_early_acr_scatter(result: dict, folder: Folder, name: str) -> None:
                       max(r["early_acr"] for r in result["runs"])])
         ax.plot(x, result["slope"] * x + result["intercept"], "k--", lw=1)
     ci = lambda v: f"[{v[0]:.2f}, {v[1]:.2f}]"  # noqa: E731
-    ax.set(title=f"{len(result['runs'])} GRPO runs: R² = {result['r2']:.2f} {ci(result['r2_ci'])}, "
+    ax.set(title=f"{len(result['runs'])} {points}: R² = {result['r2']:.2f} {ci(result['r2_ci'])}, "
                  f"slope = {result['slope']:.2f} {ci(result['slope_ci'])}",
            xlabel=f"early raw ACR (mean over the first 20% of steps; {result['distinct_early_acr']} values)",
            ylabel="final held-out accuracy")

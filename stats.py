@@ -49,6 +49,17 @@ def verdict(delta: dict, margin: float) -> str:
     return "refuted" if high < -margin or low > margin else "inconclusive"
 
 
+def claim_verdict(ci: list[float], claimed: float, sign: int = 1) -> str:
+    """A paper's claim of an effect of at least `claimed` (sign -1: a fall, of at least `claimed`), judged by
+    the effect's 95% interval as the README judges its claims: refuted when it excludes the claimed effect
+    (a cut of 27-52% against a claimed 58%); else confirmed when it excludes no effect, on the claimed side;
+    inconclusive when it holds both."""
+    low, high = sorted(sign * x for x in ci)
+    if high < claimed:
+        return "refuted"
+    return "confirmed" if low > 0 else "inconclusive"
+
+
 def line_fit(x: np.ndarray, y: np.ndarray, resamples: int, seed: int = 0) -> dict:
     """y = slope * x + intercept by least squares, its R^2, and bootstrap 95% CIs of the slope and R^2 over
     the points (resampled with replacement). No spread in x or y: no line (NaN); a resample that drew one x

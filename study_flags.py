@@ -76,6 +76,9 @@ def make_parser() -> FlagParser:
     p.add_argument("--jobs", type=COUNT, default=2, help="training runs at once, each on cores/jobs threads")
     p.add_argument("--dry-run", action="store_true",
                    help="print the run count and time estimate, run nothing")
+    p.add_argument("--print-commands", action="store_true",
+                   help="print each run's train.py command, one a line (for a SLURM array, xargs -P), and run "
+                   "nothing; the same study without it then gathers the finished runs")
     p.add_argument("--budget-minutes", type=SECONDS, default=360.0, help="warn when the estimate exceeds it")
     p.add_argument("--margin", type=in_range(0, 1, low_open=True), default=MARGIN,
                    help="the plan: the seeds that would decide a difference of this size (0.025: 2.5 points)")
@@ -164,3 +167,8 @@ def lr_grid(args: argparse.Namespace) -> dict[str, list[str]]:
 def lr_list(text: str) -> list[str]:
     """A comma list of learning rates, each written as train.py's config.json records it (2e-05)."""
     return [f"{float(x):g}" for x in text.split(",")]
+
+
+def study_title(config: train.Args) -> str:
+    """The comparison runs in a few words, for figures and the report."""
+    return f"{config.model} on {config.dataset}, B={config.prompts_per_step}, G={config.group_size}"

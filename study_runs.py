@@ -1,6 +1,6 @@
 """The study's train.py runs: the methods as train.py runs them, where each run goes, whether a finished or
 stopped one may be reused (its flags, its files as train.py wrote them), training it, and its final model's
-per-problem evaluation."""
+per-problem evaluation; and the difficulty part's sampling with the untrained model, as train.py samples."""
 
 import dataclasses
 import json
@@ -8,13 +8,15 @@ import platform
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
 import train
+from advantage import advantage_collapse_rate
 from data.tasks import by_level, load_eval_problems, load_problems
-from eval import evaluate
+from eval import evaluate, score_groups
 from flags import dataclass_parser
 from hardware import cpu_features, pick_device, working_copy
-from model import load_model
+from model import load_model, sample
 from processes import STOP_SIGNALS
 from run import fast_or_plain
 from run_folder import RunFolderError, find_checkpoint, read_jsonl, saved_config
@@ -205,3 +207,34 @@ def seed_cpus(folder: Path, methods: list[str], seed: int) -> set[str]:
     """The CPUs that trained this seed's runs, from their machines.jsonl (none for runs made before it)."""
     return {line["cpu"] for method in methods
             for line in read_jsonl(run_dir(folder, method, seed).parent / "machines.jsonl")}
+
+
+def acr_by_difficulty(config: train.Args, prompts: int, group_size: int, batch: int = 8) -> dict:
+    """The untrained model's collapse at each level of the runs' training data: G completions for the first
+    `prompts` problems of each level (`by_level`: a file without levels is one), sampled and scored as
+    train.py does (`config`: its model, precision, prompts, temperature, reward); "mix": the levels pooled
+    in equal shares, the batch ACR of training on all of them at once."""
+    device = pick_device(config.device)
+    model, tokenizer = load_model(config.model, device)
+    net, (low, high) = working_copy(model, config.precision), config.reward_range
+    reward = load_reward(config.reward, config.reward_range, config.reward_timeout)
+    sample_completions = fast_or_plain(config.fast, device).sample_completions
+    torch.manual_seed(0)
+    result, pooled = {}, []
+    levels = by_level(load_problems(config.dataset, "train"))
+    for level, problems in levels.items():
+        rewards = []
+        for i in tqdm(range(0, len(problems[:prompts]), batch), desc=level):
+            chunk = problems[i : min(i + batch, prompts)]
+            rollout = sample(net, tokenizer, [p.question for p in chunk], group_size, config.max_new_tokens,
+                             config.temperature, config.top_p, sample_completions, config.prompt_format,
+                             config.system, [p.instruction for p in chunk])
+            rewards.append(torch.tensor(score_groups([p.question for p in chunk], rollout.texts,
+                                                     [p.answer for p in chunk], reward)))
+        pooled.append(torch.cat(rewards))  # [prompts, G]
+    names = [*levels, "mix"] if len(levels) > 1 else [*levels]
+    for level, r in zip(names, [*pooled, torch.cat(pooled)]):
+        result[level] = {"accuracy": r.mean().item(), "acr": advantage_collapse_rate(r),
+                         "all_correct_frac": (r.amin(1) == high).float().mean().item(),
+                         "all_wrong_frac": (r.amax(1) == low).float().mean().item(), "prompts": len(r)}
+    return result

@@ -1,15 +1,18 @@
 """The study's numbers from its runs' logs (accuracy with paired bootstrap CIs, collapse, cost, curves, the
-early-ACR fit), and their markdown tables."""
+early-ACR fits), their markdown tables, and report.md: the papers' claims judged by the README's rule."""
 
 import json
+import math
 from pathlib import Path
 
 import numpy as np
 
-from data.tasks import level_order
-from run_folder import read_jsonl
-from stats import bootstrap_accuracy, interval, line_fit
-from study_runs import ABLATIONS, BASELINE, LORA
+from data.tasks import NO_LEVEL, level_order, load_problems, step_problems
+from metrics import early_steps
+from run_folder import RunFolderError, read_jsonl
+from stats import bootstrap_accuracy, claim_verdict, interval, line_fit
+from study_runs import ABLATIONS, BASELINE, LORA, final_records, held_out
+from written import Folder
 
 
 def accuracy_table(correct: np.ndarray, levels: np.ndarray, names: list[str], resamples: int,
@@ -119,6 +122,42 @@ def early_acr_scatter(runs: list[dict], resamples: int) -> dict:
     return {**line_fit(x, y, resamples), "distinct_early_acr": len(set(x.tolist())), "runs": runs}
 
 
+def early_acr_by_level(runs: dict[int, Path], config, per_level: int | None, resamples: int) -> dict:
+    """AVSPO's Figure 1 (He et al., arXiv 2605.21125) from the compare runs of one method (GRPO), seed ->
+    run: for each seed and level of the data, the early raw ACR of that level's groups and the final accuracy
+    on that level's held-out problems; the line through these points with bootstrap CIs (`early_acr_scatter`).
+    A group's level is its prompt's: each step's prompts follow from the seed and step alone
+    (`data.tasks.step_problems`), in the order of metrics.jsonl's `groups_sampled` (C, W, =: collapsed)."""
+    points = []
+    for seed, run in runs.items():
+        problems = load_problems(config.dataset, "train", seed)
+        steps = read_jsonl(run / "metrics.jsonl")[: early_steps(config.steps)]
+        collapsed, groups = {}, {}
+        for record in steps:
+            for problem, kind in zip(step_problems(problems, config.prompts_per_step, seed, record["step"]),
+                                     record["groups_sampled"]):
+                level = problem.level or NO_LEVEL
+                groups[level] = groups.get(level, 0) + 1
+                collapsed[level] = collapsed.get(level, 0) + (kind != "M")
+        records = final_records(run, held_out(config, seed, per_level))
+        for level in level_order(groups):
+            answers = [r["correct"] for r in records if (r["level"] or NO_LEVEL) == level]
+            if answers:  # a level with no held-out problem has no final accuracy
+                points.append({"level": level, "group_size": config.group_size, "seed": seed,
+                               "groups": groups[level], "early_acr": collapsed[level] / groups[level],
+                               "accuracy": float(np.mean(answers))})
+    return early_acr_scatter(points, resamples)
+
+
+def fit_line(fit: dict) -> str:
+    """A line's fit in words: its slope and R², each with its 95% CI (`stats.line_fit`)."""
+    if not math.isfinite(fit["slope"]):
+        return "no line: no spread in early ACR or accuracy"
+    slope, r2 = fit["slope_ci"], fit["r2_ci"]
+    return (f"slope {fit['slope']:.2f} [{slope[0]:.2f}, {slope[1]:.2f}], R² {fit['r2']:.2f} "
+            f"[{r2[0]:.2f}, {r2[1]:.2f}]")
+
+
 def markdown_table(table: dict) -> str:
     """method | accuracy [95% CI] | Δ vs GRPO [95% CI] | per-level accuracy | collapse | AVSPO's trigger and
     the clipped steps (shares of steps) | costs."""
@@ -173,7 +212,74 @@ def print_results(results: dict, parts: list[str]) -> None:
             print(f"\n{name}: held-out accuracy {np.mean(row['acc_before']):.3f} -> "
                   f"{np.mean(row['acc_after']):.3f} "
                   f"(per seed {row['acc_after']}), {row['cost']['seconds']['mean']:.0f} s of steps a run")
+    if "compare" in parts and (fit := results.get("early_acr_by_level")):
+        print(f"\nearly ACR vs accuracy by level, {len(fit['runs'])} (seed, level) points: {fit_line(fit)}")
     if "scatter" in parts:
         s = results["scatter"]
-        print(f"\nearly ACR vs accuracy over {len(s['runs'])} runs: slope {s['slope']:.2f} {s['slope_ci']}, "
-              f"R² {s['r2']:.2f} {s['r2_ci']}")
+        print(f"\nearly ACR vs accuracy over {len(s['runs'])} runs: {fit_line(s)}")
+
+
+# The papers' claims a compare study can speak to: (claim, method, measure, the claimed effect's least size)
+CLAIMS = [("AVSPO (He et al., arXiv 2605.21125): +4 to +6 points over GRPO", "avspo", "accuracy", 0.04),
+          ("AAPO (Xiong et al., arXiv 2505.14264): +2.5 to +4.6 points over GRPO", "aapo", "accuracy", 0.025),
+          ("DAPO's dynamic sampling (Yu et al., 2025) beats GRPO", "dapo", "accuracy", 0.0),
+          ("AVSPO: virtual rewards cut the collapsed groups by 58-63%", "avspo", "cut", 0.58),
+          ("AAPO: GRPO's zero-advantage groups rise late in training", "grpo", "late rise", 0.0),
+          ("AVSPO: early ACR predicts final accuracy (its R² 0.617)", "grpo", "early ACR", 0.0)]
+
+
+def claim_rows(results: dict) -> list[str]:
+    """The CLAIMS rows this study's compare results can judge (`stats.claim_verdict`): claim | measured here
+    (95% CI) | verdict."""
+    table, fit, rows = results["compare"], results.get("early_acr_by_level"), []
+    points = lambda ci: f"[{100 * ci[0]:+.1f}, {100 * ci[1]:+.1f}]"  # noqa: E731
+    for claim, method, measure, claimed in CLAIMS:
+        if method not in table or (measure != "late rise" and BASELINE not in table):
+            continue
+        if measure == "accuracy":
+            delta = table[method]["delta"]
+            said, ci, sign = f"{100 * delta['mean']:+.1f} {points(delta['ci'])} points", delta["ci"], 1
+        elif measure == "cut":  # of the effective ACR, against GRPO's, its seeds' deltas over GRPO's mean
+            stat = table[method]["collapse"]["acr_effective"]
+            base = table[BASELINE]["collapse"]["acr_effective"]["mean"]
+            ci, sign = [-x / base for x in reversed(stat["delta"]["ci"])], 1
+            said = f"{-stat['delta']['mean'] / base:.0%} [{ci[0]:.0%}, {ci[1]:.0%}] (Δ / GRPO's {base:.2f})"
+        elif measure == "late rise":
+            rise = table[method]["collapse"]["late_rise"]
+            said = f"{rise['mean']:+.2f} [{rise['ci'][0]:+.2f}, {rise['ci'][1]:+.2f}], last quarter - first"
+            ci, sign = rise["ci"], 1
+        elif fit and math.isfinite(fit["slope"]):  # early ACR: a higher one, a lower accuracy
+            said, ci, sign = f"{fit_line(fit)} over {len(fit['runs'])} points", fit["slope_ci"], -1
+        else:
+            continue
+        rows.append(f"| {claim} | {said} | **{claim_verdict(ci, claimed, sign)}** |")
+    return rows
+
+
+def report(results: dict, what: str) -> str:
+    """report.md: the methods side by side, the early-ACR fit by level, and the claims this study judges."""
+    lines = [f"# The study: {what}", "", "## The methods (95% CIs over seeds and problems)", "",
+             results["compare_table"], ""]
+    if fit := results.get("early_acr_by_level"):
+        lines += ["## Early ACR against final accuracy, by level (AVSPO's Figure 1)", "",
+                  f"{fit_line(fit)}, over {len(fit['runs'])} (GRPO seed, level) points", ""]
+    lines += ["## The papers' claims", "", "Confirmed: the interval excludes no effect, on the claimed side; "
+              "refuted: it excludes the claimed effect; inconclusive: it holds both.", "",
+              "| claim | measured here (95% CI) | verdict |", "|---|---|---|", *claim_rows(results)]
+    return "\n".join(lines) + "\n"
+
+
+def results_so_far(figures: Folder, name: str) -> dict:
+    """The results.json that experiments.py wrote in the figures' folder, which a study's parts update; a
+    RunFolderError in one line where it is not results."""
+    if not figures.ours(name):
+        return {}
+    try:
+        results = json.loads((figures.path / name).read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise RunFolderError(f"{figures.path / name} is not JSON ({e}): restore it, or choose another "
+                             "--figures") from None
+    if not isinstance(results, dict):
+        raise RunFolderError(f"{figures.path / name} holds a {type(results).__name__}, not results: "
+                             "restore it, or choose another --figures")
+    return results

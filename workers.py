@@ -4,6 +4,7 @@ no run after it, and the runs under way save their step."""
 import multiprocessing
 import os
 import signal
+import time
 from concurrent.futures import ALL_COMPLETED, FIRST_EXCEPTION, ProcessPoolExecutor, wait
 from contextlib import suppress
 from typing import Callable
@@ -55,8 +56,9 @@ def run_all(tasks: list[tuple], jobs: int) -> list:
     second signal would end it unsaved (train.py's rule), so the workers never see the terminal's Ctrl-C: they
     are spawned with SIGINT blocked, and every thread they start inherits the block. A second signal here ends
     them at once (`stop_handler`). Every wait here is awake to a signal (`wait_awake`)."""
+    progress = Progress(len(tasks))
     if jobs == 1:
-        return [fn(*a) for fn, *a in tasks]
+        return [progress(fn(*a)) for fn, *a in tasks]
     threads = max(1, (os.cpu_count() or 1) // jobs)
     spawn = multiprocessing.get_context("spawn")
     stopping = spawn.Event()
@@ -68,6 +70,9 @@ def run_all(tasks: list[tuple], jobs: int) -> list:
                 futures = [pool.submit(with_threads, threads, *task) for task in tasks]
             finally:
                 signal.pthread_sigmask(signal.SIG_SETMASK, unblocked)
+            for future in futures:  # a run that failed, or was stopped or never started, is not done
+                future.add_done_callback(lambda f: stopping.is_set() or f.cancelled() or f.exception()
+                                         or progress(None))
             wait_awake(futures, FIRST_EXCEPTION)
         except KeyboardInterrupt:  # Ctrl-C or SIGTERM (`stop_handler`), passed on
             stopping.set()
@@ -79,6 +84,22 @@ def run_all(tasks: list[tuple], jobs: int) -> list:
             stopping.set()
             pool.shutdown(cancel_futures=True)  # the runs under way end
         return [f.result() for f in futures]
+
+
+class Progress:
+    """The study's progress, a line as each run of `run_all` ends: how many of how many are done, and the
+    minutes left at the pace so far (each run's own progress bar is train.py's)."""
+
+    def __init__(self, total: int):
+        self.total, self.done, self.start = total, 0, time.monotonic()
+
+    def __call__(self, result):
+        self.done += 1
+        elapsed = time.monotonic() - self.start
+        left = elapsed / self.done * (self.total - self.done)
+        print(f"study: {self.done} of {self.total} runs done in {elapsed / 60:.1f} min, about "
+              f"{left / 60:.1f} min left at this pace", flush=True)
+        return result
 
 
 SIGNAL_CHECK = 0.2  # seconds: how late a signal taken by another thread may be seen (`wait_awake`)

@@ -7,6 +7,7 @@ import math
 import operator
 import os
 import random
+import shlex
 import shutil
 import signal
 import subprocess
@@ -214,10 +215,14 @@ def test_seed_cpus_reads_each_runs_machines(tmp_path):
     assert study_runs.seed_cpus(tmp_path, ["grpo", "avspo"], 0) == {"Xeon", "EPYC"}
 
 
-def test_run_all_in_parallel_processes_keeps_the_task_order():
+def test_run_all_in_parallel_processes_keeps_the_task_order_and_says_its_progress(capsys):
     tasks = [(operator.add, 1, 2), (operator.mul, 3, 4), (torch.get_num_threads,)]
     assert workers.run_all(tasks, jobs=1)[:2] == workers.run_all(tasks, jobs=2)[:2] == [3, 12]
     assert workers.run_all(tasks, jobs=2)[2] == max(1, (os.cpu_count() or 1) // 2)  # the cores are split
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("study: ")]
+    assert len(lines) == 9 and sorted(line.split(" runs done")[0] for line in lines) == sorted(
+        f"study: {done} of 3" for done in (1, 2, 3) for _ in range(3))  # each run once, as it ends
+    assert lines[2].endswith("about 0.0 min left at this pace")
 
 
 def test_run_all_stops_queued_runs_when_one_fails(tmp_path):
@@ -689,6 +694,12 @@ def test_a_study_on_your_own_file_groups_by_its_levels_and_passes_its_flags(tmp_
     assert list(results["difficulty"]) == (names + ["mix"] if levels else names)
     assert [results["difficulty"][name]["prompts"] for name in names] == [4] * len(names)  # --quick's
     held = tasks.load_problems(str(data), "test")
+    early = results["early_acr_by_level"]["runs"]  # AVSPO's Figure 1 from the GRPO runs, by level
+    assert early and {p["level"] for p in early} <= set(names) and {p["seed"] for p in early} == {0, 1}
+    assert (tmp_path / "study" / "figures" / "early_acr_by_level.png").exists()
+    report = (tmp_path / "study" / "report.md").read_text()  # the methods, the fit, the claims it can judge
+    assert results["compare_table"] in report and "## Early ACR against final accuracy, by level" in report
+    assert "| AVSPO (He et al., arXiv 2605.21125): +4 to +6 points over GRPO |" in report
     for name, row in results["compare"].items():
         assert list(row["by_level"]) == names
         for seed in (0, 1):
@@ -722,3 +733,77 @@ def test_the_final_evaluation_is_train_pys_own_under_the_runs_flags(tmp_path, mo
     assert (kw["prompt_format"], kw["system"], kw["max_new_tokens"]) == ("raw", "", 8)
     assert kw["sample_completions"] is sample_with_generate  # --no-fast: the plain path, as train.py sampled
     assert has_adapters(net) and net.dtype == torch.bfloat16
+
+
+# seeds whose first two steps sample the marked level and others; arith-mix's problems depend on the seed
+@pytest.mark.parametrize("dataset, marked, right, seed", [("file", "Level 2", ("Level 1", "Level 4"), 0),
+                                                          ("file", "Level 2", ("Level 1", "Level 4"), 1),
+                                                          ("arith-mix", "mul1", ("add1", "mul2"), 2)])
+def test_early_acr_by_level_gives_each_group_its_prompts_level(tmp_path, dataset, marked, right, seed):
+    """Each logged group is its prompt's, rebuilt from the seed and step: groups of the marked level logged
+    collapsed (all-wrong or all-correct) and every other group mixed give that level an early ACR of 1 and
+    the others 0, over the early steps only (a later all-collapsed step counts not); each point's accuracy
+    is its level's in the final records."""
+    dataset = str(math_form_file(tmp_path / "math.jsonl", levels=True)) if dataset == "file" else dataset
+    config = train.Args(dataset=dataset, prompts_per_step=6, steps=10)  # early: the first 2 steps
+    problems = tasks.load_problems(dataset, "train", seed)
+    steps = [{"step": step, "groups_sampled": "".join(
+        "WC"[step % 2] if p.level == marked or step > 2 else "M"  # all-wrong or all-correct: collapsed
+        for p in tasks.step_problems(problems, 6, seed, step))} for step in range(1, 11)]
+    run = tmp_path / "run" / "grpo"
+    run.mkdir(parents=True)
+    write_jsonl(run / "metrics.jsonl", steps)
+    held = study_runs.held_out(config, seed, None)
+    write_jsonl(run / "eval_records.jsonl", [{"question": p.question, "level": p.level, "extracted": None,
+                                              "correct": p.level in right} for p in held])
+    fit = tables.early_acr_by_level({seed: run}, config, None, resamples=50)
+    seen = {p.level for step in (1, 2) for p in tasks.step_problems(problems, 6, seed, step)}
+    assert marked in seen and len(seen) > 1
+    assert {p["level"] for p in fit["runs"]} == seen and all(p["seed"] == seed for p in fit["runs"])
+    for point in fit["runs"]:
+        assert point["early_acr"] == (point["level"] == marked)
+        assert point["accuracy"] == (point["level"] in right)
+    assert sum(p["groups"] for p in fit["runs"]) == 12  # 2 early steps of 6 groups
+
+
+def test_the_report_judges_the_committed_comparison_as_the_readme_does():
+    """report.md's claims from docs/results.json: compare's rows, and AVSPO's from the readings, get the
+    README's verdicts (its claims table); a claim the results cannot speak to (no early-ACR fit) is left
+    out."""
+    results = json.loads((Path(experiments.__file__).parent / "docs" / "results.json").read_text())
+    verdicts = lambda rows: [(row.split(" | ")[0][2:], row.rsplit("**", 2)[1]) for row in rows]  # noqa: E731
+    claims = {claim: measure for claim, _, measure, _ in tables.CLAIMS}
+    judged = dict(verdicts(tables.claim_rows(results)))
+    readme = ["refuted", "refuted", "confirmed", "refuted", "confirmed"]
+    assert judged == dict(zip(claims, readme))
+    rows = tables.claim_rows({**results, "compare": results["readings"]})
+    assert dict(verdicts(rows))[next(iter(claims))] == "refuted"
+    assert "-3.7 [-5.7, -1.7] points" in rows[0] and "38% [26%, 52%] (Δ / GRPO's 0.56)" in rows[1]
+    text = tables.report(results, "SmolLM2-135M on arith-mix")
+    assert text.startswith("# The study: SmolLM2-135M on arith-mix") and results["compare_table"] in text
+    assert "## Early ACR" not in text and text.count("** |") == 5  # five claims judged
+
+
+def test_print_commands_then_the_study_gathers_what_the_in_process_study_computes(tmp_path, capsys,
+                                                                                  monkeypatch):
+    """--print-commands prints one train.py command per run (absolute paths, nothing run); run them as a
+    scheduler would, and the same study without the flag trains nothing and gives the in-process study's
+    numbers. lora, whose runs follow its sweep, is not printed."""
+    study = ["--quick", "--only", "compare", "--methods", "grpo,dapo"]
+    inside = experiments.main([*study, "--out", str(tmp_path / "inside")])
+    capsys.readouterr()
+    printed = experiments.main([*study, "--only", "compare,lora", "--out", "apart", "--print-commands"])
+    commands = capsys.readouterr().out.splitlines()
+    assert printed == {} and len(commands) == 4  # compare's 2 methods x 2 seeds; nothing trained
+    assert not (tmp_path / "apart" / "compare" / "seed0-grpo").exists()
+    for command in commands:
+        _, script, *argv = shlex.split(command)
+        assert Path(script) == Path(train.__file__).resolve()
+        assert Path(argv[argv.index("--out") + 1]).is_absolute()
+        train.main(argv)
+    monkeypatch.setattr(train, "main", lambda argv: pytest.fail(f"trained again: {argv}"))
+    apart = experiments.main([*study, "--out", "apart"])  # relative: the tests run in tmp_path
+    for name, row in inside["compare"].items():
+        for key in ("accuracy", "delta", "by_level", "per_seed"):
+            assert apart["compare"][name][key] == row[key]
+        assert apart["compare"][name]["collapse"]["acr"] == row["collapse"]["acr"]

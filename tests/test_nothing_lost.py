@@ -59,7 +59,7 @@ def test_eval_refuses_a_bad_flag_in_one_line_before_any_model(flags, monkeypatch
     assert exit_info.value.code == 2 and flags[0] in line and "--help" in line
 
 
-EXPERIMENTS_FLAGS = [["--eval-every", "0"], ["--steps", "0"], ["--group-size", "1"], ["--jobs", "0"],
+EXPERIMENTS_FLAGS = [["--eval-every", "-1"], ["--steps", "0"], ["--group-size", "1"], ["--jobs", "0"],
                      ["--resamples", "-1"], ["--step-seconds", "nan"], ["--budget-minutes", "-1"],
                      ["--seeds", "0,x"], ["--scatter-g", "1,2"], ["--only", "compare,typo"],
                      ["--methods", "grpo,ppo"], ["--scatter-levels", "add9"], ["--per-level", "-1"]]
@@ -73,10 +73,10 @@ def test_experiments_refuses_a_bad_flag_in_one_line(flags, capsys):
     assert exit_info.value.code == 2 and flags[0] in line and "--help" in line
 
 
-def test_experiments_eval_every_0_is_refused_not_a_division_by_zero(capsys):
-    with pytest.raises(SystemExit):
-        experiments.main(["--dry-run", "--eval-every", "0"])
-    assert "--eval-every" in one_line_error(capsys)
+def test_experiments_eval_every_0_plans_two_evaluations_a_run_not_a_division_by_zero(capsys):
+    """train.py's --eval-every 0 (before and after training alone) passes to the study's runs."""
+    assert experiments.main(["--dry-run", "--quick", "--only", "compare", "--eval-every", "0"]) == {}
+    assert "10 training runs, 20 steps" in capsys.readouterr().out
 
 
 def test_an_out_that_is_a_file_is_one_line_for_every_script(tmp_path, capsys):

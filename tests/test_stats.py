@@ -168,3 +168,25 @@ def test_variance_parts_of_identical_methods_are_zero_and_one_seed_has_no_spread
     correct = synthetic_correct(np.random.default_rng(0), 1, 4)[0]
     assert stats.variance_parts(correct, correct) == (0.0, 0.0)
     assert stats.variance_parts(correct[:1], 1 - correct[:1])[1] == 0.0
+
+
+@pytest.mark.parametrize("ci, claimed, sign, expected", [
+    ([0.01, 0.05], 0.04, 1, "confirmed"), ([-0.057, -0.017], 0.04, 1, "refuted"),  # the README's AVSPO row
+    ([-0.079, 0.001], 0.025, 1, "refuted"), ([-0.01, 0.05], 0.04, 1, "inconclusive"),
+    ([-0.30, -0.10], 0.0, -1, "confirmed"), ([0.01, 0.2], 0.0, -1, "refuted"),
+    ([0.0, 0.1], 0.0, 1, "inconclusive"), ([0.27, 0.52], 0.58, 1, "refuted"),  # the README's cut of collapse
+    ([0.54, 0.73], 0.58, 1, "confirmed")])
+def test_a_claim_is_judged_by_its_interval_on_the_claimed_side(ci, claimed, sign, expected):
+    assert stats.claim_verdict(ci, claimed, sign) == expected
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.floats(-1, 1), st.floats(0, 1), st.floats(0, 1), st.floats(0, 1))
+def test_raising_an_interval_never_turns_a_claim_against_it(low, width, shift, claimed):
+    """Moving the interval up (more effect) moves a verdict only towards confirmed; a fall (sign -1) is the
+    same claim mirrored."""
+    rank = {"refuted": 0, "inconclusive": 1, "confirmed": 2}
+    before = stats.claim_verdict([low, low + width], claimed)
+    after = stats.claim_verdict([low + shift, low + width + shift], claimed)
+    assert rank[after] >= rank[before]
+    assert stats.claim_verdict([-low - width, -low], claimed, sign=-1) == before
