@@ -29,8 +29,8 @@ RATES = ("full_lrs", "lora_lrs")  # comma lists of positive numbers
 QUICK = ["--out", "runs/quick", "--model", "tiny-qwen2", "--seeds", "0,1", "--steps", "2",
          "--prompts-per-step", "2", "--group-size", "4", "--max-new-tokens", "8", "--eval-size", "4",
          "--eval-every", "1", "--per-level", "2", "--resamples", "500", "--scatter-prompts", "2",
-         "--scatter-levels", "add1,mul1", "--scatter-g", "2,4", "--scatter-seeds", "0", "--scatter-steps", "2",
-         "--scatter-eval-size", "4", "--difficulty-prompts", "4", "--precision-seeds", "0,1",
+         "--scatter-levels", "add1,mul1", "--scatter-g", "2,4", "--scatter-seeds", "0", "--scatter-steps",
+         "2", "--scatter-eval-size", "4", "--difficulty-prompts", "4", "--precision-seeds", "0,1",
          "--precision-steps", "2", "--full-lrs", "1e-5,2e-5", "--lora-lrs", "1e-4,2e-4", "--jobs", "1"]
 
 
@@ -77,8 +77,8 @@ def make_parser() -> FlagParser:
     p.add_argument("--dry-run", action="store_true",
                    help="print the run count and time estimate, run nothing")
     p.add_argument("--print-commands", action="store_true",
-                   help="print each run's train.py command, one a line (for a SLURM array, xargs -P), and run "
-                   "nothing; the same study without it then gathers the finished runs")
+                   help="print each run's train.py command, one a line (for a SLURM array, xargs -P), and "
+                   "run nothing; the same study without it then gathers the finished runs")
     p.add_argument("--budget-minutes", type=SECONDS, default=360.0, help="warn when the estimate exceeds it")
     p.add_argument("--margin", type=in_range(0, 1, low_open=True), default=MARGIN,
                    help="the plan: the seeds that would decide a difference of this size (0.025: 2.5 points)")
