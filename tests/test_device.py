@@ -736,8 +736,7 @@ NARROW = dict(hidden_size=32, intermediate_size=64, num_attention_heads=2, num_k
 @pytest.mark.parametrize("size, precision, rank, chunk", [  # rank: LoRA's
     *[("narrow", precision, rank, chunk) for precision, rank in (("bf16", 0), ("fp32", 0), ("bf16", 4))
       for chunk in (64, 256)],
-    ("smollm2", "bf16", 0, 256), ("smollm2", "bf16", 8, 256),
-    ("1.5B", "bf16", 0, 256), ("1.5B", "bf16", 32, 256)])
+    ("smollm2", "bf16", 0, 256), ("smollm2", "bf16", 8, 256), ("1.5B", "bf16", 32, 256)])  # the recipe
 def test_memory_logits_are_the_peak_of_the_log_probs_forward_and_backward(monkeypatch, size, precision, rank,
                                                                             chunk):
     """The logits term as measured: one layer at a model's widths and a 16,000-token vocabulary; the peak of
