@@ -188,7 +188,8 @@ def final_records(run: Path, problems: list) -> list[dict]:
     cache = run.parent / "final_eval.jsonl"
     # absent, or other problems
     if [r["question"] for r in read_jsonl(cache)] != [p.question for p in problems]:
-        config, device = run_config(run), pick_device(run_config(run).device)
+        config = run_config(run)
+        device = pick_device(config.device)
         model, tokenizer = load_model(str(run / "checkpoint"), device)
         net = working_copy(model, config.precision)  # the network train.py evaluates: the same greedy answers
         result = evaluate(net, tokenizer, problems, max_new_tokens=config.max_new_tokens,
