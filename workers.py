@@ -48,9 +48,10 @@ def run_all(tasks: list[tuple], jobs: int) -> list:
     cores.
 
     Runs are small (16-64 rows): on 2 cores two 1-thread runs side by side did ~15% more work per second than
-    one 2-thread run (measured). Spawned, not forked: a forked child inherits torch's thread pool in a bad
-    state. After a failure, Ctrl-C or SIGTERM no run starts: the pool hands tasks to its workers ahead of
-    time, which cancelling cannot take back, so the workers are told through `stopping` (`with_threads`).
+    one 2-thread run (measured). With CUDA devices, each worker has one of its own (`start_worker`). Spawned,
+    not forked: a forked child inherits torch's thread pool in a bad state. After a failure, Ctrl-C or SIGTERM
+    no run starts: the pool hands tasks to its workers ahead of time, which cancelling cannot take back, so
+    the workers are told through `stopping` (`with_threads`).
 
     A stop reaches the workers from here alone, one SIGTERM each, on which a run saves its step and ends. A
     second signal would end it unsaved (train.py's rule), so the workers never see the terminal's Ctrl-C: they
@@ -61,8 +62,10 @@ def run_all(tasks: list[tuple], jobs: int) -> list:
         return [progress(fn(*a)) for fn, *a in tasks]
     threads = max(1, (os.cpu_count() or 1) // jobs)
     spawn = multiprocessing.get_context("spawn")
-    stopping = spawn.Event()
-    with ProcessPoolExecutor(jobs, mp_context=spawn, initializer=start_worker, initargs=(stopping,)) as pool:
+    stopping, started = spawn.Event(), spawn.Value("i", 0)
+    devices = torch.cuda.device_count() if torch.cuda.is_available() else 0  # a worker each (`start_worker`)
+    with ProcessPoolExecutor(jobs, mp_context=spawn, initializer=start_worker,
+                             initargs=(stopping, started, devices)) as pool:
         futures = []  # none yet, for a stop during `submit`
         try:
             unblocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})  # workers spawn in submit
@@ -127,12 +130,19 @@ def signal_all(processes: list, signum: int) -> None:
 STOPPING = None  # in a worker of `run_all`: its event, set when no more runs may start (`start_worker`)
 
 
-def start_worker(stopping) -> None:
+def start_worker(stopping, started, devices: int) -> None:
     """A worker of `run_all`: it ignores SIGTERM between tasks (`with_threads` takes it during one), and keeps
-    `stopping`."""
+    `stopping`. With `devices` CUDA devices, the k-th worker started sees the k-th alone (mod their number;
+    among those CUDA_VISIBLE_DEVICES names, if it names any), set before this process touches CUDA: one
+    device a worker, so runs side by side never share one while there are as many devices as --jobs."""
     global STOPPING
     STOPPING = stopping
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    if devices:
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES", ",".join(map(str, range(devices)))).split(",")
+        with started.get_lock():
+            os.environ["CUDA_VISIBLE_DEVICES"] = visible[started.value % len(visible)]
+            started.value += 1
 
 
 def with_threads(threads: int, fn: Callable, *args):

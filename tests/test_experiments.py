@@ -4,6 +4,7 @@ pipeline on the tiny model: every part runs and writes its numbers and figures."
 import errno
 import json
 import math
+import multiprocessing
 import operator
 import os
 import random
@@ -223,6 +224,30 @@ def test_run_all_in_parallel_processes_keeps_the_task_order_and_says_its_progres
     assert len(lines) == 9 and sorted(line.split(" runs done")[0] for line in lines) == sorted(
         f"study: {done} of 3" for done in (1, 2, 3) for _ in range(3))  # each run once, as it ends
     assert lines[2].endswith("about 0.0 min left at this pace")
+
+
+@pytest.mark.parametrize("visible, seen", [(None, ["0", "1", "2", "0"]), ("5,7", ["5", "7", "5", "7"])])
+def test_each_worker_sees_a_cuda_device_of_its_own(monkeypatch, visible, seen):
+    """--jobs on a machine with 3 CUDA devices: the workers, as they start, see device 0, 1, 2, then 0 again;
+    where CUDA_VISIBLE_DEVICES already names some, one of those each in turn."""
+    if visible is None:
+        monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    else:
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+    monkeypatch.setattr(workers, "STOPPING", None)
+    started, handler = multiprocessing.get_context("spawn").Value("i", 0), signal.getsignal(signal.SIGTERM)
+    try:
+        assigned = []
+        for _ in range(4):
+            workers.start_worker(None, started, devices=3)
+            assigned.append(os.environ["CUDA_VISIBLE_DEVICES"])
+            if visible is not None:
+                os.environ["CUDA_VISIBLE_DEVICES"] = visible  # each worker starts from the parent's
+            else:
+                del os.environ["CUDA_VISIBLE_DEVICES"]
+    finally:
+        signal.signal(signal.SIGTERM, handler)
+    assert assigned == seen
 
 
 def test_run_all_stops_queued_runs_when_one_fails(tmp_path):
