@@ -84,20 +84,21 @@ def compare(folder: Path, methods: list[str], seeds: list[int], config: train.Ar
     runs = method_runs(folder, methods, seeds, as_flags(config), extra)
     for run in runs.values():  # before any run starts
         check_run(*run)
-    tasks = [(train_and_score, run, held_out(config, s, per_level)) for (_, s), run in runs.items()]
+    problems = {s: held_out(config, s, per_level) for s in seeds}  # a seed's, the same for every method
+    tasks = [(train_and_score, run, problems[s]) for (_, s), run in runs.items()]
     records = dict(zip(runs, run_all(tasks, jobs)))
     correct = [[[r["correct"] for r in records[m, s]] for s in seeds] for m in methods]  # [M][S][N]
     levels = {s: [r["level"] or NO_LEVEL for r in records[methods[0], s]] for s in seeds}
     assert all(lv == levels[seeds[0]] for lv in levels.values()), "the bootstrap needs one level pattern"
     levels = np.array(levels[seeds[0]])
     table = accuracy_table(np.array(correct, dtype=float), levels, methods, resamples, baseline)
+    same_problems = per_level is None and config.eval_size >= len(levels)  # train.py's last eval: all of them
     for name in methods:
         runs = [run_dir(folder, name, s) for s in seeds]
         table[name]["cost"], table[name]["collapse"] = compute_cost(runs), collapse(runs)
         table[name]["curve"] = accuracy_curves(runs)
         logged = [read_jsonl(d / "evals.jsonl")[-1]["eval_accuracy"] for d in runs]  # train.py's last eval
         table[name]["train_py_final_accuracy"] = logged
-        same_problems = per_level is None and config.eval_size >= len(held_out(config, seeds[0], None))
         if same_problems and not np.allclose(logged, table[name]["per_seed"]):  # greedy: should be identical
             print(f"warning: {name}: re-evaluated checkpoints {table[name]['per_seed']} "
                   f"!= train.py's {logged}")

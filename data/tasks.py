@@ -2,8 +2,7 @@
 
 A problem is a question, a gold answer string that `verifier.verify` compares completions against, the
 level it comes from (the mixed task's, or a JSONL file's "level": MATH's), and its dataset's instruction
-(a JSONL file's asks for \boxed{}), which
-the prompt format adds or replaces (model.format_prompts).
+(a JSONL file's asks for \boxed{}), which the prompt format adds or replaces (model.format_prompts).
 Specs accepted by `load_problems`:
   arith-<level>   generated arithmetic, deterministic; levels from easy to hard are listed in LEVELS
   arith-mix       every level at once, in equal shares: easy prompts turn all-correct while hard ones stay
