@@ -6,6 +6,7 @@ train.py and eval.py print `where` first, so a silent fallback to the CPU, or to
 
 import copy
 import os
+import resource
 from pathlib import Path
 
 import torch
@@ -69,6 +70,25 @@ def describe_device(device: torch.device) -> str:
     except (OSError, StopIteration):
         name = "CPU"
     return f"cpu ({name}" + (f"; no CUDA: {problem})" if (problem := cuda_problem()) else ")")
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """Peak memory of this process so far on `device`, counted as memory.py's estimate counts it. On a GPU
+    (since the last reset of the peak statistics): what the caching allocator reserved at its peak, not only
+    what tensors held (max_memory_allocated leaves out its reserve), plus the CUDA context and kernel
+    workspaces, the device's used memory beyond the allocator's now (mem_get_info: another process on the GPU
+    counts in it). On the CPU: the resident set size, the whole process's."""
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        return torch.cuda.max_memory_reserved(device) + (total - free - torch.cuda.memory_reserved(device))
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+def device_memory_bytes(device: torch.device) -> int:
+    """The memory a run on `device` may fill: the GPU's, or the machine's RAM."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 def cpu_features() -> set[str]:

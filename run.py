@@ -185,11 +185,12 @@ def where_it_runs(args, master, policy, reference, tokenizer, problems: list[Pro
 
 def run_eval(args, run: Run, folder: Folder, step: int) -> float:
     """Greedy held-out accuracy, logged to evals.jsonl and eval_records.jsonl."""
+    start = time.perf_counter()
     result = evaluate(run.policy, run.tokenizer, run.eval_problems, reward_fn=run.reward_fn,
                       max_new_tokens=args.max_new_tokens, prompt_format=args.prompt_format,
                       system=args.system, stop_ids=run.stop_ids,
                       sample_completions=fast_or_plain(args.fast, run.policy.device).sample_completions)
-    return log_eval(folder, step, result)
+    return log_eval(folder, step, result, time.perf_counter() - start)
 
 
 def eval_due(args, step: int) -> bool:

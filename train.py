@@ -33,7 +33,7 @@ from advantage import (AVSPO_ENDS, AdaptiveThreshold, aapo_advantages, aapo_marg
                        collapsed_groups, grpo_advantages)
 from data.tasks import Problem, step_problems
 from flags import FlagParser, arg, at_least, dataclass_parser, folder, in_range, names_from, non_empty
-from hardware import DEVICES, accumulate_gradients, copy_weights
+from hardware import DEVICES, accumulate_gradients, copy_weights, peak_memory_bytes
 from metrics import group_map, group_samples, step_metrics, summarise_run
 from model import PROMPT_FORMATS, Rollout, real_tokens, replace_groups, trim_padding
 from processes import (StoppedWhileScoring, all_sum, bad_input_is_one_line, exits_cleanly, gather_groups,
@@ -290,7 +290,8 @@ def train_step(args: Args, run: Run, step: int, rank: int, mine: slice, device: 
     b_advantages = advantages[mine].flatten().to(device)  # this process's rows
     stats = update_policy(run.master, run.policy, run.optimizer, rollout, b_advantages, run.reference, args)
     record = {"step": step, **step_metrics(rewards, advantages, rollout, run.costs, device), **extra, **stats,
-              "resampled_groups": resampled, "lr": lr, **group_map(first_rewards, advantages, replaced)}
+              "resampled_groups": resampled, "lr": lr, **group_map(first_rewards, advantages, replaced),
+              "peak_memory_bytes": peak_memory_bytes(device)}  # the run's so far: what a study plans for
     return record, group_samples(step, problems, rollout.texts, mine.start, rewards, advantages, ref_rewards,
                                  replaced)
 

@@ -9,8 +9,9 @@ fine-tuning, and the verifier.
     python benchmarks/bench.py --skip-methods --lora-ranks 32 1 --rounds 3  # LoRA against full fine-tuning
 
 Every training config runs in a fresh process, so its peak memory is its own: max RSS on CPU; on GPU,
-the allocator's peak reservation plus the CUDA context (timing.peak_memory_bytes). Step times are medians over --steps steps after --warmup
-steps; the held-out evaluation and checkpoint that train.train does around the steps are not timed.
+the allocator's peak reservation plus the CUDA context (train.py's metrics: hardware.peak_memory_bytes).
+Step times are medians over --steps steps after --warmup steps; the held-out evaluation and checkpoint that
+train.train does around the steps are not timed.
 TRL is optional (pip install trl==1.16.0); without it, or with --skip-trl, its rows are left out.
 
 How each number is measured:
@@ -53,7 +54,7 @@ sys.path.insert(0, str(ROOT))
 import run  # noqa: E402
 import train  # noqa: E402
 from benchmarks.floors import FLOOR_COLUMNS, batch_shape, floor_rows, phase_floors  # noqa: E402
-from benchmarks.timing import fmt, markdown_table, median_of, peak_memory_bytes, run_isolated  # noqa: E402
+from benchmarks.timing import fmt, markdown_table, median_of, run_isolated  # noqa: E402
 from data.prepare import DOWNLOADS  # noqa: E402
 from data.tasks import load_problems  # noqa: E402
 from flags import FlagParser, at_least  # noqa: E402
@@ -115,7 +116,8 @@ def bench_ours(args: train.Args, warmup: int) -> dict:
             "train_s": median_of(rows, "time_train"), "step_s": median_of(rows, "time_step"),
             "gen_tok_s": median_of(rows, "gen_tokens_per_s"),
             "train_tok_s": median_of(rows, "train_tokens_per_s"),
-            "completion_len": median_of(rows, "completion_len"), "peak_mb": peak_memory_bytes() / 2**20,
+            "completion_len": median_of(rows, "completion_len"),
+            "peak_mb": rows[-1]["peak_memory_bytes"] / 2**20,  # train.py's, hardware.peak_memory_bytes
             "rows_trained": median_of(rows, "rows_trained") if "rows_trained" in rows[0] else None,
             "per_step": [{"generate_s": r["time_generate"], "train_s": r["time_train"], **shape}
                          for r, shape in zip(rows, shapes[warmup:])]}

@@ -35,7 +35,7 @@ bf16 working weights with float32 master weights as train.py uses on CUDA. Cavea
     fed to the advantage step are a fixed mixed pattern: every row is trained, as in a useful batch.
 Rows take the path train.py takes there (`run.fast_or_plain`: plain on CUDA), plus one row of the fast
 paths forced on at the first size, to time them. "est GiB" is memory.py's estimate for the config, next to
-the measured peak, both with the CUDA context and the allocator's reserve (timing.peak_memory_bytes); "SDPA"
+the measured peak, both with the CUDA context and the allocator's reserve (hardware.peak_memory_bytes); "SDPA"
 names the attention kernels the update's forward ran (from the profiler).
 MFU = model FLOPs / time / the bf16 matmul rate measured on this card first (not the datasheet peak).
 Model FLOPs: 2 per parameter per token forward, x3 with backward (recomputation under gradient
@@ -73,12 +73,12 @@ sys.path.insert(0, str(ROOT))
 import packing  # noqa: E402
 import run  # noqa: E402
 import train  # noqa: E402
-from benchmarks.timing import markdown_table, peak_memory_bytes, sync  # noqa: E402
+from benchmarks.timing import markdown_table, sync  # noqa: E402
 from data.tasks import load_problems, step_problems  # noqa: E402
 from decoding import decode  # noqa: E402
 from eval import score_groups  # noqa: E402
 from flags import FlagParser, at_least, in_range  # noqa: E402
-from hardware import DEVICES, pick_device, working_copy  # noqa: E402
+from hardware import DEVICES, peak_memory_bytes, pick_device, working_copy  # noqa: E402
 from lora import adapters_off, add_adapters  # noqa: E402
 from memory import GIB, STATIC, adapter_count, estimate_memory  # noqa: E402
 from model import (checkpoint_activations, completion_logprobs, load_model, sample,  # noqa: E402
@@ -307,7 +307,7 @@ def bench_config(config: Config, device: torch.device, opts, problems, peak_tflo
         "timed_steps": len(steps), **s, "step_s": step_s,
         "gen_tokens_per_s": s["gen_tokens"] / s["generate_s"],
         "train_tokens_per_s": s["train_tokens"] / s["train_s"],
-        "peak_gib": peak_memory_bytes() / 2**30,  # CUDA: since the reset above; CPU: max RSS, all configs
+        "peak_gib": peak_memory_bytes(device) / 2**30,  # CUDA: since the reset above; CPU: max RSS, all configs
         "mfu_generate": gen_flops / s["generate_s"] / (peak_tflops * 1e12),
         "mfu_train": train_flops / s["train_s"] / (peak_tflops * 1e12),
         "mfu_step": (gen_flops + train_flops) / step_s / (peak_tflops * 1e12),

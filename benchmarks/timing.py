@@ -1,8 +1,7 @@
-"""What the benchmarks share: timing a call, running one config in a process of its own, peak memory, and
-markdown tables."""
+"""What the benchmarks share: timing a call, running one config in a process of its own, and markdown
+tables (the peak memory: hardware.peak_memory_bytes)."""
 
 import multiprocessing
-import resource
 import statistics
 import time
 from concurrent.futures import ProcessPoolExecutor
@@ -38,18 +37,6 @@ def run_isolated(fn: Callable, *args):
     """fn(*args) in a fresh (spawned) Python process, so that its peak memory is measured alone."""
     with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as pool:
         return pool.submit(fn, *args).result()
-
-
-def peak_memory_bytes() -> int:
-    """Peak memory of this process so far, counted as memory.py's estimate counts it. On a GPU (since the last
-    reset of the peak statistics): what the caching allocator reserved at its peak, not only what tensors
-    held (max_memory_allocated leaves out its reserve), plus the CUDA context and kernel workspaces, the
-    device's used memory beyond the allocator's now (mem_get_info: another process on the GPU counts in it).
-    On the CPU: the resident set size."""
-    if torch.cuda.is_available():
-        free, total = torch.cuda.mem_get_info()
-        return torch.cuda.max_memory_reserved() + (total - free - torch.cuda.memory_reserved())
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
 def markdown_table(headers: list[str], rows: list[list[str]]) -> str:

@@ -6,9 +6,9 @@ import tempfile
 import time
 
 from benchmarks.floors import batch_shape
-from benchmarks.timing import median_of, peak_memory_bytes, sync
+from benchmarks.timing import median_of, sync
 from data.tasks import load_problems
-from hardware import pick_device
+from hardware import peak_memory_bytes, pick_device
 from model import load_model
 from verifier import verify
 
@@ -85,7 +85,7 @@ def bench_trl(args, warmup: int) -> dict:
             "train_s": median_of(rows, "train_s"), "step_s": median_of(rows, "step_s"),
             "gen_tok_s": median_of(rows, "gen_tok_s"), "train_tok_s": None,
             "completion_len": median_of(rows, "gen_tokens") / completions,
-            "peak_mb": peak_memory_bytes() / 2**20,
+            "peak_mb": peak_memory_bytes(device) / 2**20,
             "rows_trained": completions,  # TRL runs forward/backward on every row, zero advantage or not
             "per_step": [{"generate_s": r["generate_s"], "train_s": r["train_s"], **r["shape"]}
                          for r in rows]}

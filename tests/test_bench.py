@@ -14,10 +14,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+import hardware
 import run
 from memory import CUDA_ALLOWANCE, GIB
 import train
-from benchmarks import bench, floors, gpu_bench, timing
+from benchmarks import bench, floors, gpu_bench
 from data.prepare import DOWNLOADS
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -317,9 +318,9 @@ def test_the_peak_on_a_gpu_counts_what_the_estimate_counts(monkeypatch):
     """The allocator's peak reservation and the CUDA context, as memory.py's total: max_memory_allocated
     counts neither, and made a right estimate read as 1-2 GiB too high."""
     gib = 2**30
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda: (60 * gib, 80 * gib))  # 20 GiB used now
-    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda: 19 * gib)  # the context and workspaces: 1
-    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda: 23 * gib)
-    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda: 21 * gib)
-    assert timing.peak_memory_bytes() == 24 * gib
+    cuda = torch.device("cuda")
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (60 * gib, 80 * gib))  # 20 GiB used now
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: 19 * gib)  # the context and workspaces: 1
+    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda device: 23 * gib)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device: 21 * gib)
+    assert hardware.peak_memory_bytes(cuda) == 24 * gib

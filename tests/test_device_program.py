@@ -56,8 +56,9 @@ def as_saved_on_cuda(path: Path) -> None:
 
 
 def steps_of(run: Path, algo: str = "grpo") -> list[dict]:
-    """metrics.jsonl's records without their timings."""
-    return [{k: v for k, v in json.loads(line).items() if not ("time_" in k or k.endswith("_per_s"))}
+    """metrics.jsonl's records without what measures the machine (timings, memory)."""
+    volatile = ("time_", "_per_s", "peak_memory")
+    return [{k: v for k, v in json.loads(line).items() if not any(t in k for t in volatile)}
             for line in (run / algo / "metrics.jsonl").read_text().splitlines()]
 
 

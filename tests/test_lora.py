@@ -38,7 +38,7 @@ from written import RECORD, sha256
 TINY = ["--model", "tiny-qwen2", "--max-new-tokens", "8", "--group-size", "4", "--eval-size", "4"]
 PARITY = "def parity(completion, gold): return float(len(completion) % 2)\n"  # rewards that vary: a gradient
 LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-VOLATILE = ("time", "_per_s")  # keys of metrics.jsonl that are timings
+VOLATILE = ("time", "_per_s", "peak_memory")  # keys of metrics.jsonl that measure the machine
 
 
 @pytest.fixture()
