@@ -58,25 +58,25 @@ import numpy as np
 import train
 from data.tasks import NO_LEVEL
 from hardware import pick_device, resolve_precision
-from plan import print_estimate, print_interval_plan
+from plan import NoPlanFits, plan_study, planned_runs, precision_runs, scale_of, scatter_runs, sweep_runs
 from plots import (plot_accuracy_vs_compute, plot_accuracy_vs_tokens, plot_collapse_map, plot_compare_curves,
                    plot_difficulty, plot_early_acr_scatter, plot_precision_curves)
 from processes import on_stop_signals
 from run_folder import RunFolderError, read_jsonl
 from stats import verdict
-from study_flags import MARGIN, as_flags, lr_grid, parse_args, part_flags, study_title
+from study_flags import MARGIN, as_flags, parse_args, study_title
 from study_runs import (BASELINE, LORA, PRECISIONS, Run, acr_by_difficulty, check_flags, check_run, held_out,
                         method_runs, run_dir, run_training, seed_cpus, train_and_score, train_argv)
 from tables import (accuracy_curves, accuracy_table, collapse, compute_cost, early_acr_by_level,
                     early_acr_scatter, lora_table, markdown_table, pick_lr, print_results, report,
                     results_so_far, seed_deltas)
-from workers import Stopped, run_all, stop_handler
+from workers import Progress, Stopped, Workers, runs_at_once, stop_handler
 from written import Folder, NotWritten, owned
 
 
 
 def compare(folder: Path, methods: list[str], seeds: list[int], config: train.Args, per_level: int | None,
-            resamples: int, jobs: int, baseline: str = BASELINE,
+            resamples: int, workers: Workers, baseline: str = BASELINE,
             extra: dict[str, list[str]] | None = None) -> dict:
     """Train every method on every seed into `folder` at `config` (with its `extra` flags: the lora part's
     learning rates), evaluate each final checkpoint per problem, bootstrap (Δ to `baseline`), account
@@ -86,7 +86,7 @@ def compare(folder: Path, methods: list[str], seeds: list[int], config: train.Ar
         check_run(*run)
     problems = {s: held_out(config, s, per_level) for s in seeds}  # a seed's, the same for every method
     tasks = [(train_and_score, run, problems[s]) for (_, s), run in runs.items()]
-    records = dict(zip(runs, run_all(tasks, jobs)))
+    records = dict(zip(runs, workers.run(tasks)))
     correct = [[[r["correct"] for r in records[m, s]] for s in seeds] for m in methods]  # [M][S][N]
     levels = {s: [r["level"] or NO_LEVEL for r in records[methods[0], s]] for s in seeds}
     assert all(lv == levels[seeds[0]] for lv in levels.values()), "the bootstrap needs one level pattern"
@@ -110,24 +110,13 @@ def compare(folder: Path, methods: list[str], seeds: list[int], config: train.Ar
     return table
 
 
-def scatter_runs(args: argparse.Namespace, out: Path) -> dict[tuple[str, int, int], Run]:
-    """The scatter's short GRPO runs over levels x G x seeds, the largest G first: (level, G, seed) -> its
-    run."""
-    own = dict(steps=args.scatter_steps, prompts_per_step=args.scatter_prompts, eval_every=args.scatter_steps,
-               eval_size=args.scatter_eval_size, save_every=0)
-    seeds = [int(s) for s in args.scatter_seeds.split(",")]
-    return {(level, g, seed): (out / f"{level}-g{g}-seed{seed}", seed, "grpo",
-                               part_flags(args, **own, dataset=f"arith-{level}", group_size=g))
-            for g in sorted([int(g) for g in args.scatter_g.split(",")], reverse=True)
-            for level in args.scatter_levels.split(",") for seed in seeds}
-
-
-def scatter(runs: dict[tuple[str, int, int], Run], levels: list[str], resamples: int, jobs: int) -> dict:
+def scatter(runs: dict[tuple[str, int, int], Run], levels: list[str], resamples: int,
+            workers: Workers) -> dict:
     """The scatter's runs (`scatter_runs`); each run's early raw ACR (`metrics.early_steps`) and final
     held-out accuracy, from its summary.json, level by level (in the order of `levels`)."""
     for run in runs.values():  # before any run starts
         check_run(*run)
-    run_all([(run_training, *run) for run in runs.values()], jobs)
+    workers.run([(run_training, run) for run in runs.values()])
     points = []
     for level, g, seed in sorted(runs, key=lambda cell: (levels.index(cell[0]), cell[1], cell[2])):
         out, _, algo, _ = runs[level, g, seed]
@@ -137,16 +126,7 @@ def scatter(runs: dict[tuple[str, int, int], Run], levels: list[str], resamples:
     return early_acr_scatter(points, resamples)
 
 
-def precision_runs(args: argparse.Namespace, out: Path) -> dict[tuple[str, int], Run]:
-    """The default run (`python train.py`) in each precision on each seed: (precision, seed) -> its run; fp32,
-    the slower, first: balances the jobs."""
-
-    return {(name, seed): (out / f"seed{seed}-{name}", seed, "grpo",  # else the default run's own settings
-                           part_flags(args, steps=args.precision_steps, save_every=0, precision=name))
-            for name in reversed(PRECISIONS) for seed in [int(s) for s in args.precision_seeds.split(",")]}
-
-
-def precision(runs: dict[tuple[str, int], Run], jobs: int) -> dict:
+def precision(runs: dict[tuple[str, int], Run], workers: Workers) -> dict:
     """The same GRPO run in bf16 and in fp32 on each seed (`precision_runs`): held-out accuracy before and
     after, and the costs."""
     if resolve_precision("auto", pick_device()) != "bf16":
@@ -154,7 +134,7 @@ def precision(runs: dict[tuple[str, int], Run], jobs: int) -> dict:
               "the bf16 runs are emulated")
     for run in runs.values():  # before any run starts
         check_run(*run)
-    run_all([(run_training, *run) for run in runs.values()], jobs)
+    workers.run([(run_training, run) for run in runs.values()])
     result = {}
     for name in PRECISIONS:
         folders = [out / algo for (of, _), (out, _, algo, _) in runs.items() if of == name]  # seed by seed
@@ -176,7 +156,7 @@ def compare_part(args: argparse.Namespace, folder: Path, methods: list[str], fig
     """compare (and readings, in its own folder): the training runs and the table; with `figures`, the
     curves, accuracy against cost and tokens, and the collapse map of the first seed."""
     seeds = [int(s) for s in args.seeds.split(",")]
-    table = compare(folder, methods, seeds, args.train, args.per_level or None, args.resamples, args.jobs)
+    table = compare(folder, methods, seeds, args.train, args.per_level or None, args.resamples, args.workers)
     if figures:
         runs_by_method = {m: [run_dir(folder, m, s) for s in seeds] for m in methods}
         title = study_title(args.train)
@@ -198,11 +178,11 @@ def lora_part(args: argparse.Namespace, folder: Path) -> dict:
         check_run(*run)
     tasks = [(train_and_score, run, held_out(args.train, seed, per_level)) for run in sweep.values()]
     accuracy = {arm: {} for arm in LORA}
-    for (arm, lr), records in zip(sweep, run_all(tasks, args.jobs)):
+    for (arm, lr), records in zip(sweep, args.workers.run(tasks)):
         accuracy[arm][lr] = float(np.mean([r["correct"] for r in records]))
     chosen = {arm: pick_lr(accuracy[arm]) for arm in LORA}
     table = compare(folder, list(LORA), [int(s) for s in args.seeds.split(",")], args.train, per_level,
-                    args.resamples, args.jobs, baseline=LORA[0],
+                    args.resamples, args.workers, baseline=LORA[0],
                     extra={arm: ["--lr", lr] for arm, lr in chosen.items()})
     for arm, row in table.items():
         seconds = row["cost"]["seconds"]
@@ -215,48 +195,20 @@ def lora_part(args: argparse.Namespace, folder: Path) -> dict:
             "margin": MARGIN, "arms": table}
 
 
-def sweep_runs(args: argparse.Namespace, folder: Path) -> dict[tuple[str, str], Run]:
-    """The lora part's sweep on --sweep-seed: (arm, lr) -> its run
-    (<folder>/sweep/lr2e-05/seed100-full-ft/grpo, say)."""
-    flags, seed = as_flags(args.train), args.sweep_seed
-    sweep = {(arm, lr): method_runs(folder / "sweep" / f"lr{lr}", [arm], [seed], flags + ["--lr", lr])
-             for arm, lrs in lr_grid(args).items() for lr in lrs}
-    return {(arm, lr): runs[arm, seed] for (arm, lr), runs in sweep.items()}
-
-
 def scatter_part(args: argparse.Namespace, folder: Path, figures: Folder) -> dict:
     """The early-ACR scatter's GRPO runs, the fit and its figure."""
-    result = scatter(scatter_runs(args, folder), args.scatter_levels.split(","), args.resamples, args.jobs)
+    result = scatter(scatter_runs(args, folder), args.scatter_levels.split(","), args.resamples, args.workers)
     plot_early_acr_scatter(result, figures, "early_acr_vs_accuracy.png")
     return result
 
 
 def precision_part(args: argparse.Namespace, folder: Path, figures: Folder) -> dict:
     """The default run in bf16 and fp32, and its figure."""
-    result = precision(precision_runs(args, folder), args.jobs)
+    result = precision(precision_runs(args, folder), args.workers)
     runs = {name: [Path(run) for run in result[name]["runs"]] for name in PRECISIONS}
     plot_precision_curves(runs, figures, "precision.png", f"{args.train.model}, the default run, seeds "
                           f"{args.precision_seeds}")
     return result
-
-
-def planned_runs(args: argparse.Namespace, parts: list[str]) -> list[Run]:
-    """Every training run of the parts asked for; the lora part's arms at every rate of their grids (its
-    sweep picks one only later)."""
-    out, seeds, flags = Path(args.out), [int(s) for s in args.seeds.split(",")], as_flags(args.train)
-    runs = []
-    for part, methods in (("compare", args.methods), ("readings", args.readings)):
-        if part in parts:
-            runs += method_runs(out / part, methods.split(","), seeds, flags).values()
-    if "scatter" in parts:
-        runs += scatter_runs(args, out / "scatter").values()
-    if "precision" in parts:
-        runs += precision_runs(args, out / "precision").values()
-    if "lora" in parts:
-        runs += sweep_runs(args, out / "lora").values()
-        runs += [run for arm, lrs in lr_grid(args).items() for lr in lrs
-                 for run in method_runs(out / "lora", [arm], seeds, flags, {arm: ["--lr", lr]}).values()]
-    return runs
 
 
 def print_commands(args: argparse.Namespace, parts: list[str]) -> dict:
@@ -305,20 +257,23 @@ def main(argv: list[str] | None = None) -> dict:
             return print_commands(args, parts)
     except RunFolderError as e:
         sys.exit(f"error: {e}")
-    print_estimate(args, parts)
-    if "compare" in parts:
-        print_interval_plan(args)
-    if args.dry_run:
-        return {}
     try:
         with on_stop_signals(stop_handler()):
-            check_before_any_run(args, parts)
+            if not args.dry_run:  # before the calibration too, a run; and again where the budget changed them
+                check_before_any_run(args, parts)
+            fitted, left = plan_study(args, parts)
+            if args.dry_run:
+                return {}
+            if scale_of(fitted) != scale_of(args):
+                check_before_any_run(fitted, parts)
+            args = fitted
+            args.workers = Workers(args.jobs, Progress(left, runs_at_once(args.jobs, args.train.device)[0]))
             with owned(Path(args.out), "experiments") as out, ExitStack() as stack:
                 apart = args.figures and Path(args.figures).resolve() != out.path.resolve()
                 figures = (stack.enter_context(owned(Path(args.figures), "experiments")) if apart
                            else out if args.figures else out.subfolder("figures", "experiments"))
                 return run_parts(args, parts, out, figures)
-    except (NotWritten, RunFolderError, OSError) as e:
+    except (NotWritten, RunFolderError, NoPlanFits, OSError) as e:
         sys.exit(f"error: {e}")
     except Stopped as stop:
         print(f"experiments.py: stopped by {stop}: no run started after it, and each run under way kept its "
@@ -335,7 +290,7 @@ def run_parts(args: argparse.Namespace, parts: list[str], out: Folder, figures: 
         figures.now(name)  # NotWritten: not ours
     out.now(REPORT)
     results = results_so_far(figures, RESULTS)
-    study = {k: v for k, v in vars(args).items() if k not in ("out", "figures", "only", "train")}
+    study = {k: v for k, v in vars(args).items() if k not in ("out", "figures", "only", "train", "workers")}
     results["scale"] = {**study, "train": as_flags(args.train)}  # and the comparison runs' train.py flags
     if "difficulty" in parts:
         results["difficulty"] = acr_by_difficulty(args.train, args.difficulty_prompts, 8)

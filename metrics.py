@@ -84,9 +84,10 @@ def step_metrics(rewards, advantages, rollout: Rollout, costs: dict, device) -> 
 
 
 
-def summarise_run(folder: Folder, algo: str) -> dict:
-    """Means over a finished run's steps, the steps that trained no row, and its early collapse
-    (`early_collapse`), into summary.json."""
+def summarise_run(folder: Folder, algo: str, wall_seconds: float) -> dict:
+    """Means over a finished run's steps, the steps that trained no row, its early collapse
+    (`early_collapse`), and the `wall_seconds` of the process that finished it, from loading the model on,
+    into summary.json."""
     rows, evals = read_jsonl(folder.path / "metrics.jsonl"), read_jsonl(folder.path / "evals.jsonl")
     mean = lambda key: sum(r[key] for r in rows) / len(rows)  # noqa: E731
     seconds = sum(r["time_generate"] + r["time_score"] + r["time_train"] for r in rows)
@@ -94,7 +95,7 @@ def summarise_run(folder: Folder, algo: str) -> dict:
                "acr_mean": mean("acr"), "acr_effective_mean": mean("acr_effective"),
                "reward_mean": mean("reward_mean"), "seconds_per_step": seconds / len(rows),
                "steps_without_signal": sum(r["rows_trained"] == 0 for r in rows),
-               **early_collapse(rows[: early_steps(len(rows))])}
+               **early_collapse(rows[: early_steps(len(rows))]), "time_run": wall_seconds}
     folder.write("summary.json", json.dumps(summary, indent=2))
     return summary
 

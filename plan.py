@@ -1,18 +1,151 @@
-"""What a study will take and what it can decide, printed before it runs: its runs, steps and minutes, and
-each comparison's expected interval and the seeds that would decide --margin (`stats`)."""
+"""What a study trains (`planned_runs`), what it will take and what it can decide, printed before it runs
+(`plan_study`):
+
+1. `calibrate`: one GRPO step and two evaluations, trained by train.py on this device at the comparison runs'
+   settings, as one of the study's runs (a worker with its share of the cores, or its own GPU). What
+   train.py logged gives the seconds of a step (and of its sampling), of an evaluated problem and of the
+   rest of a run (loading, the report), the step's raw ACR and the peak memory (`Calibration`).
+2. `run_seconds`: a run's seconds from them; `study_plan` adds up the runs of the parts asked for.
+3. `fit_budget`: with --budget-minutes, the seeds, steps and evaluation size that fit, by the rule in its
+   docstring; where nothing fits, the smallest plan it reached and its minutes.
+4. `print_interval_plan`: each comparison's expected interval and the seeds that would decide --margin
+   (`stats`), from the variances of finished compare runs.
+"""
 
 import argparse
+import dataclasses
+import hashlib
+import json
 import re
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 
 import train
 from data.tasks import by_level, load_problems
+from hardware import device_memory_bytes, pick_device
 from run_folder import read_jsonl
 from stats import expected_half_width, seeds_to_decide, variance_parts
-from study_runs import BASELINE, LORA, PRECISIONS, as_written, held_out, run_dir
-from written import NotWritten
+from study_flags import as_flags, lr_grid, part_flags
+from study_runs import (BASELINE, PRECISIONS, Run, as_written, check_run, finished, held_out, method_runs,
+                        run_args, run_dir, run_training)
+from workers import run_all, runs_at_once
+from written import NotWritten, owned
+
+CALIBRATION_PROBLEMS = 32  # eval.evaluate's batch: a full one gives a problem's share of its time
+SCORED = ("compare", "readings", "lora")  # the parts whose final models are evaluated problem by problem
+
+
+# ------------------------------------------------------------------------------ the runs a study trains
+
+
+def scatter_runs(args: argparse.Namespace, out: Path) -> dict[tuple[str, int, int], Run]:
+    """The scatter's short GRPO runs over levels x G x seeds, the largest G first: (level, G, seed) -> its
+    run."""
+    own = dict(steps=args.scatter_steps, prompts_per_step=args.scatter_prompts, eval_every=args.scatter_steps,
+               eval_size=args.scatter_eval_size, save_every=0)
+    seeds = [int(s) for s in args.scatter_seeds.split(",")]
+    return {(level, g, seed): (out / f"{level}-g{g}-seed{seed}", seed, "grpo",
+                               part_flags(args, **own, dataset=f"arith-{level}", group_size=g))
+            for g in sorted([int(g) for g in args.scatter_g.split(",")], reverse=True)
+            for level in args.scatter_levels.split(",") for seed in seeds}
+
+
+def precision_runs(args: argparse.Namespace, out: Path) -> dict[tuple[str, int], Run]:
+    """The default run (`python train.py`) in each precision on each seed: (precision, seed) -> its run; fp32,
+    the slower, first: balances the jobs."""
+
+    return {(name, seed): (out / f"seed{seed}-{name}", seed, "grpo",  # else the default run's own settings
+                           part_flags(args, steps=args.precision_steps, save_every=0, precision=name))
+            for name in reversed(PRECISIONS) for seed in [int(s) for s in args.precision_seeds.split(",")]}
+
+
+def sweep_runs(args: argparse.Namespace, folder: Path) -> dict[tuple[str, str], Run]:
+    """The lora part's sweep on --sweep-seed: (arm, lr) -> its run
+    (<folder>/sweep/lr2e-05/seed100-full-ft/grpo, say)."""
+    flags, seed = as_flags(args.train), args.sweep_seed
+    sweep = {(arm, lr): method_runs(folder / "sweep" / f"lr{lr}", [arm], [seed], flags + ["--lr", lr])
+             for arm, lrs in lr_grid(args).items() for lr in lrs}
+    return {(arm, lr): runs[arm, seed] for (arm, lr), runs in sweep.items()}
+
+
+def planned_runs(args: argparse.Namespace, parts: list[str], every_rate: bool = True) -> list[Run]:
+    """Every training run of the parts asked for; the lora part's arms at every rate of their grids (its
+    sweep picks one only later), or at the first alone (`every_rate` False: as many runs as will train)."""
+    out, seeds, flags = Path(args.out), [int(s) for s in args.seeds.split(",")], as_flags(args.train)
+    runs = []
+    for part, methods in (("compare", args.methods), ("readings", args.readings)):
+        if part in parts:
+            runs += method_runs(out / part, methods.split(","), seeds, flags).values()
+    if "scatter" in parts:
+        runs += scatter_runs(args, out / "scatter").values()
+    if "precision" in parts:
+        runs += precision_runs(args, out / "precision").values()
+    if "lora" in parts:
+        runs += sweep_runs(args, out / "lora").values()
+        runs += [run for arm, lrs in lr_grid(args).items() for lr in (lrs if every_rate else lrs[:1])
+                 for run in method_runs(out / "lora", [arm], seeds, flags, {arm: ["--lr", lr]}).values()]
+    return runs
+
+
+# ------------------------------------------------------------------------------ their time, measured first
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """One GRPO step of `rows` completions and its evaluations, measured on the study's device."""
+    step_seconds: float  # sampling, scoring and the update
+    sample_seconds: float  # of which sampling and scoring: what AAPO's reference and DAPO's resampling repeat
+    problem_seconds: float  # a problem evaluated greedily
+    run_seconds: float  # the rest of a run: loading the model and data, the report
+    rows: int  # B x G
+    acr: float  # the step's raw ACR: the share of groups DAPO samples again
+    peak_bytes: int  # the run's peak memory (`hardware.peak_memory_bytes`)
+    device_bytes: int  # the device's memory (`hardware.device_memory_bytes`)
+
+
+def calibration_run(args: argparse.Namespace) -> Run:
+    """The calibration's train.py run: the comparison runs' settings, 1 step, an evaluation of at most
+    CALIBRATION_PROBLEMS problems before and after it, no checkpoint; in <out>/calibration/<a hash of its
+    flags>, so that a study asking for the same settings reuses it and one asking for others does not."""
+    config = dataclasses.replace(args.train, steps=1, eval_every=0, save_every=0,
+                                 eval_size=min(args.train.eval_size, CALIBRATION_PROBLEMS))
+    flags = as_flags(config)
+    key = hashlib.sha256("\0".join(flags).encode()).hexdigest()[:12]
+    return Path(args.out) / "calibration" / key, 0, "grpo", flags
+
+
+def train_calibration(run: Run) -> int:
+    """Train the calibration run (`run_training`: reused when finished); the device's memory, where it ran."""
+    run_training(run)
+    return device_memory_bytes(pick_device(run_args(run).device))
+
+
+def calibrate(args: argparse.Namespace) -> Calibration:
+    """Train the calibration run as the study's runs will be trained (`run_all`: --jobs), then read what
+    train.py wrote of it (each file as train.py left it: `check_run`)."""
+    run = calibration_run(args)
+    with owned(Path(args.out), "experiments") as out:  # the study's folder, known as a script's (written.py)
+        out.subfolder("calibration", "experiments")
+    check_run(*run)
+    if not finished(run[0] / run[2]):
+        print(f"calibration: one GRPO step and two evaluations at the comparison runs' settings, as one of "
+              f"--jobs {args.jobs}, in {run[0]}", flush=True)
+    device_bytes, = run_all([(train_calibration, run)], args.jobs)
+    check_run(*run)
+    folder = run[0] / run[2]
+    step, = read_jsonl(folder / "metrics.jsonl")
+    evals, problems = read_jsonl(folder / "evals.jsonl"), len(read_jsonl(folder / "eval_records.jsonl"))
+    summary = json.loads((folder / "summary.json").read_text())  # whole: check_run
+    sample = step["time_generate"] + step["time_score"]
+    evaluating = sum(e["time_eval"] for e in evals)
+    return Calibration(step_seconds=sample + step["time_train"], sample_seconds=sample,
+                       problem_seconds=evaluating / (len(evals) * problems),
+                       run_seconds=max(0.0, summary["time_run"] - sample - step["time_train"] - evaluating),
+                       rows=args.train.prompts_per_step * args.train.group_size, acr=step["acr"],
+                       peak_bytes=step["peak_memory_bytes"], device_bytes=device_bytes)
 
 
 def evaluations(steps: int, every: int) -> int:
@@ -21,51 +154,178 @@ def evaluations(steps: int, every: int) -> int:
     return 2 if every == 0 else steps // every + 1 + (steps % every > 0)
 
 
-def estimate(args, parts: list[str]) -> tuple[int, int, float, float]:
-    """(runs, training steps, step units, eval units), before skipping finished runs. Time in seconds is about
-    step_units x step_seconds + eval_units x eval_seconds: a step of B prompts x G completions is B*G/64 step
-    units (sampling 8 x 8 for the difficulty part: half a unit), an evaluation of n problems n/336 eval units;
-    a compare run evaluates 3 times (train.py before and after, the per-problem one), a scatter run twice."""
-    runs = steps = step_units = eval_units = 0
-    config = args.train
-    held, final = (len(held_out(config, 0, per_level)) for per_level in (None, args.per_level or None))
-    sweep = len(args.full_lrs.split(",")) + (len(LORA) - 1) * len(args.lora_lrs.split(","))
-    for part, n in (("compare", len(args.methods.split(",")) * len(args.seeds.split(","))),
-                    ("readings", len(args.readings.split(",")) * len(args.seeds.split(","))),
-                    ("lora", len(LORA) * len(args.seeds.split(",")) + sweep)):  # lora: its sweep's runs too
-        if part in parts:
-            runs, steps = runs + n, steps + n * config.steps
-            step_units += n * config.steps * config.prompts_per_step * config.group_size / 64
-            evals = evaluations(config.steps, config.eval_every)
-            eval_units += n * (evals * min(config.eval_size, held) + final) / 336
-    if "scatter" in parts:
-        gs = [int(g) for g in args.scatter_g.split(",")]
-        n = len(args.scatter_levels.split(",")) * len(args.scatter_seeds.split(","))
-        runs, steps = runs + n * len(gs), steps + n * len(gs) * args.scatter_steps
-        step_units += n * args.scatter_steps * args.scatter_prompts * sum(gs) / 64
-        eval_units += n * len(gs) * 2 * args.scatter_eval_size / 336
-    if "difficulty" in parts:
-        step_units += len(by_level(load_problems(config.dataset))) * args.difficulty_prompts * 8 / 64 / 2
-    if "precision" in parts:  # train.py's own B, G and evaluation schedule, but for the flags given
-        n, default = len(PRECISIONS) * len(args.precision_seeds.split(",")), train.Args(**args.given)
-        runs, steps = runs + n, steps + n * args.precision_steps
-        step_units += n * args.precision_steps * default.prompts_per_step * default.group_size / 64
-        evals = evaluations(args.precision_steps, default.eval_every)
-        eval_units += n * evals * min(default.eval_size, 336) / 336
-    return runs, steps, step_units, eval_units
+def run_seconds(cal: Calibration, config: train.Args, held: int, final: int) -> float:
+    """A run's seconds: the rest of a run, its steps and train.py's evaluations of its `held`-problem split,
+    then its final model's evaluation of `final` problems (0: train.py's last one covered them), which loads
+    the checkpoint again. A step scales with its B x G; AAPO's samples again for its reference, DAPO's for
+    the collapsed groups, round after round (a share `acr` of them each time, as in the calibration)."""
+    again = {"aapo": 1.0, "dapo": sum(cal.acr**k for k in range(1, config.resample_rounds + 1))}
+    step = (cal.step_seconds + again.get(config.algo, 0.0) * cal.sample_seconds) / cal.rows
+    problems = evaluations(config.steps, config.eval_every) * min(config.eval_size, held) + final
+    return (cal.run_seconds * (1 + (final > 0)) + config.steps * step * config.prompts_per_step
+            * config.group_size + problems * cal.problem_seconds)
 
 
-def print_estimate(args: argparse.Namespace, parts: list[str]) -> None:
-    """The runs and the time they would take, with a warning when that exceeds --budget-minutes."""
-    runs, steps, step_units, eval_units = estimate(args, parts)
-    minutes = (step_units * args.step_seconds + eval_units * args.eval_seconds) / 60
-    print(f"{runs} training runs, {steps} steps ({step_units:.0f} B=8 x G=8 step equivalents, "
-          f"{eval_units:.0f} 336-problem evals): about {minutes:.0f} min at {args.step_seconds:g} s/step, "
-          f"{args.eval_seconds:g} s/eval")
-    if minutes > args.budget_minutes:  # say what would fit rather than start a run that overruns
-        fits = (args.budget_minutes * 60 - eval_units * args.eval_seconds) / step_units
-        print(f"warning: over the {args.budget_minutes:g}-min budget; it fits at <= {fits:.1f} s/step, "
-              "or with fewer --steps, --seeds, --scatter-steps or a smaller --scatter-g grid")
+@dataclass
+class Plan:
+    """A study's runs and their seconds (`study_plan`), `parallel` at once."""
+    seconds: dict[Path, float]  # each run's folder (<out>/<algo>) -> its seconds
+    steps: int
+    problems: int  # evaluated, by train.py and the final evaluations
+    alone: float  # seconds outside the runs, one thing at a time: the difficulty part's sampling
+    parallel: int
+
+    @property
+    def minutes(self) -> float:
+        return (sum(self.seconds.values()) / self.parallel + self.alone) / 60
+
+
+def study_plan(runs: list[Run], out: Path, final: int, cal: Calibration, parallel: int,
+               difficulty: tuple[train.Args, int] | None = None) -> Plan:
+    """The seconds of these runs of a study in `out`; those of the SCORED parts evaluate their final models
+    on `final` problems where train.py's last evaluation did not; `difficulty`: the difficulty part's
+    settings and prompts a level, sampled G = 8 once, outside the runs."""
+    held: dict[tuple, int] = {}  # (dataset, eval dataset) -> its held-out split's size, each loaded once
+    seconds, steps, problems = {}, 0, 0
+    for run in runs:
+        config = run_args(run)
+        key = (config.dataset, config.eval_dataset)
+        held[key] = held.get(key) or len(held_out(config, 0, None))
+        scored = run[0].relative_to(out).parts[0] in SCORED
+        covered = final == held[key] and config.eval_size >= held[key]
+        evaluated = final if scored and not covered else 0
+        seconds[run[0] / run[2]] = run_seconds(cal, config, held[key], evaluated)
+        steps += config.steps
+        evals = evaluations(config.steps, config.eval_every)
+        problems += evals * min(config.eval_size, held[key]) + evaluated
+    alone = 0.0
+    if difficulty:
+        config, prompts = difficulty
+        groups = len(by_level(load_problems(config.dataset))) * prompts
+        alone = cal.run_seconds + groups * 8 * cal.sample_seconds / cal.rows
+    return Plan(seconds, steps, problems, alone, parallel)
+
+
+@dataclass(frozen=True)
+class Scale:
+    """What --budget-minutes may choose: the comparison runs' seeds, steps and evaluation size."""
+    seeds: tuple[int, ...]
+    steps: int
+    eval_size: int
+
+
+def fit_budget(minutes: Callable[[Scale], float], asked: Scale, budget: float, free: set[str],
+               most_seeds: int | None, skip_seed: int) -> tuple[Scale, bool]:
+    """The scale a study runs at within `budget` minutes, and whether it fits. Only the `free` fields move
+    (those the user did not give). The rule, in order:
+    1. the asked scale fits: seeds are added (the next integers, but `skip_seed`) while the plan fits, up to
+       `most_seeds`, those that would decide the margin (none where no variances are known);
+    2. else the evaluation every --eval-every steps halves, down to CALIBRATION_PROBLEMS (the final
+       evaluation, which the intervals come from, keeps every problem): the curves get coarser first;
+    3. then seeds go, the last first, down to 2 (the fewest that give a spread);
+    4. then steps, down to a quarter of those asked, the most that fit: fewer would ask another question.
+    Where even that does not fit, the smallest scale reached, and False."""
+    scale = asked
+    if minutes(scale) <= budget:
+        while "seeds" in free and len(scale.seeds) < (most_seeds or 0):
+            more = dataclasses.replace(scale, seeds=(*scale.seeds, next_seed(scale.seeds, skip_seed)))
+            if minutes(more) > budget:
+                break
+            scale = more
+        return scale, True
+    least_eval = min(asked.eval_size, CALIBRATION_PROBLEMS)
+    while "eval_size" in free and scale.eval_size > least_eval and minutes(scale) > budget:
+        scale = dataclasses.replace(scale, eval_size=max(least_eval, scale.eval_size // 2))
+    while "seeds" in free and len(scale.seeds) > 2 and minutes(scale) > budget:
+        scale = dataclasses.replace(scale, seeds=scale.seeds[:-1])
+    if "steps" in free and minutes(scale) > budget:
+        low, high = max(1, asked.steps // 4), asked.steps  # the most steps that fit: a bisection
+        while low < high:
+            middle = (low + high + 1) // 2
+            low, high = (middle, high) if minutes(dataclasses.replace(scale, steps=middle)) <= budget \
+                else (low, middle - 1)
+        scale = dataclasses.replace(scale, steps=low)
+    return scale, minutes(scale) <= budget
+
+
+def next_seed(seeds: tuple[int, ...], skip: int) -> int:
+    """The integer after the largest of `seeds`, but `skip` (the lora part's sweep seed)."""
+    seed = max(seeds) + 1
+    return seed + 1 if seed == skip else seed
+
+
+def scale_of(args: argparse.Namespace) -> Scale:
+    """The study's scale, as its flags ask."""
+    return Scale(tuple(int(s) for s in args.seeds.split(",")), args.train.steps, args.train.eval_size)
+
+
+def scaled(args: argparse.Namespace, scale: Scale) -> argparse.Namespace:
+    """The study's flags at `scale`."""
+    config = dataclasses.replace(args.train, steps=scale.steps, eval_size=scale.eval_size)
+    return argparse.Namespace(**{**vars(args), "seeds": ",".join(map(str, scale.seeds)), "train": config})
+
+
+def print_plan(plan: Plan, cal: Calibration, sharing: int) -> None:
+    """The runs, steps, evaluations and minutes of a plan, what the calibration measured, and the peak memory
+    of the `sharing` runs on one device against the device's."""
+    gib = 2**30
+    print(f"plan: {len(plan.seconds)} training runs, {plan.steps} steps, {plan.problems} problems evaluated: "
+          f"about {plan.minutes:.1f} min, {plan.parallel} run{'s' * (plan.parallel > 1)} at once")
+    print(f"  calibrated here: a GRPO step of {cal.rows} completions {cal.step_seconds:.1f} s (sampling "
+          f"and scoring {cal.sample_seconds:.1f} s), an evaluated problem {cal.problem_seconds:.2f} s, the "
+          f"rest of a run {cal.run_seconds:.0f} s; peak memory {cal.peak_bytes / gib:.1f} GiB a run, "
+          f"{sharing} on a device: {sharing * cal.peak_bytes / gib:.1f} of its "
+          f"{cal.device_bytes / gib:.1f} GiB")
+    if sharing * cal.peak_bytes > 0.9 * cal.device_bytes:  # the allocator's fragmentation: 10% (memory.py)
+        print(f"warning: {sharing} runs of {cal.peak_bytes / gib:.1f} GiB on a device of "
+              f"{cal.device_bytes / gib:.1f} GiB may not fit: fewer --jobs, or --grad-checkpointing, or "
+              "--lora-rank")
+
+
+class NoPlanFits(Exception):
+    """--budget-minutes is too short for the study by `fit_budget`'s rule (one line: what would fit)."""
+
+
+def plan_study(args: argparse.Namespace, parts: list[str]) -> tuple[argparse.Namespace, dict[Path, float]]:
+    """Calibrate (`calibrate`), fit --budget-minutes (`fit_budget`; NoPlanFits where nothing fits), print the
+    plan and the intervals it expects: the study's flags at the scale chosen, and the seconds of each run
+    still to train. Without a budget, a study whose runs are all trained plans nothing (the figures of
+    finished runs)."""
+    if args.budget_minutes is None and all(finished(out / algo) for out, _, algo, _ in
+                                           planned_runs(args, parts, every_rate=False)):
+        return args, {}
+    cal = calibrate(args)
+    parallel, sharing = runs_at_once(args.jobs, args.train.device)
+    final = len(held_out(args.train, 0, args.per_level or None))
+    difficulty = (args.train, args.difficulty_prompts) if "difficulty" in parts else None
+
+    def plan_at(scale: Scale) -> Plan:
+        runs = planned_runs(scaled(args, scale), parts, every_rate=False)
+        return study_plan(runs, Path(args.out), final, cal, parallel, difficulty)
+
+    if args.budget_minutes is not None:
+        free = {"steps", "eval_size"} - set(args.given) | (set() if args.seeds_given else {"seeds"})
+        needed = interval_plan(args)[1] if "compare" in parts else None
+        scale, fits = fit_budget(lambda at: plan_at(at).minutes, scale_of(args), args.budget_minutes, free,
+                                 needed, args.sweep_seed)
+        seeds = ",".join(map(str, scale.seeds))
+        chosen = f"--seeds {seeds} --steps {scale.steps} --eval-size {scale.eval_size}"
+        if not fits:
+            raise NoPlanFits(f"no plan fits --budget-minutes {args.budget_minutes:g}: the smallest by "
+                             f"plan.fit_budget's rule ({chosen}) takes about "
+                             f"{plan_at(scale).minutes:.1f} min; give that budget, fewer --methods or parts "
+                             "(--only), or fix fewer of --seeds, --steps and --eval-size: no run started")
+        print(f"--budget-minutes {args.budget_minutes:g} fits {chosen} (plan.fit_budget's rule)")
+        args = scaled(args, scale)
+    plan = plan_at(scale_of(args))
+    print_plan(plan, cal, sharing)
+    if "compare" in parts:
+        print(interval_plan(args)[0])
+    left = {folder: seconds for folder, seconds in plan.seconds.items() if not finished(folder)}
+    if len(left) < len(plan.seconds):
+        print(f"  {len(plan.seconds) - len(left)} of the runs are trained: about "
+              f"{(sum(left.values()) / parallel + plan.alone) / 60:.1f} min left")
+    return args, left
 
 
 COMMITTED = Path(__file__).resolve().parent / "runs" / "experiments" / "compare"  # the README's comparison
@@ -105,23 +365,22 @@ def compare_variances(folders: list[Path], methods: list[str]) -> tuple[float, f
     return None
 
 
-def print_interval_plan(args: argparse.Namespace) -> None:
+def interval_plan(args: argparse.Namespace) -> tuple[str, int | None]:
     """compare's expected 95% half width of each Δ vs GRPO, and the seeds that would decide ±--margin, from
-    the variances of finished compare runs (this study's, else the checkout's committed ones; `stats`)."""
+    the variances of finished compare runs (this study's, else the checkout's committed ones; `stats`): the
+    line to print, and those seeds (None where no variances are known)."""
     methods, seeds = args.methods.split(","), len(args.seeds.split(","))
     try:
         found = compare_variances([Path(args.out) / "compare", COMMITTED], methods)
     except NotWritten as e:  # a final evaluation changed since it was written: nothing taken from it
-        print(f"compare: no interval planned: {e}")
-        return
+        return f"compare: no interval planned: {e}", None
     if found is None:
-        print("compare: no finished runs of two seeds to take the variances from: no interval planned")
-        return
+        return "compare: no finished runs of two seeds to take the variances from: no interval planned", None
     problem_var, seed_var, folder = found
     problems = len(held_out(args.train, 0, args.per_level or None))
     width = expected_half_width(seeds, problems, problem_var, seed_var)
     needed = seeds_to_decide(args.margin, problems, problem_var, seed_var)
-    print(f"compare: each Δ vs {BASELINE} over {seeds} seeds of {problems} held-out problems: expected 95% "
-          f"interval ±{100 * width:.1f} points (variances from {folder}: {problem_var:.3f} a problem, "
-          f"{seed_var:.5f} between seeds); deciding ±{100 * args.margin:g} points 4 times in 5 at a true Δ "
-          f"of 0 takes {needed or 'more than 1000'} seeds")
+    return (f"compare: each Δ vs {BASELINE} over {seeds} seeds of {problems} held-out problems: expected "
+            f"95% interval ±{100 * width:.1f} points (variances from {folder}: {problem_var:.3f} a problem, "
+            f"{seed_var:.5f} between seeds); deciding ±{100 * args.margin:g} points 4 times in 5 at a true "
+            f"Δ of 0 takes {needed or 'more than 1000'} seeds"), needed

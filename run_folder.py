@@ -337,8 +337,9 @@ def log_step(folder: Folder, record: dict, totals: dict) -> dict:
 
 def log_eval(folder: Folder, step: int, result: dict, seconds: float) -> float:
     """An evaluation's records problem by problem into eval_records.jsonl (the latest evaluation only), then
-    its accuracies and the `seconds` it took into evals.jsonl. In that order: a run killed between the two has not logged the
-    evaluation, so --resume does it again (`run.first_eval`) and eval_records.jsonl never lags evals.jsonl."""
+    its accuracies and the `seconds` it took into evals.jsonl. In that order: a run killed between the two
+    has not logged the evaluation, so --resume does it again (`run.first_eval`) and eval_records.jsonl never
+    lags evals.jsonl."""
     write_jsonl(folder, "eval_records.jsonl", result["records"])
     append_jsonl(folder, "evals.jsonl", {"step": step, "eval_accuracy": result["accuracy"],
                                          "eval_accuracy_by_level": result["accuracy_by_level"],

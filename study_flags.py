@@ -68,18 +68,15 @@ def make_parser() -> FlagParser:
                    help="lora: LoRA's learning rates (each rank)")
     p.add_argument("--sweep-seed", type=at_least(0), default=100,
                    help="lora: the seed of the learning-rate sweep (not one of --seeds)")
-    p.add_argument("--step-seconds", type=SECONDS, default=13.0,
-                   help="estimate: wall seconds per B=8 x G=8 step, "
-                   "with --jobs 2 on 2 cores (compare's wall time, docs/results.md)")
-    p.add_argument("--eval-seconds", type=SECONDS, default=40.0,
-                   help="estimate: wall seconds per 336-problem eval")
     p.add_argument("--jobs", type=COUNT, default=2, help="training runs at once, each on cores/jobs threads")
     p.add_argument("--dry-run", action="store_true",
-                   help="print the run count and time estimate, run nothing")
+                   help="calibrate (one step and two evaluations), print the plan, train nothing else")
     p.add_argument("--print-commands", action="store_true",
                    help="print each run's train.py command, one a line (for a SLURM array, xargs -P), and "
                    "run nothing; the same study without it then gathers the finished runs")
-    p.add_argument("--budget-minutes", type=SECONDS, default=360.0, help="warn when the estimate exceeds it")
+    p.add_argument("--budget-minutes", type=SECONDS, default=None,
+                   help="fit the comparison runs' seeds, steps and --eval-size, those not given, to it "
+                   "(plan.fit_budget)")
     p.add_argument("--margin", type=in_range(0, 1, low_open=True), default=MARGIN,
                    help="the plan: the seeds that would decide a difference of this size (0.025: 2.5 points)")
     defaults = ", ".join(f"--{k.replace('_', '-')} {v}" for k, v in STUDY_DEFAULTS.items())
@@ -117,9 +114,10 @@ def list_problem(args: argparse.Namespace) -> str | None:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    """The study's flags; `given`, the train.py flags given, and `train`, the comparison runs' train.py
-    settings (train.py's defaults, then STUDY_DEFAULTS, then the flags given). With --quick, every part at a
-    tiny scale unless a flag given says otherwise."""
+    """The study's flags; `given`, the train.py flags given; `train`, the comparison runs' train.py settings
+    (train.py's defaults, then STUDY_DEFAULTS, then the flags given); `seeds_given`, whether --seeds was
+    (--budget-minutes keeps them). With --quick, every part at a tiny scale unless a flag given says
+    otherwise."""
     p = make_parser()
     argv = sys.argv[1:] if argv is None else argv
     args = p.parse_args(argv)
@@ -130,6 +128,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(problem)
     if args.sweep_seed in [int(s) for s in args.seeds.split(",")]:  # the rate would be fitted to the test
         p.error(f"--sweep-seed {args.sweep_seed} is one of --seeds {args.seeds}: choose another")
+    typed = [*QUICK, *argv] if args.quick else argv
+    args.seeds_given = any(a == "--seeds" or a.startswith("--seeds=") for a in typed)
     args.given = {f.name: vars(args).pop(f.name) for f in dataclasses.fields(train.Args)
                   if f.name in vars(args) and f.name not in PER_RUN}
     save_every = args.given.get("eval_every", train.Args.eval_every)

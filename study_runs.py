@@ -43,14 +43,15 @@ LORA = ("full-ft", "lora-r1", "lora-r32")  # the first is the lora part's baseli
 # also compared paired with these: does AVSPO's trigger help, and which end of collapse costs accuracy?
 ABLATIONS = {"avspo": ("avspo-always", "avspo-fixed"), "avspo-wrong": ("avspo-correct",)}
 PRECISIONS = ("bf16", "fp32")  # the precision part's arms
-Run = tuple[Path, int, str, list[str]]  # a training run: run_training's arguments (train.py's --out, ...)
+Run = tuple[Path, int, str, list[str]]  # a training run: train.py's --out, --seed, --algo and its other flags
 
 
-def run_training(out: Path, seed: int, algo: str, flags: list[str]) -> None:
+def run_training(run: Run) -> None:
     """train.py's run <out>/<algo> (`check_run` allowed it), unless it is finished: one that stopped part-way
     goes on from its checkpoint (--resume; steps depend on seed and step alone), one stopped before its first
     checkpoint (or with --save-every 0) starts again (--overwrite: --resume refuses it). Stopped by a signal,
     saved, it raises Stopped."""
+    out, seed, algo, flags = run
     if finished(out / algo):
         return
     with owned(out, "runs") as runs:  # released before train.py takes it
@@ -68,6 +69,11 @@ def run_training(out: Path, seed: int, algo: str, flags: list[str]) -> None:
 def train_argv(out: Path, seed: int, algo: str, flags: list[str]) -> list[str]:
     """train.py's flags for a run (`Run`), but --resume or --overwrite."""
     return flags + ["--algo", algo, "--seed", str(seed), "--out", str(out)]
+
+
+def run_args(run: Run) -> train.Args:
+    """The settings train.py would give a run (`Run`), its flags parsed but not checked (`check_flags`)."""
+    return train.Args(**vars(dataclass_parser(train.Args, "").parse_args(train_argv(*run))))
 
 
 def finished(run: Path) -> bool:
@@ -101,9 +107,9 @@ def check_run(out: Path, seed: int, algo: str, flags: list[str]) -> None:
     as_written(run, "run", STUDY_READS)
     as_written(out, "runs", OWN_READS)
     saved = saved_config(run)
-    asked = vars(dataclass_parser(train.Args, "").parse_args(train_argv(out, seed, algo, flags)))  # unchecked
     asked, default = (json.loads(json.dumps(config)) for config in  # as config.json holds them
-                      (asked, {f.name: f.default for f in dataclasses.fields(train.Args)}))
+                      (dataclasses.asdict(run_args((out, seed, algo, flags))),
+                       {f.name: f.default for f in dataclasses.fields(train.Args)}))
     if changed := [f"--{key.replace('_', '-')} {saved.get(key, default[key])} (asked: {value})"
                    for key, value in asked.items()
                    if key not in HOW_RUN and saved.get(key, default[key]) != value]:  # newer flag: default
@@ -156,7 +162,7 @@ def method_runs(folder: Path, methods: list[str], seeds: list[int], flags: list[
 
 def train_and_score(run: Run, problems: list) -> list[dict]:
     """Train one run, then its final model's per-problem records on `problems`."""
-    run_training(*run)
+    run_training(run)
     out, _, algo, _ = run
     return final_records(out / algo, problems)
 

@@ -298,6 +298,7 @@ def train_step(args: Args, run: Run, step: int, rank: int, mine: slice, device: 
 
 def train(args: Args, files: Folder | None, stop_requested: Sequence = ()) -> dict | None:
     """Train one algorithm into its folder `files` (None on processes > 0); Ctrl-C: saved, then stops."""
+    started = time.perf_counter()
     rank, world, device = init_processes(args.device)
     run_dir, is_main = Path(args.out) / args.algo, rank == 0
     run = start_run(args, run_dir, device, is_main, algo_state(args),
@@ -330,7 +331,7 @@ def train(args: Args, files: Folder | None, stop_requested: Sequence = ()) -> di
         if is_main:
             print(stopped_line(args, run_dir, step))
         raise KeyboardInterrupt
-    return summarise_run(files, args.algo) if is_main else None
+    return summarise_run(files, args.algo, time.perf_counter() - started) if is_main else None
 
 
 def main(argv: list[str] | None = None) -> list[dict]:

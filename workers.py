@@ -7,10 +7,13 @@ import signal
 import time
 from concurrent.futures import ALL_COMPLETED, FIRST_EXCEPTION, ProcessPoolExecutor, wait
 from contextlib import suppress
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable
 
 import torch
 
+from hardware import pick_device
 from processes import STOP_SIGNALS, on_stop_signals
 
 
@@ -43,9 +46,38 @@ def stop_handler() -> Callable:
     return on_signal
 
 
-def run_all(tasks: list[tuple], jobs: int) -> list:
+class Progress:
+    """The study's progress, a line as each of its runs ends (train.py's bar shows the run's own): how many of
+    the runs it had left to train are done, and the minutes left by the plan, `planned` (each run's folder ->
+    its seconds, `plan.run_seconds`), `parallel` runs at once."""
+
+    def __init__(self, planned: dict[Path, float], parallel: int):
+        self.left, self.total, self.parallel = dict(planned), len(planned), parallel
+        self.start = time.monotonic()
+
+    def ran(self, run: tuple) -> None:
+        """`run` (`study_runs.Run`) ended; one it had not planned (finished before the study) says nothing."""
+        out, _, algo, _ = run
+        if self.left.pop(out / algo, None) is None:
+            return
+        done, minutes = self.total - len(self.left), (time.monotonic() - self.start) / 60
+        print(f"study: {done} of {self.total} runs done in {minutes:.1f} min, about "
+              f"{sum(self.left.values()) / self.parallel / 60:.0f} min left by the plan", flush=True)
+
+
+@dataclass
+class Workers:
+    """How a study's runs run: `jobs` at once (`run_all`), its `progress` said as each ends."""
+    jobs: int
+    progress: Progress | None = None
+
+    def run(self, tasks: list[tuple]) -> list:
+        return run_all(tasks, self.jobs, self.progress)
+
+
+def run_all(tasks: list[tuple], jobs: int, progress: Progress | None = None) -> list:
     """fn(*args) for each task (fn, *args), in order; with jobs > 1 in that many processes that split the
-    cores.
+    cores. A study's tasks are (fn, run, ...), a `study_runs.Run` second: `progress` says each run ended.
 
     Runs are small (16-64 rows): on 2 cores two 1-thread runs side by side did ~15% more work per second than
     one 2-thread run (measured). With CUDA devices, each worker has one of its own (`start_worker`). Spawned,
@@ -57,9 +89,16 @@ def run_all(tasks: list[tuple], jobs: int) -> list:
     second signal would end it unsaved (train.py's rule), so the workers never see the terminal's Ctrl-C: they
     are spawned with SIGINT blocked, and every thread they start inherits the block. A second signal here ends
     them at once (`stop_handler`). Every wait here is awake to a signal (`wait_awake`)."""
-    progress = Progress(len(tasks))
+    def said(task: tuple) -> None:
+        if progress:
+            progress.ran(task[1])
+
     if jobs == 1:
-        return [progress(fn(*a)) for fn, *a in tasks]
+        results = []
+        for fn, *a in tasks:
+            results.append(fn(*a))
+            said((fn, *a))
+        return results
     threads = max(1, (os.cpu_count() or 1) // jobs)
     spawn = multiprocessing.get_context("spawn")
     stopping, started = spawn.Event(), spawn.Value("i", 0)
@@ -73,9 +112,9 @@ def run_all(tasks: list[tuple], jobs: int) -> list:
                 futures = [pool.submit(with_threads, threads, *task) for task in tasks]
             finally:
                 signal.pthread_sigmask(signal.SIG_SETMASK, unblocked)
-            for future in futures:  # a run that failed, or was stopped or never started, is not done
-                future.add_done_callback(lambda f: stopping.is_set() or f.cancelled() or f.exception()
-                                         or progress(None))
+            for future, task in zip(futures, tasks):  # one failed, stopped or never started: not done
+                future.add_done_callback(lambda f, task=task: stopping.is_set() or f.cancelled()
+                                         or f.exception() or said(task))
             wait_awake(futures, FIRST_EXCEPTION)
         except KeyboardInterrupt:  # Ctrl-C or SIGTERM (`stop_handler`), passed on
             stopping.set()
@@ -89,20 +128,14 @@ def run_all(tasks: list[tuple], jobs: int) -> list:
         return [f.result() for f in futures]
 
 
-class Progress:
-    """The study's progress, a line as each run of `run_all` ends: how many of how many are done, and the
-    minutes left at the pace so far (each run's own progress bar is train.py's)."""
-
-    def __init__(self, total: int):
-        self.total, self.done, self.start = total, 0, time.monotonic()
-
-    def __call__(self, result):
-        self.done += 1
-        elapsed = time.monotonic() - self.start
-        left = elapsed / self.done * (self.total - self.done)
-        print(f"study: {self.done} of {self.total} runs done in {elapsed / 60:.1f} min, about "
-              f"{left / 60:.1f} min left at this pace", flush=True)
-        return result
+def runs_at_once(jobs: int, device: str) -> tuple[int, int]:
+    """(runs at once, runs sharing one device's memory) for `jobs` workers of runs on --device `device`: with
+    CUDA, one a GPU while there are as many (`start_worker`); on the CPU all of them, splitting its cores and
+    sharing its memory."""
+    if pick_device(device).type == "cuda":
+        devices = torch.cuda.device_count()
+        return min(jobs, devices), -(-jobs // devices)
+    return jobs, jobs
 
 
 SIGNAL_CHECK = 0.2  # seconds: how late a signal taken by another thread may be seen (`wait_awake`)

@@ -754,7 +754,7 @@ def test_summary_counts_the_steps_that_trained_no_row(tmp_path):
     with owned(tmp_path, "run") as folder:
         write_jsonl(folder, "metrics.jsonl", [{**step, "rows_trained": n} for n in (8, 0, 3, 0, 0)])
         write_jsonl(folder, "evals.jsonl", [{"eval_accuracy": 0.25}, {"eval_accuracy": 0.5}])
-        assert summarise_run(folder, "grpo")["steps_without_signal"] == 3
+        assert summarise_run(folder, "grpo", 1.0)["steps_without_signal"] == 3
 
 
 def test_a_step_that_trains_no_row_still_moves_the_weights_by_adams_momentum(tiny, rollout):
