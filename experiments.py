@@ -1,10 +1,11 @@
 """The methods side by side with error bars, on your model and data: figures, results.json (docs/ has ours).
 
-    python experiments.py                  # difficulty, compare, scatter (--dry-run: the time estimate)
+    python experiments.py                  # difficulty, compare, scatter (--dry-run: calibrate, then plan)
     python experiments.py --figures docs   # the same, rewriting docs/results.json and docs/*.png
     python experiments.py --only compare   # parts: difficulty, compare, readings, scatter, precision, lora
     python experiments.py --quick          # tiny model, 2 steps: the whole pipeline in ~1 min (a CI test)
     python experiments.py --model M --dataset D.jsonl --lora-rank 32   # yours: any train.py flag, every run
+    python experiments.py --only compare --budget-minutes 60            # seeds, steps, eval size to fit an hour
 
 Runs: SmolLM2-135M on arith-mix unless a train.py flag given says otherwise (each reaches every run); levels:
 the data's (a JSONL file's "level", MATH's "Level 1".."Level 5"; a file without them is one level).
@@ -37,6 +38,11 @@ the data's (a JSONL file's "level", MATH's "Level 1".."Level 5"; a file without 
    --lora-lrs): the rate whose final model is the most accurate, the smaller on a tie. "Matches" (`verdict`):
    confirmed when the Δ interval lies within +-MARGIN, refuted when wholly outside. Only with --only lora.
 
+First the plan (plan.py): one GRPO step and two evaluations trained at the comparison runs' settings on this
+device (the calibration, kept in <out>/calibration), then each run's minutes from them, the peak memory
+against the device's, each comparison's expected interval, and with --budget-minutes the seeds, steps and
+evaluation size that fit (`plan.fit_budget`); as runs end, the minutes left by the plan.
+
 Finished runs are reused and unfinished ones resume from their last checkpoint, so a rerun only fills gaps; a
 run is reused only when its config.json holds the flags asked for (`check_run`). Before any run, every run's
 flags and data pass train.py's checks and every folder it writes can be written (`check_before_any_run`).
@@ -50,8 +56,9 @@ import json
 import os
 import shlex
 import sys
-from contextlib import ExitStack
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
+from typing import Iterator
 
 import numpy as np
 
@@ -261,6 +268,8 @@ def main(argv: list[str] | None = None) -> dict:
         with on_stop_signals(stop_handler()):
             if not args.dry_run:  # before the calibration too, a run; and again where the budget changed them
                 check_before_any_run(args, parts)
+                with study_folders(args) as (out, figures):
+                    prior_results(parts, out, figures)
             fitted, left = plan_study(args, parts)
             if args.dry_run:
                 return {}
@@ -268,10 +277,7 @@ def main(argv: list[str] | None = None) -> dict:
                 check_before_any_run(fitted, parts)
             args = fitted
             args.workers = Workers(args.jobs, Progress(left, runs_at_once(args.jobs, args.train.device)[0]))
-            with owned(Path(args.out), "experiments") as out, ExitStack() as stack:
-                apart = args.figures and Path(args.figures).resolve() != out.path.resolve()
-                figures = (stack.enter_context(owned(Path(args.figures), "experiments")) if apart
-                           else out if args.figures else out.subfolder("figures", "experiments"))
+            with study_folders(args) as (out, figures):
                 return run_parts(args, parts, out, figures)
     except (NotWritten, RunFolderError, NoPlanFits, OSError) as e:
         sys.exit(f"error: {e}")
@@ -281,15 +287,30 @@ def main(argv: list[str] | None = None) -> dict:
         sys.exit(128 + stop.signum)
 
 
-def run_parts(args: argparse.Namespace, parts: list[str], out: Folder, figures: Folder) -> dict:
-    """The parts asked for, each in its own folder of `out`; their numbers merged into the figures' folder's
-    results.json. What would be refused there (a user's file, a damaged results.json) is, before any run."""
+@contextmanager
+def study_folders(args: argparse.Namespace) -> Iterator[tuple[Folder, Folder]]:
+    """The study's folder, --out, and the figures' (--figures, else <out>/figures), owned while inside."""
+    with owned(Path(args.out), "experiments") as out, ExitStack() as stack:
+        apart = args.figures and Path(args.figures).resolve() != out.path.resolve()
+        yield out, (stack.enter_context(owned(Path(args.figures), "experiments")) if apart
+                    else out if args.figures else out.subfolder("figures", "experiments"))
+
+
+def prior_results(parts: list[str], out: Folder, figures: Folder) -> dict:
+    """results.json's numbers so far, once what the study would write is known as its own (NotWritten, one
+    line, where it is not: a user's file, one changed since, a damaged results.json)."""
     for folder in (out, figures):
         folder.remove_temporaries()  # what a write killed part-way left
     for name in [RESULTS, *(f for part in parts for f in FIGURES.get(part, ()))]:
         figures.now(name)  # NotWritten: not ours
     out.now(REPORT)
-    results = results_so_far(figures, RESULTS)
+    return results_so_far(figures, RESULTS)
+
+
+def run_parts(args: argparse.Namespace, parts: list[str], out: Folder, figures: Folder) -> dict:
+    """The parts asked for, each in its own folder of `out`; their numbers merged into the figures' folder's
+    results.json (checked before the calibration too: `main`)."""
+    results = prior_results(parts, out, figures)
     study = {k: v for k, v in vars(args).items() if k not in ("out", "figures", "only", "train", "workers")}
     results["scale"] = {**study, "train": as_flags(args.train)}  # and the comparison runs' train.py flags
     if "difficulty" in parts:

@@ -11,6 +11,7 @@ from tqdm import tqdm
 
 from advantage import advantage_collapse_rate, effective_collapse_rate, grpo_advantages
 from data.tasks import Problem
+from hardware import peak_memory_bytes
 from model import Rollout
 from processes import all_sum
 from run_folder import read_jsonl
@@ -80,7 +81,7 @@ def step_metrics(rewards, advantages, rollout: Rollout, costs: dict, device) -> 
             "truncated_frac": truncated / rewards.numel(),
             "gen_tokens": int(gen_tokens), "gen_tokens_per_s": gen_tokens / costs["generate"],
             "time_generate": costs["generate"], "time_score": costs["score"],
-            "reward_timeouts": int(timeouts)}
+            "reward_timeouts": int(timeouts), "peak_memory_bytes": peak_memory_bytes(device)}
 
 
 

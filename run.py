@@ -98,6 +98,7 @@ class Run:
     done: int  # the last completed step: 0, or the checkpoint's
     costs: Counter  # this step's sampling seconds and generated tokens
     stop_ids: list[int] | None = None  # the ids that end a completion (`model.stop_token_ids`), once
+    started: float = 0.0  # perf_counter before loading the model: summary.json's time_run counts from it
 
 
 @bad_input_is_one_line()  # a model, data line or prompt the run cannot use: one line, not a traceback
@@ -105,6 +106,7 @@ def start_run(args, run_dir: Path, device: torch.device, is_main: bool, state: d
               with_reference: bool) -> Run:
     """The models, optimizer, method state and problems of a run (train.Args `args`): new, or as saved with
     --resume."""
+    started = time.perf_counter()
     transformers.logging.disable_progress_bar()  # the run's own bar alone: none for loading or saving weights
     checkpoint = find_checkpoint(run_dir) if args.resume else None  # `folder_problem`: a run has one
     if args.resume and not checkpoint and is_main:
@@ -139,7 +141,7 @@ def start_run(args, run_dir: Path, device: torch.device, is_main: bool, state: d
         first_line = where_it_runs(args, master, policy, reference, tokenizer, train_problems + eval_problems)
         print(f"[{args.algo}] {first_line}")
     return Run(master, policy, reference, tokenizer, optimizer, state, reward_fn, train_problems,
-               eval_problems, done, costs, stop_token_ids(master, tokenizer))
+               eval_problems, done, costs, stop_token_ids(master, tokenizer), started)
 
 
 def sample_and_score(args, run: Run, network, problems: list[Problem]) -> tuple[Rollout, torch.Tensor]:

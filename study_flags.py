@@ -126,6 +126,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args = p.parse_args([*QUICK, *argv])  # flags given still win
     if problem := list_problem(args):
         p.error(problem)
+    if args.print_commands and args.budget_minutes is not None:  # a scheduler's machines are not this one
+        p.error("--budget-minutes plans this machine's time, --print-commands hands the runs to a scheduler: "
+                "choose one")
     if args.sweep_seed in [int(s) for s in args.seeds.split(",")]:  # the rate would be fitted to the test
         p.error(f"--sweep-seed {args.sweep_seed} is one of --seeds {args.seeds}: choose another")
     typed = [*QUICK, *argv] if args.quick else argv

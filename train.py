@@ -33,7 +33,7 @@ from advantage import (AVSPO_ENDS, AdaptiveThreshold, aapo_advantages, aapo_marg
                        collapsed_groups, grpo_advantages)
 from data.tasks import Problem, step_problems
 from flags import FlagParser, arg, at_least, dataclass_parser, folder, in_range, names_from, non_empty
-from hardware import DEVICES, accumulate_gradients, copy_weights, peak_memory_bytes
+from hardware import DEVICES, accumulate_gradients, copy_weights
 from metrics import group_map, group_samples, step_metrics, summarise_run
 from model import PROMPT_FORMATS, Rollout, real_tokens, replace_groups, trim_padding
 from processes import (StoppedWhileScoring, all_sum, bad_input_is_one_line, exits_cleanly, gather_groups,
@@ -290,15 +290,13 @@ def train_step(args: Args, run: Run, step: int, rank: int, mine: slice, device: 
     b_advantages = advantages[mine].flatten().to(device)  # this process's rows
     stats = update_policy(run.master, run.policy, run.optimizer, rollout, b_advantages, run.reference, args)
     record = {"step": step, **step_metrics(rewards, advantages, rollout, run.costs, device), **extra, **stats,
-              "resampled_groups": resampled, "lr": lr, **group_map(first_rewards, advantages, replaced),
-              "peak_memory_bytes": peak_memory_bytes(device)}  # the run's so far: what a study plans for
+              "resampled_groups": resampled, "lr": lr, **group_map(first_rewards, advantages, replaced)}
     return record, group_samples(step, problems, rollout.texts, mine.start, rewards, advantages, ref_rewards,
                                  replaced)
 
 
 def train(args: Args, files: Folder | None, stop_requested: Sequence = ()) -> dict | None:
     """Train one algorithm into its folder `files` (None on processes > 0); Ctrl-C: saved, then stops."""
-    started = time.perf_counter()
     rank, world, device = init_processes(args.device)
     run_dir, is_main = Path(args.out) / args.algo, rank == 0
     run = start_run(args, run_dir, device, is_main, algo_state(args),
@@ -331,7 +329,7 @@ def train(args: Args, files: Folder | None, stop_requested: Sequence = ()) -> di
         if is_main:
             print(stopped_line(args, run_dir, step))
         raise KeyboardInterrupt
-    return summarise_run(files, args.algo, time.perf_counter() - started) if is_main else None
+    return summarise_run(files, args.algo, time.perf_counter() - run.started) if is_main else None
 
 
 def main(argv: list[str] | None = None) -> list[dict]:

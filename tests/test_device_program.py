@@ -262,15 +262,18 @@ def test_every_flag_runs_off_its_default(tmp_path):
 
 
 def test_experiments_quick_runs_its_runs_and_evaluations_on_the_stand_in(tmp_path, capsys):
-    """experiments.py --quick under the rules: the untrained model's ACR by level (sampled on the device), the
-    compare runs of GRPO and DAPO and the final checkpoints' evaluations, and the precision part's bf16 and
-    fp32 runs, each on cuda:0 (`--device auto` finds it), with every number of their tables."""
+    """experiments.py --quick under the rules: the calibration run and the plan's memory against the device's,
+    the untrained model's ACR by level (sampled on the device), the compare runs of GRPO and DAPO and the final
+    checkpoints' evaluations, and the precision part's bf16 and fp32 runs, each on cuda:0 (`--device auto`
+    finds it), with every number of their tables."""
     results = under_cudas_rules(experiments.main, [
         "--quick", "--out", str(tmp_path), "--only", "difficulty,compare,precision", "--methods", "grpo,dapo",
         "--seeds", "0", "--precision-seeds", "0"])
-    firsts = [line for line in capsys.readouterr().out.splitlines() if re.match(r"\[\w+\] \S+ \(", line)]
-    assert len(firsts) == 4 and all("] cuda:0 (CudaDeviceRules, 80 GiB); " in line for line in firsts)
+    printed = capsys.readouterr().out
+    firsts = [line for line in printed.splitlines() if re.match(r"\[\w+\] \S+ \(", line)]
+    assert len(firsts) == 5 and all("] cuda:0 (CudaDeviceRules, 80 GiB); " in line for line in firsts)
     assert {"; fp32 (float32 master weights); " in line for line in firsts} == {True, False}
+    assert " GiB a run, 1 on a device: " in printed and " of its 80.0 GiB\n" in printed  # the calibration's
     assert set(results["difficulty"]) == {*LEVELS, "mix"}
     assert list(results["compare"]) == ["grpo", "dapo"] and set(results["precision"]) == {"bf16", "fp32"}
     for row in results["compare"].values():

@@ -112,6 +112,8 @@ def test_the_budget_fits_a_study_on_a_stand_in_step_and_says_so(tmp_path, monkey
     assert minutes(seeds) <= 300 < minutes(f"{seeds},{len(args.seeds.split(','))}")
     assert f"about {minutes(seeds):.1f} min, 2 runs at once" in printed
     assert f"over {len(seeds.split(','))} seeds of 336 held-out problems" in printed
+    assert experiments.main([*argv, "--budget-minutes", "300", "--seeds", "0,1"]) == {}
+    assert "--budget-minutes 300 fits --seeds 0,1 --steps " in capsys.readouterr().out  # given: kept
     with pytest.raises(SystemExit) as exit_info:
         experiments.main([*argv, "--budget-minutes", "5"])
     smallest = f"--seeds 0,1 --steps {train.Args.steps // 4} --eval-size 32"
