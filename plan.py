@@ -1,10 +1,12 @@
 """What a study trains (`planned_runs`), what it will take and what it can decide, printed before it runs
 (`plan_study`):
 
-1. `calibrate`: one GRPO step and two evaluations, trained by train.py on this device at the comparison runs'
-   settings, as one of the study's runs (a worker with its share of the cores, or its own GPU). What
-   train.py logged gives the seconds of a step (and of its sampling), of an evaluated problem and of the
-   rest of a run (loading, the report), the step's raw ACR and the peak memory (`Calibration`).
+1. `calibrate`: one step and two evaluations, trained by train.py on this device at the comparison runs'
+   settings, as one of the study's runs (a worker with its share of the cores, or its own GPU). The step is
+   AVSPO's always on, which gives every row an advantage: its update is a whole batch's, in time and memory,
+   where a GRPO step of collapsed groups would train nothing. What train.py logged gives the seconds of a
+   step (and of its sampling), of an evaluated problem and of the rest of a run (loading, the report), the
+   step's raw ACR and the peak memory (`Calibration`).
 2. `run_seconds`: a run's seconds from them; `study_plan` adds up the runs of the parts asked for.
 3. `fit_budget`: with --budget-minutes, the seeds, steps and evaluation size that fit, by the rule in its
    docstring; where nothing fits, the smallest plan it reached and its minutes.
@@ -29,7 +31,7 @@ from hardware import device_memory_bytes, pick_device
 from run_folder import read_jsonl
 from stats import expected_half_width, seeds_to_decide, variance_parts
 from study_flags import as_flags, lr_grid, part_flags
-from study_runs import (BASELINE, PRECISIONS, Run, as_written, check_run, finished, held_out, method_runs,
+from study_runs import (BASELINE, METHODS, PRECISIONS, Run, as_written, check_run, finished, held_out, method_runs,
                         run_args, run_dir, run_training)
 from workers import run_all, runs_at_once
 from written import NotWritten, owned
@@ -95,8 +97,8 @@ def planned_runs(args: argparse.Namespace, parts: list[str], every_rate: bool = 
 
 @dataclass(frozen=True)
 class Calibration:
-    """One GRPO step of `rows` completions and its evaluations, measured on the study's device."""
-    step_seconds: float  # sampling, scoring and the update
+    """One step of `rows` completions, every one trained, and its evaluations, on the study's device."""
+    step_seconds: float  # sampling, scoring and the update of every row: any method's at most
     sample_seconds: float  # of which sampling and scoring: what AAPO's reference and DAPO's resampling repeat
     problem_seconds: float  # a problem evaluated greedily
     run_seconds: float  # the rest of a run: loading the model and data, the report
@@ -107,14 +109,16 @@ class Calibration:
 
 
 def calibration_run(args: argparse.Namespace) -> Run:
-    """The calibration's train.py run: the comparison runs' settings, 1 step, an evaluation of at most
-    CALIBRATION_PROBLEMS problems before and after it, no checkpoint; in <out>/calibration/<a hash of its
-    flags>, so that a study asking for the same settings reuses it and one asking for others does not."""
+    """The calibration's train.py run: the comparison runs' settings, 1 step of AVSPO always on (every row
+    trained), an evaluation of at most CALIBRATION_PROBLEMS problems before and after it, no checkpoint; in
+    <out>/calibration/<a hash of its flags>, so that a study asking for the same settings reuses it and one
+    asking for others does not."""
     config = dataclasses.replace(args.train, steps=1, eval_every=0, save_every=0,
                                  eval_size=min(args.train.eval_size, CALIBRATION_PROBLEMS))
-    flags = as_flags(config)
+    algo, always = METHODS["avspo-always"]
+    flags = as_flags(config) + always
     key = hashlib.sha256("\0".join(flags).encode()).hexdigest()[:12]
-    return Path(args.out) / "calibration" / key, 0, "grpo", flags
+    return Path(args.out) / "calibration" / key, 0, algo, flags
 
 
 def train_calibration(run: Run) -> int:
@@ -131,8 +135,8 @@ def calibrate(args: argparse.Namespace) -> Calibration:
         out.subfolder("calibration", "experiments")
     check_run(*run)
     if not finished(run[0] / run[2]):
-        print(f"calibration: one GRPO step and two evaluations at the comparison runs' settings, as one of "
-              f"--jobs {args.jobs}, in {run[0]}", flush=True)
+        print(f"calibration: one step, every row trained, and two evaluations at the comparison runs' "
+              f"settings, as one of --jobs {args.jobs}, in {run[0]}", flush=True)
     device_bytes, = run_all([(train_calibration, run)], args.jobs)
     check_run(*run)
     folder = run[0] / run[2]
@@ -157,8 +161,9 @@ def evaluations(steps: int, every: int) -> int:
 def run_seconds(cal: Calibration, config: train.Args, held: int, final: int) -> float:
     """A run's seconds: the rest of a run, its steps and train.py's evaluations of its `held`-problem split,
     then its final model's evaluation of `final` problems (0: train.py's last one covered them), which loads
-    the checkpoint again. A step scales with its B x G; AAPO's samples again for its reference, DAPO's for
-    the collapsed groups, round after round (a share `acr` of them each time, as in the calibration)."""
+    the checkpoint again. A step scales with its B x G, and trains every row (an upper bound: GRPO, AAPO and
+    DAPO skip the rows whose advantage is 0); AAPO's samples again for its reference, DAPO's for the
+    collapsed groups, round after round (a share `acr` of them each time, as in the calibration)."""
     again = {"aapo": 1.0, "dapo": sum(cal.acr**k for k in range(1, config.resample_rounds + 1))}
     step = (cal.step_seconds + again.get(config.algo, 0.0) * cal.sample_seconds) / cal.rows
     problems = evaluations(config.steps, config.eval_every) * min(config.eval_size, held) + final
@@ -271,7 +276,7 @@ def print_plan(plan: Plan, cal: Calibration, sharing: int) -> None:
     gib = 2**30
     print(f"plan: {len(plan.seconds)} training runs, {plan.steps} steps, {plan.problems} problems evaluated: "
           f"about {plan.minutes:.1f} min, {plan.parallel} run{'s' * (plan.parallel > 1)} at once")
-    print(f"  calibrated here: a GRPO step of {cal.rows} completions {cal.step_seconds:.1f} s (sampling "
+    print(f"  calibrated here: a step of {cal.rows} completions {cal.step_seconds:.1f} s (sampling "
           f"and scoring {cal.sample_seconds:.1f} s), an evaluated problem {cal.problem_seconds:.2f} s, the "
           f"rest of a run {cal.run_seconds:.0f} s; peak memory {cal.peak_bytes / gib:.1f} GiB a run, "
           f"{sharing} on a device: {sharing * cal.peak_bytes / gib:.1f} of its "

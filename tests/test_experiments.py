@@ -126,7 +126,7 @@ def test_early_acr_fit_recovers_a_line_with_finite_cis():
 def test_quick_pipeline_writes_every_number_and_figure(tmp_path, capsys):
     results = experiments.main(["--quick", "--out", str(tmp_path)])
     printed = capsys.readouterr().out  # the plan first, from a calibration step trained here
-    assert "\nplan: 26 training runs, 52 steps, " in printed and "\n  calibrated here: a GRPO step of 8 " in printed
+    assert "\nplan: 26 training runs, 52 steps, " in printed and "\n  calibrated here: a step of 8 " in printed
     assert "\nstudy: 10 of 26 runs done in " in printed  # compare's ten; the plan's minutes left follow
     assert len(list((tmp_path / "calibration").glob("*/grpo/summary.json"))) == 1
     assert set(results) >= {"scale", "difficulty", "compare", "compare_table", "readings", "readings_table",

@@ -3,6 +3,7 @@ that fits --budget-minutes, the memory said against the device's, and the progre
 
 import dataclasses
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -10,6 +11,7 @@ import torch
 
 import experiments
 import plan
+import run
 import study_flags
 import train
 import workers
@@ -154,18 +156,20 @@ def test_the_progress_says_the_minutes_left_by_the_plan(capsys):
 
 
 def test_the_calibration_is_train_pys_own_step_and_evaluations_and_is_reused(tmp_path, monkeypatch, capsys):
-    """One step and two evaluations of --eval-size problems (at most 32) at the comparison runs' settings;
-    what the plan reads is what train.py logged. The same settings reuse it, others calibrate afresh."""
+    """One step, every row trained, and two evaluations of --eval-size problems (at most 32) at the
+    comparison runs' settings; what the plan reads is what train.py logged. The same settings reuse it, others
+    calibrate afresh."""
     args = study_flags.parse_args([*QUICK, "--out", str(tmp_path)])
     cal = plan.calibrate(args)
     out, _, algo, flags = plan.calibration_run(args)
     assert out.parent == tmp_path / "calibration" and "--steps=1" in flags and "--eval-every=0" in flags
     step, = read_jsonl(out / algo / "metrics.jsonl")
+    assert step["rows_trained"] == 2 * 4  # AVSPO always on: every row, as no method trains more
     evals = read_jsonl(out / algo / "evals.jsonl")
     summary = json.loads((out / algo / "summary.json").read_text())
     assert cal.step_seconds == step["time_generate"] + step["time_score"] + step["time_train"] > 0
     assert cal.sample_seconds == step["time_generate"] + step["time_score"]
-    assert cal.problem_seconds == sum(e["time_eval"] for e in evals) / (2 * args.train.eval_size)
+    assert cal.problem_seconds == sum(e["time_eval"] for e in evals) / (2 * args.train.eval_size) > 0
     evaluating = 2 * 4 * cal.problem_seconds  # two evaluations of --quick's 4 problems
     assert cal.run_seconds == pytest.approx(summary["time_run"] - cal.step_seconds - evaluating)
     assert (cal.rows, cal.acr, cal.peak_bytes) == (2 * 4, step["acr"], step["peak_memory_bytes"])
@@ -174,3 +178,18 @@ def test_the_calibration_is_train_pys_own_step_and_evaluations_and_is_reused(tmp
     assert plan.calibrate(args) == cal
     other = study_flags.parse_args([*QUICK, "--out", str(tmp_path), "--max-new-tokens", "4"])
     assert plan.calibration_run(other)[0] != out
+
+
+def test_a_runs_wall_time_counts_the_loading_of_its_model(tmp_path, monkeypatch):
+    """summary.json's time_run, the calibration's "rest of a run", starts before the model loads: a load made
+    a second slower shows in it (a lower bound, whatever the machine's speed)."""
+    load_model = run.load_model
+
+    def slow_load(*args, **kwargs):
+        time.sleep(1.0)
+        return load_model(*args, **kwargs)
+
+    monkeypatch.setattr(run, "load_model", slow_load)
+    train.main(["--model", "tiny-qwen2", "--steps", "1", "--eval-every", "0", "--eval-size", "2",
+                "--max-new-tokens", "4", "--save-every", "0", "--out", str(tmp_path)])
+    assert json.loads((tmp_path / "grpo" / "summary.json").read_text())["time_run"] >= 1.0
