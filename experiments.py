@@ -5,7 +5,7 @@
     python experiments.py --only compare   # parts: difficulty, compare, readings, scatter, precision, lora
     python experiments.py --quick          # tiny model, 2 steps: the whole pipeline in ~1 min (a CI test)
     python experiments.py --model M --dataset D.jsonl --lora-rank 32   # yours: any train.py flag, every run
-    python experiments.py --only compare --budget-minutes 60            # seeds, steps, eval size to fit an hour
+    python experiments.py --only compare --budget-minutes 60   # seeds, steps, eval size to fit an hour
 
 Runs: SmolLM2-135M on arith-mix unless a train.py flag given says otherwise (each reaches every run); levels:
 the data's (a JSONL file's "level", MATH's "Level 1".."Level 5"; a file without them is one level).

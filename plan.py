@@ -31,8 +31,8 @@ from hardware import device_memory_bytes, pick_device
 from run_folder import read_jsonl
 from stats import expected_half_width, seeds_to_decide, variance_parts
 from study_flags import as_flags, lr_grid, part_flags
-from study_runs import (BASELINE, METHODS, PRECISIONS, Run, as_written, check_run, finished, held_out, method_runs,
-                        run_args, run_dir, run_training)
+from study_runs import (BASELINE, METHODS, PRECISIONS, Run, as_written, check_run, finished, held_out,
+                        method_runs, run_args, run_dir, run_training)
 from workers import run_all, runs_at_once
 from written import NotWritten, owned
 
