@@ -34,6 +34,7 @@ from lora import has_adapters
 from model import sample_with_generate
 from processes import on_stop_signals
 from test_faults import small_processes
+from test_plan import STAND_IN
 from written import Folder, owned
 
 LEVELS = np.array(["easy"] * 20 + ["hard"] * 30)
@@ -128,7 +129,7 @@ def test_quick_pipeline_writes_every_number_and_figure(tmp_path, capsys):
     printed = capsys.readouterr().out  # the plan first, from a calibration step trained here
     assert "\nplan: 26 training runs, 52 steps, " in printed and "\n  calibrated here: a step of 8 " in printed
     assert "\nstudy: 10 of 26 runs done in " in printed  # compare's ten; the plan's minutes left follow
-    assert len(list((tmp_path / "calibration").glob("*/grpo/summary.json"))) == 1
+    assert len(list((tmp_path / "calibration").glob("*/avspo/summary.json"))) == 1  # AVSPO always on
     assert set(results) >= {"scale", "difficulty", "compare", "compare_table", "readings", "readings_table",
                             "scatter"}
     assert set(results["difficulty"]) == {*tasks.LEVELS, "mix"}
@@ -412,24 +413,26 @@ def test_a_run_file_changed_since_train_py_wrote_it_is_named_in_one_line_and_not
         assert tree(out) == before
 
 
-def plan_line(argv: list[str], capsys) -> str:
+def plan_line(argv: list[str], capsys, monkeypatch) -> str:
+    monkeypatch.setattr(plan, "calibrate", lambda args: STAND_IN)  # the interval needs no measured step
     assert experiments.main(["--dry-run", "--only", "compare", *argv]) == {}
     return next(line for line in capsys.readouterr().out.splitlines() if line.startswith("compare: each Δ"))
 
 
-def test_the_plan_states_each_comparisons_interval_and_the_seeds_that_decide_the_margin(tmp_path, capsys):
+def test_the_plan_states_each_comparisons_interval_and_the_seeds_that_decide_the_margin(tmp_path, capsys,
+                                                                                          monkeypatch):
     """With no runs of its own, the plan takes the variances from the committed comparison (5 seeds of 336
     problems, runs/experiments/compare): its intervals were ±1.9 to ±4.0 points, and the plan expects ±2.9
     (`stats.expected_half_width`); more seeds narrow it, a wider --margin takes fewer seeds."""
-    line = plan_line(["--out", str(tmp_path)], capsys)
+    line = plan_line(["--out", str(tmp_path)], capsys, monkeypatch)
     assert "over 5 seeds of 336 held-out problems: expected 95% interval ±2.9 points" in line
     assert f"variances from {plan.COMMITTED}: 0.105 a problem, 0.00064 between seeds" in line
     assert line.endswith("deciding ±2.5 points 4 times in 5 at a true Δ of 0 takes 19 seeds")
     twelve = ",".join(map(str, range(12)))
     assert "over 12 seeds of 336 held-out problems: expected 95% interval ±1.9 points" in plan_line(
-        ["--out", str(tmp_path), "--seeds", twelve], capsys)
+        ["--out", str(tmp_path), "--seeds", twelve], capsys, monkeypatch)
     assert line.replace("±2.5 points", "±5 points").replace("19 seeds", "5 seeds") == plan_line(
-        ["--out", str(tmp_path), "--margin", "0.05"], capsys)
+        ["--out", str(tmp_path), "--margin", "0.05"], capsys, monkeypatch)
 
 
 def test_a_results_json_that_is_not_json_is_one_line_before_any_run(tmp_path, capsys):
