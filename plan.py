@@ -294,10 +294,11 @@ class NoPlanFits(Exception):
 def plan_study(args: argparse.Namespace, parts: list[str]) -> tuple[argparse.Namespace, dict[Path, float]]:
     """Calibrate (`calibrate`), fit --budget-minutes (`fit_budget`; NoPlanFits where nothing fits), print the
     plan and the intervals it expects: the study's flags at the scale chosen, and the seconds of each run
-    still to train. Without a budget, a study whose runs are all trained plans nothing (the figures of
-    finished runs)."""
-    if args.budget_minutes is None and all(finished(out / algo) for out, _, algo, _ in
-                                           planned_runs(args, parts, every_rate=False)):
+    still to train. Without a budget, a study whose runs are all trained (and no difficulty part, which
+    samples afresh) plans nothing: the figures of finished runs."""
+    trained = all(finished(out / algo) for out, _, algo, _ in planned_runs(args, parts, every_rate=False))
+    if args.budget_minutes is None and trained and "difficulty" not in parts:
+        print("plan: every run is trained; nothing to plan")
         return args, {}
     cal = calibrate(args)
     parallel, sharing = runs_at_once(args.jobs, args.train.device)
