@@ -111,13 +111,13 @@ class Calibration:
 def calibration_run(args: argparse.Namespace) -> Run:
     """The calibration's train.py run: the comparison runs' settings, 1 step of AVSPO always on (every row
     trained), an evaluation of at most CALIBRATION_PROBLEMS problems before and after it, no checkpoint; in
-    <out>/calibration/<a hash of its flags>, so that a study asking for the same settings reuses it and one
-    asking for others does not."""
+    <out>/calibration/<a hash of its flags and --jobs, which sets a CPU run's threads>, so that a study asking
+    for the same settings reuses it and one asking for others does not."""
     config = dataclasses.replace(args.train, steps=1, eval_every=0, save_every=0,
                                  eval_size=min(args.train.eval_size, CALIBRATION_PROBLEMS))
     algo, always = METHODS["avspo-always"]
     flags = as_flags(config) + always
-    key = hashlib.sha256("\0".join(flags).encode()).hexdigest()[:12]
+    key = hashlib.sha256("\0".join([*flags, f"--jobs={args.jobs}"]).encode()).hexdigest()[:12]
     return Path(args.out) / "calibration" / key, 0, algo, flags
 
 

@@ -13,6 +13,7 @@ import train
 from data.tasks import LEVELS
 from flags import FlagParser, add_fields, at_least, folder, in_range
 from study_runs import COMPARE, LORA, METHODS, READINGS
+from workers import default_jobs
 
 # "matches": Δ within 2.5 points, the smallest gain a claim in the README's table calls an effect (AAPO's)
 MARGIN = 0.025
@@ -68,7 +69,9 @@ def make_parser() -> FlagParser:
                    help="lora: LoRA's learning rates (each rank)")
     p.add_argument("--sweep-seed", type=at_least(0), default=100,
                    help="lora: the seed of the learning-rate sweep (not one of --seeds)")
-    p.add_argument("--jobs", type=COUNT, default=2, help="training runs at once, each on cores/jobs threads")
+    p.add_argument("--jobs", type=COUNT, default=None,
+                   help="training runs at once (default: one a GPU with CUDA, else 2, each on cores/jobs "
+                   "threads)")
     p.add_argument("--dry-run", action="store_true",
                    help="calibrate (one step and two evaluations), print the plan, train nothing else")
     p.add_argument("--print-commands", action="store_true",
@@ -137,6 +140,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                   if f.name in vars(args) and f.name not in PER_RUN}
     save_every = args.given.get("eval_every", train.Args.eval_every)
     args.train = train.Args(**{**STUDY_DEFAULTS, "save_every": save_every, **args.given})
+    args.jobs = args.jobs or default_jobs(args.train.device)
     return args
 
 

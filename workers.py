@@ -128,6 +128,12 @@ def run_all(tasks: list[tuple], jobs: int, progress: Progress | None = None) -> 
         return [f.result() for f in futures]
 
 
+def default_jobs(device: str) -> int:
+    """--jobs where it is not given: one run a GPU with CUDA (`start_worker`); else 2, which on 2 cores did
+    ~15% more work per second than one run of 2 threads (`run_all`)."""
+    return torch.cuda.device_count() if pick_device(device).type == "cuda" else 2
+
+
 def runs_at_once(jobs: int, device: str) -> tuple[int, int]:
     """(runs at once, runs sharing one device's memory) for `jobs` workers of runs on --device `device`: with
     CUDA, one a GPU while there are as many (`start_worker`); on the CPU all of them, splitting its cores and

@@ -137,10 +137,14 @@ def test_the_plan_sets_the_peak_memory_of_the_runs_on_a_device_against_its_own(j
 
 def test_runs_share_the_cpu_and_take_a_gpu_each(monkeypatch):
     assert workers.runs_at_once(3, "cpu") == (3, 3)
+    assert workers.default_jobs("cpu") == study_flags.parse_args([]).jobs == 2
     monkeypatch.setattr(workers, "pick_device", lambda name: torch.device("cuda"))
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     assert workers.runs_at_once(3, "auto") == (2, 2)  # the third shares a GPU
     assert workers.runs_at_once(1, "auto") == (1, 1)
+    assert workers.default_jobs("auto") == study_flags.parse_args([]).jobs == 2  # one a GPU
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert study_flags.parse_args([]).jobs == 1 and study_flags.parse_args(["--jobs", "3"]).jobs == 3
 
 
 def test_the_progress_says_the_minutes_left_by_the_plan(capsys):
@@ -176,8 +180,9 @@ def test_the_calibration_is_train_pys_own_step_and_evaluations_and_is_reused(tmp
     assert cal.peak_bytes > 0 and cal.device_bytes > cal.peak_bytes
     monkeypatch.setattr(train, "main", lambda argv: pytest.fail(f"calibrated again: {argv}"))
     assert plan.calibrate(args) == cal
-    other = study_flags.parse_args([*QUICK, "--out", str(tmp_path), "--max-new-tokens", "4"])
-    assert plan.calibration_run(other)[0] != out
+    for other in (["--max-new-tokens", "4"], ["--jobs", "2"]):  # another run, or other threads a run
+        at = study_flags.parse_args([*QUICK, "--out", str(tmp_path), *other])
+        assert plan.calibration_run(at)[0] != out
 
 
 def test_a_runs_wall_time_counts_the_loading_of_its_model(tmp_path, monkeypatch):
