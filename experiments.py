@@ -38,10 +38,11 @@ the data's (a JSONL file's "level", MATH's "Level 1".."Level 5"; a file without 
    --lora-lrs): the rate whose final model is the most accurate, the smaller on a tie. "Matches" (`verdict`):
    confirmed when the Δ interval lies within +-MARGIN, refuted when wholly outside. Only with --only lora.
 
-First the plan (plan.py): one GRPO step and two evaluations trained at the comparison runs' settings on this
-device (the calibration, kept in <out>/calibration), then each run's minutes from them, the peak memory
-against the device's, each comparison's expected interval, and with --budget-minutes the seeds, steps and
-evaluation size that fit (`plan.fit_budget`); as runs end, the minutes left by the plan.
+First the plan (plan.py): one step (AVSPO always on: every row trained) and two evaluations, trained at the
+comparison runs' settings on this device (the calibration, kept in <out>/calibration), then each run's
+minutes from them, the peak memory against the device's, each comparison's expected interval, and with
+--budget-minutes the seeds, steps and evaluation size that fit (`plan.fit_budget`); as runs end, the minutes
+left by the plan.
 
 Finished runs are reused and unfinished ones resume from their last checkpoint, so a rerun only fills gaps; a
 run is reused only when its config.json holds the flags asked for (`check_run`). Before any run, every run's
