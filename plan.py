@@ -10,7 +10,7 @@
 2. `run_seconds`: a run's seconds from them; `study_plan` adds up the runs of the parts asked for.
 3. `fit_budget`: with --budget-minutes, the seeds, steps and evaluation size that fit, by the rule in its
    docstring; where nothing fits, the smallest plan it reached and its minutes.
-4. `print_interval_plan`: each comparison's expected interval and the seeds that would decide --margin
+4. `interval_plan`: each comparison's expected interval and the seeds that would decide --margin
    (`stats`), from the variances of finished compare runs.
 """
 
