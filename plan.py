@@ -185,12 +185,19 @@ class Plan:
         return (sum(self.seconds.values()) / self.parallel + self.alone) / 60
 
 
-def study_plan(runs: list[Run], out: Path, final: int, cal: Calibration, parallel: int,
-               difficulty: tuple[train.Args, int] | None = None) -> Plan:
+def difficulty_seconds(cal: Calibration, levels: int, prompts: int) -> float:
+    """The difficulty part's seconds: the untrained model loaded once, G = 8 completions sampled for `prompts`
+    problems of each of `levels` levels, outside the runs."""
+    return cal.run_seconds + levels * prompts * 8 * cal.sample_seconds / cal.rows
+
+
+def study_plan(runs: list[Run], out: Path, final: int, cal: Calibration, parallel: int, alone: float = 0.0,
+               held: dict[tuple, int] | None = None) -> Plan:
     """The seconds of these runs of a study in `out`; those of the SCORED parts evaluate their final models
-    on `final` problems where train.py's last evaluation did not; `difficulty`: the difficulty part's
-    settings and prompts a level, sampled G = 8 once, outside the runs."""
-    held: dict[tuple, int] = {}  # (dataset, eval dataset) -> its held-out split's size, each loaded once
+    on `final` problems where train.py's last evaluation did not; `alone`: the seconds outside the runs
+    (`difficulty_seconds`); `held`: (dataset, eval dataset) -> its held-out split's size, filled as the runs
+    need them (pass the same dict to plans of one study: each split is loaded once)."""
+    held = {} if held is None else held
     seconds, steps, problems = {}, 0, 0
     for run in runs:
         config = run_args(run)
@@ -203,11 +210,6 @@ def study_plan(runs: list[Run], out: Path, final: int, cal: Calibration, paralle
         steps += config.steps
         evals = evaluations(config.steps, config.eval_every)
         problems += evals * min(config.eval_size, held[key]) + evaluated
-    alone = 0.0
-    if difficulty:
-        config, prompts = difficulty
-        groups = len(by_level(load_problems(config.dataset))) * prompts
-        alone = cal.run_seconds + groups * 8 * cal.sample_seconds / cal.rows
     return Plan(seconds, steps, problems, alone, parallel)
 
 
@@ -303,11 +305,12 @@ def plan_study(args: argparse.Namespace, parts: list[str]) -> tuple[argparse.Nam
     cal = calibrate(args)
     parallel, sharing = runs_at_once(args.jobs, args.train.device)
     final = len(held_out(args.train, 0, args.per_level or None))
-    difficulty = (args.train, args.difficulty_prompts) if "difficulty" in parts else None
+    levels = len(by_level(load_problems(args.train.dataset))) if "difficulty" in parts else 0
+    alone, held = difficulty_seconds(cal, levels, args.difficulty_prompts) if levels else 0.0, {}
 
-    def plan_at(scale: Scale) -> Plan:
+    def plan_at(scale: Scale) -> Plan:  # many a time for --budget-minutes: the data loaded once
         runs = planned_runs(scaled(args, scale), parts, every_rate=False)
-        return study_plan(runs, Path(args.out), final, cal, parallel, difficulty)
+        return study_plan(runs, Path(args.out), final, cal, parallel, alone, held)
 
     if args.budget_minutes is not None:
         free = {"steps", "eval_size"} - set(args.given) | (set() if args.seeds_given else {"seeds"})

@@ -95,9 +95,9 @@ def run_all(tasks: list[tuple], jobs: int, progress: Progress | None = None) -> 
 
     if jobs == 1:
         results = []
-        for fn, *a in tasks:
-            results.append(fn(*a))
-            said((fn, *a))
+        for task in tasks:
+            results.append(task[0](*task[1:]))
+            said(task)
         return results
     threads = max(1, (os.cpu_count() or 1) // jobs)
     spawn = multiprocessing.get_context("spawn")

@@ -15,6 +15,7 @@ import run
 import study_flags
 import train
 import workers
+from data import tasks
 from run_folder import read_jsonl
 
 GIB = 2**30
@@ -48,7 +49,8 @@ def test_a_study_plan_adds_the_runs_of_each_part_it_trains(tmp_path):
     parts = ["difficulty", "compare", "scatter"]
     runs = plan.planned_runs(args, parts, every_rate=False)
     assert len(runs) == 4 + 1  # 2 methods x 2 seeds; 1 level x 1 G x 1 seed
-    result = plan.study_plan(runs, tmp_path, 336, STAND_IN, 2, (args.train, 32))
+    levels = len(tasks.by_level(tasks.load_problems(args.train.dataset)))
+    result = plan.study_plan(runs, tmp_path, 336, STAND_IN, 2, plan.difficulty_seconds(STAND_IN, levels, 32))
     compare = [plan.run_seconds(STAND_IN, dataclasses.replace(args.train, algo=algo), 336, 336)
                for _ in range(2) for algo in ("grpo", "aapo")]  # seed by seed
     level = plan.run_args(runs[-1])  # add1's own split
