@@ -34,36 +34,47 @@ def design(problems: np.ndarray) -> str:
     return "crossed" if len(rows) > 1 and (rows == rows[0]).all() else "nested"
 
 
-def mean_squares(x: np.ndarray, problems: np.ndarray) -> list[tuple[float, np.ndarray, float]]:
-    """The terms (coefficient, mean square, degrees of freedom) whose sum estimates the variance of x's mean
-    (x [S, N], or [..., S, N]: many studies of one layout at once), by `design`. Nested: the per-seed means'
-    variance over S. Crossed: (MS_seed + MS_problem - MS_noise) / (S N), each problem's column aligned across
-    the seeds first."""
+def two_way(x: np.ndarray, problems: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Crossed: x's mean squares (MS_seed, MS_problem, MS_noise), [...] each, of x [..., S, N], each problem's
+    column aligned across the seeds first. Their expectations: N seed_var + noise_var, S problem_var +
+    noise_var, and noise_var."""
     s, n = x.shape[-2:]
-    if design(problems) == "nested":
-        return [(1 / s, x.mean(axis=-1).var(axis=-1, ddof=1), s - 1)]
     x = x[..., np.arange(s)[:, None], np.argsort(problems, axis=1, kind="stable")]  # column i: one problem
     seed_means, problem_means = x.mean(axis=-1), x.mean(axis=-2)  # [..., S], [..., N]
     grand = x.mean(axis=(-2, -1))[..., None, None]
     noise = x - seed_means[..., :, None] - problem_means[..., None, :] + grand  # [..., S, N]
-    noise_df = (s - 1) * (n - 1)
-    return [(1 / (s * n), n * seed_means.var(axis=-1, ddof=1), s - 1),
-            (1 / (s * n), s * problem_means.var(axis=-1, ddof=1), n - 1),
-            (-1 / (s * n), (noise ** 2).sum(axis=(-2, -1)) / noise_df, noise_df)]
+    return (n * seed_means.var(axis=-1, ddof=1), s * problem_means.var(axis=-1, ddof=1),
+            (noise ** 2).sum(axis=(-2, -1)) / ((s - 1) * (n - 1)))
+
+
+def crossed_terms(ms_seed: np.ndarray, ms_problem: np.ndarray, ms_noise: np.ndarray, s: int,
+                  n: int) -> list[tuple[float, np.ndarray, np.ndarray]]:
+    """The variance of a crossed mean as two terms (`mean_squares`): the seeds' spread as nested sees it,
+    MS_seed / (S N) = seed_var / S + noise_var / (S N), and the problems' shared part, (MS_problem -
+    MS_noise) / (S N) = problem_var / N, at least 0, with Satterthwaite's degrees of freedom."""
+    shared = np.maximum(ms_problem - ms_noise, 0.0)  # [...]
+    with np.errstate(invalid="ignore", divide="ignore"):
+        shared_df = shared ** 2 / (ms_problem ** 2 / (n - 1) + ms_noise ** 2 / ((s - 1) * (n - 1)))
+    return [(1 / (s * n), ms_seed, np.asarray(s - 1.0)),
+            (1 / (s * n), shared, np.where(shared > 0, shared_df, 1.0))]
+
+
+def mean_squares(x: np.ndarray, problems: np.ndarray) -> list[tuple[float, np.ndarray, np.ndarray]]:
+    """The terms (coefficient, mean square, degrees of freedom) whose sum estimates the variance of x's mean
+    (x [S, N], or [..., S, N]: many studies of one layout at once), by `design`. Nested: the per-seed means'
+    variance over S, with S - 1 degrees of freedom. Crossed: `crossed_terms`."""
+    s, n = x.shape[-2:]
+    if design(problems) == "nested":
+        return [(1 / s, x.mean(axis=-1).var(axis=-1, ddof=1), np.asarray(s - 1.0))]
+    return crossed_terms(*two_way(x, problems), s, n)
 
 
 def t_half_width(terms: list[tuple], level: float = 0.95) -> np.ndarray:
     """The half width of a t interval whose variance is the sum of `terms` (coefficient, mean square,
-    degrees of freedom; mean squares may be arrays: one study each), with Satterthwaite's degrees of freedom.
-    The variance is at least each positive term alone (crossed: E[MS_seed] / (S N) is at most the mean's
-    variance, as is E[MS_problem] / (S N)); where the sum falls under the larger, that term and its degrees
-    of freedom stand instead."""
-    terms = [(c, np.asarray(ms, dtype=float), df) for c, ms, df in terms]
-    var = sum(c * ms for c, ms, _ in terms)
+    degrees of freedom; arrays: one study each), with Satterthwaite's degrees of freedom."""
+    var = sum(c * np.asarray(ms, dtype=float) for c, ms, _ in terms)
     with np.errstate(invalid="ignore", divide="ignore"):  # no spread at all: a width of 0
-        df = var ** 2 / sum((c * ms) ** 2 / df for c, ms, df in terms)
-        for c, ms, term_df in (t for t in terms if t[0] > 0):
-            df, var = np.where(var < c * ms, term_df, df), np.maximum(var, c * ms)
+        df = var ** 2 / sum((c * np.asarray(ms, dtype=float)) ** 2 / df for c, ms, df in terms)
         return np.where(var > 0, sp.t.ppf(0.5 + level / 2, np.maximum(df, 1e-9)) * np.sqrt(var), 0.0)
 
 
@@ -170,7 +181,7 @@ def variance_parts(x: np.ndarray, problems: np.ndarray) -> dict:
         noise = float(x.var(axis=1, ddof=1).mean()) if n > 1 else 0.0
         seed = float(x.mean(axis=1).var(ddof=1)) - noise / n if s > 1 else 0.0
         return {"design": "nested", "seed_var": max(0.0, seed), "problem_var": 0.0, "noise_var": noise}
-    (_, ms_seed, _), (_, ms_problem, _), (_, noise, _) = mean_squares(x.astype(float), problems)
+    ms_seed, ms_problem, noise = (float(ms) for ms in two_way(x.astype(float), problems))
     return {"design": "crossed", "seed_var": max(0.0, (ms_seed - noise) / n),
             "problem_var": max(0.0, (ms_problem - noise) / s), "noise_var": noise}
 
@@ -191,10 +202,8 @@ def simulated_intervals(seeds: int, problems: int, parts: dict, true_delta: floa
     if parts["design"] == "nested":
         terms = [(1 / s, square(seed_var + (problem_var + noise_var) / n, s - 1), s - 1)]
     else:
-        noise_df = (s - 1) * (n - 1)
-        terms = [(1 / (s * n), square(n * seed_var + noise_var, s - 1), s - 1),
-                 (1 / (s * n), square(s * problem_var + noise_var, n - 1), n - 1),
-                 (-1 / (s * n), square(noise_var, noise_df), noise_df)]
+        terms = crossed_terms(square(n * seed_var + noise_var, s - 1), square(s * problem_var + noise_var, n - 1),
+                              square(noise_var, (s - 1) * (n - 1)), s, n)
     return estimates, t_half_width(terms)
 
 
