@@ -99,7 +99,7 @@ def delta_interval(a: np.ndarray, b: np.ndarray, problems: np.ndarray) -> tuple:
 
 def seed_interval(values: np.ndarray) -> dict:
     """The mean of one number per seed (values [S]: an ACR, a cost, a paired difference of them) with its 95%
-    t interval over the seeds (S - 1 degrees of freedom), as `mean_interval` of S seeds of one problem each."""
+    t interval over the seeds (S - 1 degrees of freedom): `mean_interval` of S seeds of one problem each."""
     values = np.asarray(values, dtype=float)
     out = mean_interval(values[:, None], np.arange(len(values))[:, None])
     del out["design"]
@@ -121,11 +121,15 @@ def no_information(*per_seed: np.ndarray) -> str | None:
     return None
 
 
+RULE = ("Each claim names a region for the effect (at least +4 points; a cut of at least 58%; a fall; a "
+        "match within ±2.5 points). Confirmed: the 95% interval lies inside the region; refuted: it lies "
+        "wholly outside it; inconclusive: it holds the region's edge. No information, and no verdict: the "
+        "measure sits at its floor or ceiling in every run, or fewer than 2 seeds ran.")
+
+
 def verdict(ci: list[float], region: tuple[float, float]) -> str:
-    """A claim that the effect lies in the open `region` (low, high), judged by the effect's 95% interval:
-    confirmed when the interval lies inside the region, refuted when it lies wholly outside, inconclusive
-    when it holds an edge. "At least +2.5 points" is (0.025, inf); "a fall" (-inf, 0); "matches within
-    ±2.5 points" (-0.025, 0.025)."""
+    """A claim that the effect lies in the open `region` (low, high), judged by the effect's 95% interval,
+    as RULE says (its ends: math.inf). Check `no_information` first."""
     low, high = ci
     if region[0] < low and high < region[1]:
         return "confirmed"
@@ -186,6 +190,20 @@ def variance_parts(x: np.ndarray, problems: np.ndarray) -> dict:
             "problem_var": max(0.0, (ms_problem - noise) / s), "noise_var": noise}
 
 
+def as_design(parts: dict, target: str) -> tuple[dict, str]:
+    """Variance parts measured on one design, for a study of design `target`, and what was assumed. Nested
+    data cannot tell a problem's shared part from its noise: for a crossed study all of it is taken as
+    shared (the widest interval); crossed data's shared part is noise to a nested study."""
+    if parts["design"] == target:
+        return parts, ""
+    if target == "crossed":
+        return ({**parts, "design": target, "problem_var": parts["noise_var"], "noise_var": 0.0},
+                "; measured on a nested design, its problems' noise is taken as shared by the seeds (the "
+                "widest case): your own finished runs would measure the split")
+    return {**parts, "design": target, "problem_var": 0.0,
+            "noise_var": parts["noise_var"] + parts["problem_var"]}, ""
+
+
 def simulated_intervals(seeds: int, problems: int, parts: dict, true_delta: float = 0.0,
                         draws: int = PLAN_DRAWS, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
     """(estimates, half widths), [draws] each: the intervals that studies of `seeds` seeds and `problems`
@@ -202,9 +220,15 @@ def simulated_intervals(seeds: int, problems: int, parts: dict, true_delta: floa
     if parts["design"] == "nested":
         terms = [(1 / s, square(seed_var + (problem_var + noise_var) / n, s - 1), s - 1)]
     else:
-        terms = crossed_terms(square(n * seed_var + noise_var, s - 1), square(s * problem_var + noise_var, n - 1),
-                              square(noise_var, (s - 1) * (n - 1)), s, n)
+        terms = crossed_terms(square(n * seed_var + noise_var, s - 1),
+                              square(s * problem_var + noise_var, n - 1), square(noise_var, (s - 1) * (n - 1)),
+                              s, n)
     return estimates, t_half_width(terms)
+
+
+def expected_half_width(seeds: int, problems: int, parts: dict) -> float:
+    """The mean 95% half width that studies of `seeds` seeds and `problems` problems would report."""
+    return float(np.mean(simulated_intervals(seeds, problems, parts)[1]))
 
 
 def decision_probability(seeds: int, margin: float, problems: int, parts: dict,

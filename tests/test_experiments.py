@@ -1,4 +1,4 @@
-"""experiments.py: the bootstrap and the scatter fit on synthetic data (no model), then the whole --quick
+"""experiments.py: the tables' intervals and the scatter fit on synthetic data (no model), then the --quick
 pipeline on the tiny model: every part runs and writes its numbers and figures."""
 
 import errno
@@ -25,6 +25,7 @@ import plan
 import run_folder
 import study_flags
 import study_runs
+import stats
 import tables
 import train
 import workers
@@ -38,6 +39,11 @@ from test_plan import STAND_IN
 from written import Folder, owned
 
 LEVELS = np.array(["easy"] * 20 + ["hard"] * 30)
+
+
+def own_problems(seeds: int) -> np.ndarray:
+    """problems [S, N]: each seed its own held-out problems (nested), as arith-mix draws them."""
+    return np.arange(seeds * len(LEVELS)).reshape(seeds, len(LEVELS))
 
 
 def write_jsonl(path: Path, records: list[dict]) -> None:
@@ -54,7 +60,7 @@ def synthetic_correct(rng: np.random.Generator, methods: int, seeds: int, p_easy
 
 def test_paired_difference_of_identical_methods_is_exactly_zero():
     one = synthetic_correct(np.random.default_rng(0), 1, 5)
-    table = tables.accuracy_table(np.concatenate([one, one]), LEVELS, ["grpo", "same"], resamples=2000)
+    table = tables.accuracy_table(np.concatenate([one, one]), LEVELS, own_problems(5), ["grpo", "same"])
     delta = table["same"]["delta"]
     assert delta["mean"] == 0 and delta["ci"] == [0.0, 0.0] and delta["half_width"] == 0
     assert all(d["ci"] == [0.0, 0.0] for d in table["same"]["delta_by_level"].values())
@@ -70,7 +76,7 @@ def test_paired_difference_recovers_a_known_shift():
     for s in range(5):
         wrong_hard = np.flatnonzero((base[s] == 0) & (LEVELS == "hard"))
         better[s, wrong_hard[:5]] = 1
-    table = tables.accuracy_table(np.stack([base, better]), LEVELS, ["grpo", "better"], resamples=2000)
+    table = tables.accuracy_table(np.stack([base, better]), LEVELS, own_problems(5), ["grpo", "better"])
     delta = table["better"]["delta"]
     assert math.isclose(delta["mean"], 5 / 50)
     assert 0 < delta["ci"][0] <= 0.1 <= delta["ci"][1]  # paired: the CI excludes 0 though accuracies overlap
@@ -80,48 +86,53 @@ def test_paired_difference_recovers_a_known_shift():
 
 def test_avspo_is_also_compared_with_its_ablations_paired():
     """AVSPO against avspo-always and avspo-fixed, and its all-wrong end against its all-correct end, by
-    the same paired bootstrap: the shifted method is the first of each pair."""
+    the same paired interval: the shifted method is the first of each pair."""
     base = synthetic_correct(np.random.default_rng(1), 1, 5)[0]  # [S, N]
     better = base.copy()
     for s in range(5):
         better[s, np.flatnonzero(base[s] == 0)[:5]] = 1
-    table = tables.accuracy_table(np.stack([base, base, better, base]), LEVELS,
-                                       ["grpo", "avspo-always", "avspo", "avspo-fixed"], resamples=2000)
+    table = tables.accuracy_table(np.stack([base, base, better, base]), LEVELS, own_problems(5),
+                                  ["grpo", "avspo-always", "avspo", "avspo-fixed"])
     against = table["avspo"]["delta_vs_ablation"]
     assert list(against) == ["avspo-always", "avspo-fixed"]
     for delta in against.values():
         assert math.isclose(delta["mean"], 5 / 50) and 0 < delta["ci"][0] <= 0.1 <= delta["ci"][1]
     assert all("delta_vs_ablation" not in table[name] for name in ("grpo", "avspo-always", "avspo-fixed"))
-    ends = tables.accuracy_table(np.stack([base, base, better]), LEVELS,
-                                      ["grpo", "avspo-correct", "avspo-wrong"], resamples=2000)
+    ends = tables.accuracy_table(np.stack([base, base, better]), LEVELS, own_problems(5),
+                                 ["grpo", "avspo-correct", "avspo-wrong"])
     assert math.isclose(ends["avspo-wrong"]["delta_vs_ablation"]["avspo-correct"]["mean"], 5 / 50)
 
 
 def test_seed_deltas_pair_collapse_and_cost_by_seed():
-    """A method whose every per-seed number is GRPO's + 0.1 differs by exactly 0.1, with a CI of one point;
-    each number's own CI over seeds lies within its seeds' range."""
+    """A method whose every per-seed number is GRPO's + 0.1 differs by exactly 0.1, with an interval of one
+    point; each number's own interval is the t interval over its seeds (`stats.seed_interval`)."""
     grpo = [0.5, 0.2, 0.9, 0.4, 0.6]
     stat = lambda values: {"mean": float(np.mean(values)), "per_seed": values}  # noqa: E731
     table = {name: {"collapse": {"acr": stat([v + shift for v in grpo])},
                     "cost": {"seconds": stat([1.0] * 5)}} for name, shift in (("grpo", 0.0), ("later", 0.1))}
-    tables.seed_deltas(table, resamples=500)
+    tables.seed_deltas(table)
     delta = table["later"]["collapse"]["acr"]["delta"]
     assert math.isclose(delta["mean"], 0.1) and np.allclose(delta["ci"], [0.1, 0.1])
-    low, high = table["grpo"]["collapse"]["acr"]["ci"]
-    assert 0.2 <= low < np.mean(grpo) < high <= 0.9
+    assert table["grpo"]["collapse"]["acr"]["ci"] == stats.seed_interval(np.array(grpo))["ci"]
     assert table["grpo"]["collapse"]["acr"]["delta"]["ci"] == [0.0, 0.0]
 
 
-def test_early_acr_fit_recovers_a_line_with_finite_cis():
+def test_early_acr_fit_recovers_a_line_pooled_and_within_levels():
+    """Four levels, each its own accuracy, and within each the same slope -0.5: both fits find it; the levels
+    alone explain part of the accuracy."""
     rng = np.random.default_rng(4)
     x = rng.random(32)
-    runs = [{"early_acr": float(xi), "accuracy": float(0.9 - 0.5 * xi + rng.normal(0, 0.05))} for xi in x]
-    fit = tables.early_acr_scatter(runs, resamples=2000)
-    assert fit["slope_ci"][0] < -0.5 < fit["slope_ci"][1] and fit["slope_ci"][1] < 0
-    assert 0.7 < fit["r2"] < 1 and fit["r2_ci"][0] < fit["r2"] <= fit["r2_ci"][1] <= 1
-    assert fit["distinct_early_acr"] == 32
+    level = np.repeat(np.arange(4), 8)
+    runs = [{"early_acr": float(xi), "level": f"l{lv}", "accuracy": float(0.9 - 0.5 * xi + 0.05 * lv
+                                                                        + rng.normal(0, 0.05))}
+            for xi, lv in zip(x, level)]
+    fit = tables.early_acr_scatter(runs)
+    for line in (fit, fit["within"]):
+        assert line["slope_ci"][0] < -0.5 < line["slope_ci"][1] and line["slope_ci"][1] < 0
+    assert 0.5 < fit["r2"] < 1 and 0 < fit["r2_groups"] < 1 and fit["distinct_early_acr"] == 32
+    assert "within levels: slope -0." in tables.fit_line(fit)
     runs[1]["early_acr"] = runs[0]["early_acr"]  # two runs at one early ACR: one x value fewer
-    assert tables.early_acr_scatter(runs, resamples=10)["distinct_early_acr"] == 31
+    assert tables.early_acr_scatter(runs)["distinct_early_acr"] == 31
 
 
 def test_quick_pipeline_writes_every_number_and_figure(tmp_path, capsys):
@@ -170,7 +181,7 @@ def test_quick_pipeline_writes_every_number_and_figure(tmp_path, capsys):
     assert all(f"| {name} |" in results["compare_table"] for name in table)
     scatter = results["scatter"]
     assert len(scatter["runs"]) == 4  # 2 levels x G in {2, 4} x 1 seed
-    assert {"slope", "slope_ci", "r2", "r2_ci"} <= set(scatter)  # NaN here: the tiny model's accuracy is flat
+    assert {"slope", "slope_ci", "r2", "within", "r2_groups"} <= set(scatter)  # NaN here: a flat accuracy
     for name in ("acr_vs_difficulty", "compare", "compare_accuracy", "compare_learning", "collapse_map",
                  "early_acr_vs_accuracy"):
         assert (tmp_path / "figures" / f"{name}.png").stat().st_size > 5_000
@@ -295,7 +306,7 @@ def test_git_keeps_the_experiments_logs_but_not_weights_or_scratch_runs():
 # ------------------------------------------------------------------ issue 54: what experiments.py may touch
 # The smallest runs experiments.py makes: one GRPO run of 2 steps on the tiny model, without --quick (whose
 # defaults the flags below would otherwise have to beat).
-TINY = ["--model", "tiny-qwen2", "--max-new-tokens", "8", "--resamples", "50", "--jobs", "1"]
+TINY = ["--model", "tiny-qwen2", "--max-new-tokens", "8", "--jobs", "1"]
 SCATTER = [*TINY, "--only", "scatter", "--scatter-levels", "add1", "--scatter-g", "2", "--scatter-seeds",
            "0", "--scatter-steps", "2", "--scatter-prompts", "2", "--scatter-eval-size", "4"]
 COMPARE = [*TINY, "--only", "compare", "--methods", "grpo", "--seeds", "0", "--steps", "2",
@@ -529,8 +540,8 @@ def test_lora_delta_is_paired_with_full_fine_tuning_by_seed_and_problem():
     lora = full.copy()
     for s in range(5):
         lora[s, np.flatnonzero(full[s] == 0)[:3]] = 1
-    table = tables.accuracy_table(np.stack([full, lora]), LEVELS, ["full-ft", "lora-r1"], resamples=2000,
-                                       baseline="full-ft")
+    table = tables.accuracy_table(np.stack([full, lora]), LEVELS, own_problems(5), ["full-ft", "lora-r1"],
+                                  baseline="full-ft")
     delta = table["lora-r1"]["delta"]
     assert math.isclose(delta["mean"], 3 / 50) and 0.02 < delta["ci"][0] <= 0.06 <= delta["ci"][1] < 0.1
     assert table["full-ft"]["delta"]["ci"] == [0.0, 0.0]
@@ -558,8 +569,10 @@ def test_quick_lora_part_sweeps_each_arm_then_trains_the_seeds_at_the_chosen_rat
             assert (config["seed"], config["lr"], config["lora_rank"]) == (seed, float(row["lr"]), ranks[arm])
             assert config["lora_alpha"] == 32 and config["steps"] == 2 and config["dataset"] == "arith-mix"
         assert len(row["per_seed"]) == 1 and row["seconds_per_step"]["mean"] > 0
-        assert row["verdict"] in ({None} if arm == "full-ft" else {"confirmed", "refuted", "inconclusive"})
-        assert row["cost"]["seconds"]["delta"] if arm != "full-ft" else row["delta"]["ci"] == [0.0, 0.0]
+        # one seed: no spread between seeds, so no interval and no verdict
+        assert row["verdict"] == (None if arm == "full-ft" else "no information: fewer than 2 seeds: no "
+                                                                 "spread between seeds to measure")
+        assert row["cost"]["seconds"]["delta"] if arm != "full-ft" else row["delta"]["mean"] == 0
     logs = [study_runs.run_dir(folder, arm, 3) / "samples.jsonl" for arm in study_runs.LORA]
     asked = [[g["prompt"] for g in run_folder.read_jsonl(log) if g["step"] == 1] for log in logs]
     assert asked[0] and asked[0] == asked[1] == asked[2]
@@ -785,7 +798,7 @@ def test_early_acr_by_level_gives_each_group_its_prompts_level(tmp_path, dataset
     held = study_runs.held_out(config, seed, None)
     write_jsonl(run / "eval_records.jsonl", [{"question": p.question, "level": p.level, "extracted": None,
                                               "correct": p.level in right} for p in held])
-    fit = tables.early_acr_by_level({seed: run}, config, None, resamples=50)
+    fit = tables.early_acr_by_level({seed: run}, config, None)
     seen = {p.level for step in (1, 2) for p in tasks.step_problems(problems, 6, seed, step)}
     assert marked in seen and len(seen) > 1
     assert {p["level"] for p in fit["runs"]} == seen and all(p["seed"] == seed for p in fit["runs"])
