@@ -20,9 +20,9 @@ the data's (a JSONL file's "level", MATH's "Level 1".."Level 5"; a file without 
    to GRPO, paired by seed and problem, get a 95% interval by the study's design (`stats`: a seed draws its
    own held-out split, nested; a fixed test file is crossed). Beside each: the collapse the method left (raw
    and effective ACR, the all-correct and all-wrong groups of the last quarter of the steps) and its cost
-   (generated tokens: policy, AAPO's reference, DAPO's resampled groups; seconds). A collapse map shows seed 0's groups step by step;
-   AVSPO's Figure 1 takes the GRPO runs' early ACR and final accuracy level by level (`early_acr_by_level`);
-   report.md judges the papers' claims.
+   (generated tokens: policy, AAPO's reference, DAPO's resampled groups; seconds). A collapse map shows seed
+   0's groups step by step; AVSPO's Figure 1 takes the GRPO runs' early ACR and final accuracy level by level
+   (`early_acr_by_level`); report.md judges the papers' claims.
 3. readings:   AVSPO's readings side by side, each changing one choice of ours or an unverified one (a fixed
    threshold, K = 1, one end only: `METHODS`), with GRPO rerun beside them; as compare, in its own folder.
    bf16 rounds differently per CPU: a seed's arms are compared on one kind (machines.jsonl).

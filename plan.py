@@ -31,7 +31,7 @@ from run_folder import read_jsonl
 from stats import as_design, design, expected_half_width, problems_to_decide, seeds_to_decide
 from study_flags import as_flags, lr_grid, part_flags
 from study_runs import (BASELINE, METHODS, PRECISIONS, Run, check_run, finished, held_out,
-                        method_runs, run_args, run_dir, run_training)
+                        method_runs, run_args, run_training)
 from tables import compare_variances
 from workers import run_all, runs_at_once
 from written import NotWritten, owned
@@ -361,10 +361,15 @@ def interval_plan(args: argparse.Namespace) -> tuple[str, int | None]:
               f"borrowed from the committed comparison on {dataset} ({folder}, {measured['design']})")
     width = expected_half_width(seeds, problems, parts)
     needed = seeds_to_decide(args.margin, problems, parts)
-    more = None if needed or target == "nested" else problems_to_decide(seeds, args.margin, problems, parts)
-    decides = (f"takes {needed} seeds" if needed else "takes more than 200 seeds" if target == "nested" else
-               f"no number of seeds does: the problems set the floor; over {seeds} seeds the test set needs "
-               f"{f'about {more:,}' if more else 'more than 65,536'} problems")
+    if needed or target == "nested":
+        decides = f"takes {needed} seeds" if needed else "takes more than 200 seeds"
+    else:  # the seeds enough without the problems' shared part, doubled until a test set would do
+        at = max(seeds, seeds_to_decide(args.margin, problems, {**parts, "problem_var": 0.0}) or seeds)
+        more = problems_to_decide(at, args.margin, problems, parts)
+        while more is None and at < 200:
+            at, more = 2 * at, problems_to_decide(2 * at, args.margin, problems, parts)
+        decides = (f"no number of seeds does over {problems} problems: the problems set the floor; {at} "
+                   f"seeds need a test set of {f'about {more:,}' if more else 'more than 65,536'} problems")
     return (f"compare: each Δ vs {BASELINE} over {seeds} seeds of {problems} held-out problems ({target}): "
             f"expected 95% interval ±{100 * width:.1f} points (variances {source}: {parts['seed_var']:.5f} "
             f"between seeds, {parts['problem_var']:.3f} a problem shared by the seeds, "

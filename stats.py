@@ -220,9 +220,9 @@ def simulated_intervals(seeds: int, problems: int, parts: dict, true_delta: floa
     if parts["design"] == "nested":
         terms = [(1 / s, square(seed_var + (problem_var + noise_var) / n, s - 1), s - 1)]
     else:
+        noise_df = (s - 1) * (n - 1)
         terms = crossed_terms(square(n * seed_var + noise_var, s - 1),
-                              square(s * problem_var + noise_var, n - 1), square(noise_var, (s - 1) * (n - 1)),
-                              s, n)
+                              square(s * problem_var + noise_var, n - 1), square(noise_var, noise_df), s, n)
     return estimates, t_half_width(terms)
 
 

@@ -3,6 +3,7 @@ early-ACR fits), their markdown tables, and report.md: the papers' claims judged
 
 import json
 import math
+import re
 from pathlib import Path
 
 import numpy as np
@@ -238,7 +239,7 @@ CLAIMS = [("AVSPO (He et al., arXiv 2605.21125): +4 to +6 points over GRPO (at l
 
 def judged(ci: list[float], region: tuple[float, float], why_not: str | None) -> str:
     """A claim's verdict (`stats.verdict`), or "no information" and why (`stats.no_information`)."""
-    return f"no information: {why_not}" if why_not else f"**{verdict(ci, region)}**"
+    return f"no information: {why_not}" if why_not else verdict(ci, region)
 
 
 def claim_rows(results: dict) -> list[str]:
@@ -270,7 +271,8 @@ def claim_rows(results: dict) -> list[str]:
             said, ci, why_not = f"{fit_line(fit)}, over {len(fit['runs'])} points", fit["slope_ci"], None
         else:
             continue
-        rows.append(f"| {claim} | {said} | {judged(ci, region, why_not)} |")
+        said_of_it = judged(ci, region, why_not)
+        rows.append(f"| {claim} | {said} | {said_of_it if why_not else f'**{said_of_it}**'} |")
     return rows
 
 

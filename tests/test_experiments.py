@@ -433,18 +433,39 @@ def plan_line(argv: list[str], capsys, monkeypatch) -> str:
 
 def test_the_plan_states_each_comparisons_interval_and_the_seeds_that_decide_the_margin(tmp_path, capsys,
                                                                                           monkeypatch):
-    """With no runs of its own, the plan takes the variances from the committed comparison (5 seeds of 336
-    problems, runs/experiments/compare): its intervals were ±1.9 to ±4.0 points, and the plan expects ±2.9
-    (`stats.expected_half_width`); more seeds narrow it, a wider --margin takes fewer seeds."""
+    """With no runs of its own, the plan borrows the variances of the committed comparison (5 seeds of 336
+    problems, nested: runs/experiments/compare) and says so, and from what task; its width and seeds are the
+    simulated procedure's (`stats`); more seeds narrow it, a wider --margin takes fewer seeds."""
+    parts = {"design": "nested", "seed_var": 0.0006421383463211154, "problem_var": 0.0,
+             "noise_var": 0.10501421464108031}  # tables.compare_variances of the committed runs
+    assert tables.compare_variances([plan.COMMITTED], study_runs.COMPARE)[0] == pytest.approx(parts)
     line = plan_line(["--out", str(tmp_path)], capsys, monkeypatch)
-    assert "over 5 seeds of 336 held-out problems: expected 95% interval ±2.9 points" in line
-    assert f"variances from {plan.COMMITTED}: 0.105 a problem, 0.00064 between seeds" in line
-    assert line.endswith("deciding ±2.5 points 4 times in 5 at a true Δ of 0 takes 19 seeds")
+    width, seeds = stats.expected_half_width(5, 336, parts), stats.seeds_to_decide(0.025, 336, parts)
+    assert f"over 5 seeds of 336 held-out problems (nested): expected 95% interval ±{100 * width:.1f}" in line
+    assert f"borrowed from the committed comparison on arith-mix ({plan.COMMITTED}, nested)" in line
+    assert line.endswith(f"deciding ±2.5 points 4 times in 5 at a true Δ of 0 takes {seeds} seeds")
     twelve = ",".join(map(str, range(12)))
-    assert "over 12 seeds of 336 held-out problems: expected 95% interval ±1.9 points" in plan_line(
+    twelve_width = 100 * stats.expected_half_width(12, 336, parts)
+    assert f"expected 95% interval ±{twelve_width:.1f} points" in plan_line(
         ["--out", str(tmp_path), "--seeds", twelve], capsys, monkeypatch)
-    assert line.replace("±2.5 points", "±5 points").replace("19 seeds", "5 seeds") == plan_line(
-        ["--out", str(tmp_path), "--margin", "0.05"], capsys, monkeypatch)
+    wider = plan_line(["--out", str(tmp_path), "--margin", "0.05"], capsys, monkeypatch)
+    assert wider.endswith(f"±5 points 4 times in 5 at a true Δ of 0 takes "
+                          f"{stats.seeds_to_decide(0.05, 336, parts)} seeds")
+
+
+def test_on_a_fixed_test_file_the_plan_models_a_crossed_design_and_asks_for_problems(tmp_path, capsys,
+                                                                                      monkeypatch):
+    """A MATH-form file: every seed evaluates the same 10 held-out problems (crossed). Nested variances
+    cannot split a problem's shared part from its noise: taken as shared, and said; no number of seeds
+    decides ±2.5 points over 10 problems, and the plan says how many problems would."""
+    data = math_form_file(tmp_path / "math.jsonl", levels=True)
+    line = plan_line(["--out", str(tmp_path), "--dataset", str(data)], capsys, monkeypatch)
+    assert "over 5 seeds of 10 held-out problems (crossed)" in line
+    assert "its problems' noise is taken as shared by the seeds (the widest case)" in line
+    assert "no number of seeds does over 10 problems: the problems set the floor; " in line
+    at = int(line.split("the floor; ")[1].split()[0])
+    problems = int(line.split("a test set of about ")[1].split()[0].replace(",", ""))
+    assert at >= 5 and problems > 10
 
 
 def test_a_results_json_that_is_not_json_is_one_line_before_any_run(tmp_path, capsys):
