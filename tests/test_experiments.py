@@ -829,22 +829,73 @@ def test_early_acr_by_level_gives_each_group_its_prompts_level(tmp_path, dataset
     assert sum(p["groups"] for p in fit["runs"]) == 12  # 2 early steps of 6 groups
 
 
+COMMITTED_RESULTS = Path(experiments.__file__).parent / "docs" / "results.json"
+README = Path(experiments.__file__).parent / "README.md"
+
+
 def test_the_report_judges_the_committed_comparison_as_the_readme_does():
     """report.md's claims from docs/results.json: compare's rows, and AVSPO's from the readings, get the
-    README's verdicts (its claims table); a claim the results cannot speak to (no early-ACR fit) is left
-    out."""
-    results = json.loads((Path(experiments.__file__).parent / "docs" / "results.json").read_text())
+    README's verdicts (its claims table), by the one rule that the README states in the same words."""
+    results = json.loads(COMMITTED_RESULTS.read_text())
     verdicts = lambda rows: [(row.split(" | ")[0][2:], row.rsplit("**", 2)[1]) for row in rows]  # noqa: E731
     claims = {claim: measure for claim, _, measure, _ in tables.CLAIMS}
     judged = dict(verdicts(tables.claim_rows(results)))
-    readme = ["refuted", "refuted", "confirmed", "refuted", "confirmed"]
-    assert judged == dict(zip(claims, readme))
+    assert judged == dict(zip(claims, ["refuted", "refuted", "confirmed", "inconclusive", "confirmed",
+                                       "confirmed"]))
     rows = tables.claim_rows({**results, "compare": results["readings"]})
     assert dict(verdicts(rows))[next(iter(claims))] == "refuted"
-    assert "-3.7 [-5.7, -1.7] points" in rows[0] and "38% [26%, 52%] (Δ / GRPO's 0.56)" in rows[1]
+    assert "-3.7 [-6.0, -1.4] points" in rows[0] and "38.3% [18.1%, 58.6%] (Δ / GRPO's 0.562)" in rows[1]
+    assert "**inconclusive**" in rows[1]  # the cut: its interval holds the claimed 58%
     text = tables.report(results, "SmolLM2-135M on arith-mix")
     assert text.startswith("# The study: SmolLM2-135M on arith-mix") and results["compare_table"] in text
-    assert "## Early ACR" not in text and text.count("** |") == 5  # five claims judged
+    assert "## Early ACR" in text and text.count("** |") == 6 and stats.RULE in text
+    assert "a t interval over the per-seed means, with 4 degrees of freedom" in text  # its design, nested
+    assert stats.RULE in " ".join(README.read_text().split())  # one wording: the README's is the code's
+
+
+def test_a_claim_whose_measure_sits_at_its_ceiling_gets_no_verdict():
+    """The real-data example's case: every group all-wrong (GRPO's effective ACR 1 in every run) and a
+    trigger that fired at every step (AVSPO's 0): a 100% cut holds by construction, so no verdict; so too an
+    accuracy of 0 in every run of both methods, and a study of one seed."""
+    results = json.loads(COMMITTED_RESULTS.read_text())
+    table = {name: results["compare"][name] for name in ("grpo", "avspo")}
+    for name, value in (("grpo", 1.0), ("avspo", 0.0)):
+        for key in ("acr_effective", "acr_effective_first_quarter", "acr_effective_last_quarter"):
+            table[name]["collapse"][key]["per_seed"] = [value] * 5
+        table[name]["per_seed"] = [0.0] * 5
+    rows = tables.claim_rows({"compare": table})  # AVSPO's gain, its cut, GRPO's late rise
+    assert [row.split(" | ")[-1] for row in rows] == [
+        "no information: at its floor or ceiling in every run: the result holds by construction |"] * 3
+    table["avspo"]["per_seed"] = [0.0] * 4 + [1 / 336]  # one right answer: information, if little
+    assert "no information" not in tables.claim_rows({"compare": table})[0]
+
+
+def test_the_readme_prints_the_numbers_of_docs_results_json():
+    """Every interval the README's results and claims print, recomputed from docs/results.json."""
+    results, readme = json.loads(COMMITTED_RESULTS.read_text()), README.read_text()
+    compare, readings, lora = results["compare"], results["readings"], results["lora"]["arms"]
+    ci3 = lambda x: f"{x['mean']:.3f} [{x['ci'][0]:.3f}, {x['ci'][1]:.3f}]"  # noqa: E731
+    ci2 = lambda x: f"{x['mean']:.2f} [{x['ci'][0]:.2f}, {x['ci'][1]:.2f}]"  # noqa: E731
+    pts = lambda x: f"{100 * x['mean']:+.1f} [{100 * x['ci'][0]:+.1f}, {100 * x['ci'][1]:+.1f}]"  # noqa: E731
+    for name, row in compare.items():
+        delta = "-" if name == "grpo" else pts(row["delta"])
+        assert f"| {name} | {ci3(row['accuracy'])} | {delta} |" in readme, name
+        assert f" | {ci2(row['collapse']['clipped'])} | " in readme, name
+    base = readings["grpo"]["collapse"]["acr_effective"]["mean"]
+    for arm in ("avspo", "avspo-fixed"):
+        d = readings[arm]["collapse"]["acr_effective"]["delta"]
+        assert f"{-d['mean'] / base:.1%} [{-d['ci'][1] / base:.1%}, {-d['ci'][0] / base:.1%}]" in readme
+    for said in [pts(readings["avspo"]["delta"]), pts(readings["avspo"]["delta_vs_ablation"]["avspo-fixed"]),
+                 pts(compare["aapo"]["delta_by_level"]["add2"]), pts(compare["dapo"]["delta_by_level"]["add2"]),
+                 *(pts(lora[arm]["delta"]) for arm in ("lora-r1", "lora-r32"))]:
+        assert said in readme, said
+    grpo = compare["grpo"]["collapse"]
+    assert f"{grpo['late_rise']['mean']:+.2f} [{grpo['late_rise']['ci'][0]:+.2f}, " \
+           f"{grpo['late_rise']['ci'][1]:+.2f}]" in readme
+    fit = results["scatter"]
+    assert (f"slope {fit['slope']:.2f} [{fit['slope_ci'][0]:.2f}, {fit['slope_ci'][1]:.2f}], R² {fit['r2']:.2f}; "
+            f"within levels: slope {fit['within']['slope']:.2f} [{fit['within']['slope_ci'][0]:.2f}, "
+            f"{fit['within']['slope_ci'][1]:.2f}], R² {fit['within']['r2']:.2f}") in readme
 
 
 def test_print_commands_then_the_study_gathers_what_the_in_process_study_computes(tmp_path, capsys,
