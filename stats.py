@@ -69,13 +69,13 @@ def mean_squares(x: np.ndarray, problems: np.ndarray) -> list[tuple[float, np.nd
     return crossed_terms(*two_way(x, problems), s, n)
 
 
-def t_half_width(terms: list[tuple], level: float = 0.95) -> np.ndarray:
-    """The half width of a t interval whose variance is the sum of `terms` (coefficient, mean square,
+def t_half_width(terms: list[tuple]) -> np.ndarray:
+    """The half width of a 95% t interval whose variance is the sum of `terms` (coefficient, mean square,
     degrees of freedom; arrays: one study each), with Satterthwaite's degrees of freedom."""
     var = sum(c * np.asarray(ms, dtype=float) for c, ms, _ in terms)
     with np.errstate(invalid="ignore", divide="ignore"):  # no spread at all: a width of 0
         df = var ** 2 / sum((c * np.asarray(ms, dtype=float)) ** 2 / df for c, ms, df in terms)
-        return np.where(var > 0, sp.t.ppf(0.5 + level / 2, np.maximum(df, 1e-9)) * np.sqrt(var), 0.0)
+        return np.where(var > 0, sp.t.ppf(0.975, np.maximum(df, 1e-9)) * np.sqrt(var), 0.0)
 
 
 def mean_interval(x: np.ndarray, problems: np.ndarray) -> dict:
