@@ -328,9 +328,12 @@ def one_line(exit_info, capsys) -> str:
 
 
 def timeless(value):
-    """`value` without its wall-clock numbers (seconds), which no two runs share."""
+    """`value` without its wall-clock numbers (seconds), which no two runs share; NaN (no interval from one
+    seed), which equals nothing, as a word."""
     if isinstance(value, dict):
         return {k: timeless(v) for k, v in value.items() if k not in ("seconds", "compare_table", "scale")}
+    if isinstance(value, float) and math.isnan(value):
+        return "NaN"
     return [timeless(v) for v in value] if isinstance(value, list) else value
 
 
