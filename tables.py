@@ -279,7 +279,7 @@ def claim_rows(results: dict) -> list[str]:
 def design_note(table: dict) -> str:
     """What report.md's intervals are, by the study's design and seeds."""
     row = next(iter(table.values()))
-    seeds, design = len(row["per_seed"]), row["accuracy"].get("design", "nested")
+    seeds, design = len(row["per_seed"]), row["accuracy"]["design"]
     how = ("each seed drew its own held-out problems (nested): a t interval over the per-seed means, with "
            f"{seeds - 1} degrees of freedom" if design == "nested" else
            "every seed answered the same problems (crossed, one test file): the seeds' spread plus the "
