@@ -346,6 +346,8 @@ def interval_plan(args: argparse.Namespace) -> tuple[str, int | None]:
     compare runs: the study's own, else the checkout's committed ones, said to be borrowed. The line to
     print, and those seeds (None where no variances are known, or the problems set the floor)."""
     methods, seeds = args.methods.split(","), len(args.seeds.split(","))
+    if seeds < 2:
+        return "compare: one seed gives no interval (no spread between seeds): no interval planned", None
     try:
         found = compare_variances([Path(args.out) / "compare", COMMITTED], methods)
     except NotWritten as e:  # a final evaluation changed since it was written: nothing taken from it

@@ -765,7 +765,9 @@ def test_a_study_on_your_own_file_groups_by_its_levels_and_passes_its_flags(tmp_
     assert (tmp_path / "study" / "figures" / "early_acr_by_level.png").exists()
     report = (tmp_path / "study" / "report.md").read_text()  # the methods, the fit, the claims it can judge
     assert results["compare_table"] in report and "## Early ACR against final accuracy, by level" in report
-    assert "| AVSPO (He et al., arXiv 2605.21125): +4 to +6 points over GRPO |" in report
+    assert "| AVSPO (He et al., arXiv 2605.21125): +4 to +6 points over GRPO (at least +4) |" in report
+    assert "every seed answered the same problems (crossed, one test file)" in report  # a file's split
+    assert "With 2 seeds each interval rests on 1 degree of freedom" in report
     for name, row in results["compare"].items():
         assert list(row["by_level"]) == names
         for seed in (0, 1):
