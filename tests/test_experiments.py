@@ -876,8 +876,11 @@ def test_a_claim_whose_measure_sits_at_its_ceiling_gets_no_verdict():
 
 
 def test_the_readme_prints_the_numbers_of_docs_results_json():
-    """Every interval the README's results and claims print, recomputed from docs/results.json."""
+    """Every interval the README's results and claims print, recomputed from docs/results.json; the claims'
+    intervals also in docs/results.md's table of what issue 71 changed."""
     results, readme = json.loads(COMMITTED_RESULTS.read_text()), README.read_text()
+    history = (COMMITTED_RESULTS.parent / "results.md").read_text()
+    changes = history.split("## Intervals by the study's design")[1].split("\n## ")[0]
     compare, readings, lora = results["compare"], results["readings"], results["lora"]["arms"]
     ci3 = lambda x: f"{x['mean']:.3f} [{x['ci'][0]:.3f}, {x['ci'][1]:.3f}]"  # noqa: E731
     ci2 = lambda x: f"{x['mean']:.2f} [{x['ci'][0]:.2f}, {x['ci'][1]:.2f}]"  # noqa: E731
@@ -889,18 +892,23 @@ def test_the_readme_prints_the_numbers_of_docs_results_json():
     base = readings["grpo"]["collapse"]["acr_effective"]["mean"]
     for arm in ("avspo", "avspo-fixed"):
         d = readings[arm]["collapse"]["acr_effective"]["delta"]
-        assert f"{-d['mean'] / base:.1%} [{-d['ci'][1] / base:.1%}, {-d['ci'][0] / base:.1%}]" in readme
+        cut = f"{-d['mean'] / base:.1%} [{-d['ci'][1] / base:.1%}, {-d['ci'][0] / base:.1%}]"
+        assert cut in readme and cut in changes
     for said in [pts(readings["avspo"]["delta"]), pts(readings["avspo"]["delta_vs_ablation"]["avspo-fixed"]),
-                 pts(compare["aapo"]["delta_by_level"]["add2"]), pts(compare["dapo"]["delta_by_level"]["add2"]),
+                 *(pts(compare[m]["delta_by_level"]["add2"]) for m in ("aapo", "dapo")),
                  *(pts(lora[arm]["delta"]) for arm in ("lora-r1", "lora-r32"))]:
         assert said in readme, said
+    for said in [pts(readings["avspo"]["delta"]), pts(readings["avspo"]["delta_vs_ablation"]["avspo-fixed"]),
+                 pts(compare["aapo"]["delta"]), pts(compare["dapo"]["delta"]),
+                 *(pts(lora[arm]["delta"]) for arm in ("lora-r1", "lora-r32"))]:
+        assert said in changes, said
     grpo = compare["grpo"]["collapse"]
     assert f"{grpo['late_rise']['mean']:+.2f} [{grpo['late_rise']['ci'][0]:+.2f}, " \
            f"{grpo['late_rise']['ci'][1]:+.2f}]" in readme
-    fit = results["scatter"]
-    assert (f"slope {fit['slope']:.2f} [{fit['slope_ci'][0]:.2f}, {fit['slope_ci'][1]:.2f}], R² {fit['r2']:.2f}; "
-            f"within levels: slope {fit['within']['slope']:.2f} [{fit['within']['slope_ci'][0]:.2f}, "
-            f"{fit['within']['slope_ci'][1]:.2f}], R² {fit['within']['r2']:.2f}") in readme
+    pooled, within = results["scatter"], results["scatter"]["within"]
+    line = lambda fit: f"slope {fit['slope']:.2f} [{fit['slope_ci'][0]:.2f}, {fit['slope_ci'][1]:.2f}], " \
+        f"R² {fit['r2']:.2f}"  # noqa: E731
+    assert f"{line(pooled)}; within levels: {line(within)}" in readme
 
 
 def test_print_commands_then_the_study_gathers_what_the_in_process_study_computes(tmp_path, capsys,
