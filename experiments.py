@@ -16,27 +16,28 @@ the data's (a JSONL file's "level", MATH's "Level 1".."Level 5"; a file without 
    train.py's own schedule (lr decaying to 0), the same prompts per seed, several seeds. train.py evaluates a
    stratified prefix of the held-out split every --eval-every steps (the curves against generated tokens);
    each final checkpoint is then evaluated greedily on the whole split, as train.py evaluates, its records
-   cached in final_eval.jsonl beside its run. A bootstrap over seeds AND problems gives a 95% CI for each
-   method's accuracy (overall, per level) and for its difference to GRPO paired by seed and problem (a seed
-   fixes the held-out split too). Beside each: the collapse the method left (raw and effective ACR, the
-   all-correct and all-wrong groups of the last quarter of the steps) and its cost (generated tokens: policy,
-   AAPO's reference, DAPO's resampled groups; seconds). A collapse map shows seed 0's groups step by step;
-   AVSPO's Figure 1 takes the GRPO runs' early ACR and final accuracy level by level (`early_acr_by_level`);
-   report.md judges the papers' claims.
+   cached in final_eval.jsonl beside its run. Each method's accuracy (overall, per level) and its difference
+   to GRPO, paired by seed and problem, get a 95% interval by the study's design (`stats`: a seed draws its
+   own held-out split, nested; a fixed test file is crossed). Beside each: the collapse the method left (raw
+   and effective ACR, the all-correct and all-wrong groups of the last quarter of the steps) and its cost
+   (generated tokens: policy, AAPO's reference, DAPO's resampled groups; seconds). A collapse map shows seed
+   0's groups step by step; AVSPO's Figure 1 takes the GRPO runs' early ACR and final accuracy level by level
+   (`early_acr_by_level`); report.md judges the papers' claims.
 3. readings:   AVSPO's readings side by side, each changing one choice of ours or an unverified one (a fixed
    threshold, K = 1, one end only: `METHODS`), with GRPO rerun beside them; as compare, in its own folder.
    bf16 rounds differently per CPU: a seed's arms are compared on one kind (machines.jsonl).
 4. scatter:    the AVSPO paper's Figure 1: early raw ACR (train.py's summary: the mean over the first 20% of
    the steps) against final held-out accuracy (train.py's last eval, on that level's test split) over a grid
-   of levels x group sizes x seeds of short GRPO runs; slope and R^2 with bootstrap CIs over runs.
+   of levels x group sizes x seeds of short GRPO runs; the slope's t interval and R^2, pooled and within
+   levels.
 5. precision:  the default run (`python train.py`) in bf16 and in fp32 on the same seeds: does bf16 learn as
    well? Held-out accuracy, batch reward and seconds per step against steps. Only with --only precision (bf16
    without native support, AVX2 alone, takes many times longer).
 6. lora:       does LoRA match full fine-tuning in RL, even at rank 1 ("LoRA Without Regret", Schulman et al.,
    2025)? GRPO with full fine-tuning, LoRA rank 1 and rank 32 (lora.py), as compare (Δ against full
    fine-tuning), each arm at the learning rate of its sweep on --sweep-seed, not one of --seeds (--full-lrs,
-   --lora-lrs): the rate whose final model is the most accurate, the smaller on a tie. "Matches" (`verdict`):
-   confirmed when the Δ interval lies within +-MARGIN, refuted when wholly outside. Only with --only lora.
+   --lora-lrs): the rate whose final model is the most accurate, the smaller on a tie. "Matches" is the
+   region +-MARGIN, judged by `stats.RULE`. Only with --only lora.
 
 First the plan (plan.py): one step (AVSPO always on: every row trained) and two evaluations, trained at the
 comparison runs' settings on this device (the calibration, kept in <out>/calibration), then each run's
@@ -71,12 +72,12 @@ from plots import (plot_accuracy_vs_compute, plot_accuracy_vs_tokens, plot_colla
                    plot_difficulty, plot_early_acr_scatter, plot_precision_curves)
 from processes import on_stop_signals
 from run_folder import RunFolderError, read_jsonl
-from stats import verdict
+from stats import no_information
 from study_flags import MARGIN, as_flags, parse_args, study_title
 from study_runs import (BASELINE, LORA, PRECISIONS, Run, acr_by_difficulty, check_flags, check_run, held_out,
                         method_runs, run_dir, run_training, seed_cpus, train_and_score, train_argv)
 from tables import (accuracy_curves, accuracy_table, collapse, compute_cost, early_acr_by_level,
-                    early_acr_scatter, lora_table, markdown_table, pick_lr, print_results, report,
+                    early_acr_scatter, judged, lora_table, markdown_table, pick_lr, print_results, report,
                     results_so_far, seed_deltas)
 from workers import Progress, Stopped, Workers, runs_at_once, stop_handler
 from written import Folder, NotWritten, owned
@@ -84,11 +85,11 @@ from written import Folder, NotWritten, owned
 
 
 def compare(folder: Path, methods: list[str], seeds: list[int], config: train.Args, per_level: int | None,
-            resamples: int, workers: Workers, baseline: str = BASELINE,
+            workers: Workers, baseline: str = BASELINE,
             extra: dict[str, list[str]] | None = None) -> dict:
     """Train every method on every seed into `folder` at `config` (with its `extra` flags: the lora part's
-    learning rates), evaluate each final checkpoint per problem, bootstrap (Δ to `baseline`), account
-    costs."""
+    learning rates), evaluate each final checkpoint per problem, the intervals (Δ to `baseline`), account
+    costs. The intervals follow the study's design, read from the problems each seed answered (`stats`)."""
     runs = method_runs(folder, methods, seeds, as_flags(config), extra)
     for run in runs.values():  # before any run starts
         check_run(*run)
@@ -97,9 +98,10 @@ def compare(folder: Path, methods: list[str], seeds: list[int], config: train.Ar
     records = dict(zip(runs, workers.run(tasks)))
     correct = [[[r["correct"] for r in records[m, s]] for s in seeds] for m in methods]  # [M][S][N]
     levels = {s: [r["level"] or NO_LEVEL for r in records[methods[0], s]] for s in seeds}
-    assert all(lv == levels[seeds[0]] for lv in levels.values()), "the bootstrap needs one level pattern"
+    assert all(lv == levels[seeds[0]] for lv in levels.values()), "the table needs one level pattern"
     levels = np.array(levels[seeds[0]])
-    table = accuracy_table(np.array(correct, dtype=float), levels, methods, resamples, baseline)
+    problems = np.array([[r["question"] for r in records[methods[0], s]] for s in seeds])  # [S, N]
+    table = accuracy_table(np.array(correct, dtype=float), levels, problems, methods, baseline)
     same_problems = per_level is None and config.eval_size >= len(levels)  # train.py's last eval: all of them
     for name in methods:
         runs = [run_dir(folder, name, s) for s in seeds]
@@ -110,7 +112,7 @@ def compare(folder: Path, methods: list[str], seeds: list[int], config: train.Ar
         if same_problems and not np.allclose(logged, table[name]["per_seed"]):  # greedy: should be identical
             print(f"warning: {name}: re-evaluated checkpoints {table[name]['per_seed']} "
                   f"!= train.py's {logged}")
-    seed_deltas(table, resamples, baseline=baseline)
+    seed_deltas(table, baseline=baseline)
     for seed in seeds:  # bf16 rounds differently per CPU: a seed's methods are compared on one kind
         if len(cpus := seed_cpus(folder, methods, seed)) > 1:
             print(f"warning: {folder} seed {seed}: its runs were trained on {len(cpus)} kinds of CPU "
@@ -118,8 +120,7 @@ def compare(folder: Path, methods: list[str], seeds: list[int], config: train.Ar
     return table
 
 
-def scatter(runs: dict[tuple[str, int, int], Run], levels: list[str], resamples: int,
-            workers: Workers) -> dict:
+def scatter(runs: dict[tuple[str, int, int], Run], levels: list[str], workers: Workers) -> dict:
     """The scatter's runs (`scatter_runs`); each run's early raw ACR (`metrics.early_steps`) and final
     held-out accuracy, from its summary.json, level by level (in the order of `levels`)."""
     for run in runs.values():  # before any run starts
@@ -131,7 +132,7 @@ def scatter(runs: dict[tuple[str, int, int], Run], levels: list[str], resamples:
         summary = json.loads((out / algo / "summary.json").read_text())
         points.append({"level": level, "group_size": g, "seed": seed, "early_steps": summary["early_steps"],
                        "early_acr": summary["early_acr"], "accuracy": summary["acc_after"]})
-    return early_acr_scatter(points, resamples)
+    return early_acr_scatter(points)
 
 
 def precision(runs: dict[tuple[str, int], Run], workers: Workers) -> dict:
@@ -164,7 +165,7 @@ def compare_part(args: argparse.Namespace, folder: Path, methods: list[str], fig
     """compare (and readings, in its own folder): the training runs and the table; with `figures`, the
     curves, accuracy against cost and tokens, and the collapse map of the first seed."""
     seeds = [int(s) for s in args.seeds.split(",")]
-    table = compare(folder, methods, seeds, args.train, args.per_level or None, args.resamples, args.workers)
+    table = compare(folder, methods, seeds, args.train, args.per_level or None, args.workers)
     if figures:
         runs_by_method = {m: [run_dir(folder, m, s) for s in seeds] for m in methods}
         title = study_title(args.train)
@@ -190,13 +191,15 @@ def lora_part(args: argparse.Namespace, folder: Path) -> dict:
         accuracy[arm][lr] = float(np.mean([r["correct"] for r in records]))
     chosen = {arm: pick_lr(accuracy[arm]) for arm in LORA}
     table = compare(folder, list(LORA), [int(s) for s in args.seeds.split(",")], args.train, per_level,
-                    args.resamples, args.workers, baseline=LORA[0],
+                    args.workers, baseline=LORA[0],
                     extra={arm: ["--lr", lr] for arm, lr in chosen.items()})
     for arm, row in table.items():
         seconds = row["cost"]["seconds"]
         row["lr"], row["seconds_per_step"] = chosen[arm], {"mean": seconds["mean"] / args.train.steps,
                                                           "ci": [x / args.train.steps for x in seconds["ci"]]}
-        row["verdict"] = None if arm == LORA[0] else verdict(row["delta"], MARGIN)
+        per_seed = (np.array(table[name]["per_seed"]) for name in (arm, LORA[0]))
+        row["verdict"] = None if arm == LORA[0] else judged(row["delta"]["ci"], (-MARGIN, MARGIN),
+                                                             no_information(*per_seed))
     return {"sweep": {"seed": seed, "accuracy": accuracy, "chosen": chosen,
                       "rule": "per arm, the learning rate whose final model is the most accurate (greedy, on "
                               "the sweep seed's whole held-out split); the smaller on a tie"},
@@ -205,7 +208,7 @@ def lora_part(args: argparse.Namespace, folder: Path) -> dict:
 
 def scatter_part(args: argparse.Namespace, folder: Path, figures: Folder) -> dict:
     """The early-ACR scatter's GRPO runs, the fit and its figure."""
-    result = scatter(scatter_runs(args, folder), args.scatter_levels.split(","), args.resamples, args.workers)
+    result = scatter(scatter_runs(args, folder), args.scatter_levels.split(","), args.workers)
     plot_early_acr_scatter(result, figures, "early_acr_vs_accuracy.png")
     return result
 
@@ -325,7 +328,7 @@ def run_parts(args: argparse.Namespace, parts: list[str], out: Folder, figures: 
             results[f"{part}_table"] = markdown_table(results[part])
             if part == "compare" and BASELINE in methods.split(","):  # AVSPO's Figure 1, level by level
                 runs = {s: run_dir(folder, BASELINE, s) for s in map(int, args.seeds.split(","))}
-                fit = early_acr_by_level(runs, args.train, args.per_level or None, args.resamples)
+                fit = early_acr_by_level(runs, args.train, args.per_level or None)
                 plot_early_acr_scatter(fit, figures, "early_acr_by_level.png", "(GRPO seed, level) points")
                 results["early_acr_by_level"] = fit
                 out.write(REPORT, report(results, f"{study_title(args.train)}, seeds {args.seeds}"))

@@ -10,15 +10,14 @@
 2. `run_seconds`: a run's seconds from them; `study_plan` adds up the runs of the parts asked for.
 3. `fit_budget`: with --budget-minutes, the seeds, steps and evaluation size that fit, by the rule in its
    docstring; where nothing fits, the smallest plan it reached and its minutes.
-4. `interval_plan`: each comparison's expected interval and the seeds that would decide --margin
-   (`stats`), from the variances of finished compare runs.
+4. `interval_plan`: each comparison's expected interval and the seeds (crossed: and problems) that would
+   decide --margin, by the study's design (`stats`), from the variances of finished compare runs.
 """
 
 import argparse
 import dataclasses
 import hashlib
 import json
-import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -29,10 +28,11 @@ import train
 from data.tasks import by_level, load_problems
 from hardware import device_memory_bytes, pick_device
 from run_folder import read_jsonl
-from stats import expected_half_width, seeds_to_decide, variance_parts
+from stats import as_design, design, expected_half_width, problems_to_decide, seeds_to_decide
 from study_flags import as_flags, lr_grid, part_flags
-from study_runs import (BASELINE, METHODS, PRECISIONS, Run, as_written, check_run, finished, held_out,
-                        method_runs, run_args, run_dir, run_training)
+from study_runs import (BASELINE, METHODS, PRECISIONS, Run, check_run, finished, held_out,
+                        method_runs, run_args, run_training)
+from tables import compare_variances
 from workers import run_all, runs_at_once
 from written import NotWritten, owned
 
@@ -340,56 +340,40 @@ def plan_study(args: argparse.Namespace, parts: list[str]) -> tuple[argparse.Nam
 COMMITTED = Path(__file__).resolve().parent / "runs" / "experiments" / "compare"  # the README's comparison
 
 
-def evaluated_seeds(folder: Path, method: str) -> set[int]:
-    """The seeds of `method` in a compare folder whose final evaluation is there (`run_dir`'s names)."""
-    named = (re.fullmatch(rf"seed(\d+)-{re.escape(method)}", p.name) for p in folder.glob(f"seed*-{method}"))
-    return {int(m[1]) for m in named if m and (folder / m[0] / "final_eval.jsonl").exists()}
-
-
-def compare_variances(folders: list[Path], methods: list[str]) -> tuple[float, float, Path] | None:
-    """(problem_var, seed_var, folder) of the paired Δs against GRPO (`stats.variance_parts`, averaged over
-    the methods) from the first folder holding finished compare runs of GRPO and another method on two seeds
-    or more, each final evaluation on the same problems; None where none does."""
-    answers = {}  # (folder, method, seed) -> the final evaluation's answers, each file read once
-
-    def answers_of(folder: Path, method: str, seed: int) -> list[bool]:
-        if (folder, method, seed) not in answers:
-            run = run_dir(folder, method, seed).parent  # where the study caches final_eval.jsonl
-            as_written(run, "runs", ("final_eval.jsonl",))
-            answers[folder, method, seed] = [r["correct"] for r in read_jsonl(run / "final_eval.jsonl")]
-        return answers[folder, method, seed]
-
-    for folder in folders:
-        parts = []
-        for method in [m for m in methods if m != BASELINE]:
-            seeds = sorted(evaluated_seeds(folder, method) & evaluated_seeds(folder, BASELINE))
-            if len(seeds) < 2:
-                continue
-            pair = [np.array([answers_of(folder, name, s) for s in seeds], dtype=float)
-                    for name in (BASELINE, method)]  # [S, N] each
-            if pair[0].shape == pair[1].shape:
-                parts.append(variance_parts(*pair))
-        if parts:
-            return (*np.mean(parts, axis=0).tolist(), folder)
-    return None
-
-
 def interval_plan(args: argparse.Namespace) -> tuple[str, int | None]:
-    """compare's expected 95% half width of each Δ vs GRPO, and the seeds that would decide ±--margin, from
-    the variances of finished compare runs (this study's, else the checkout's committed ones; `stats`): the
-    line to print, and those seeds (None where no variances are known)."""
+    """compare's expected 95% half width of each Δ vs GRPO and the seeds that would decide ±--margin, by the
+    design this study will have (`stats.design` of its held-out problems) and the variances of finished
+    compare runs: the study's own, else the checkout's committed ones, said to be borrowed. The line to
+    print, and those seeds (None where no variances are known, or the problems set the floor)."""
     methods, seeds = args.methods.split(","), len(args.seeds.split(","))
+    if seeds < 2:
+        return "compare: one seed gives no interval (no spread between seeds): no interval planned", None
     try:
         found = compare_variances([Path(args.out) / "compare", COMMITTED], methods)
     except NotWritten as e:  # a final evaluation changed since it was written: nothing taken from it
         return f"compare: no interval planned: {e}", None
     if found is None:
         return "compare: no finished runs of two seeds to take the variances from: no interval planned", None
-    problem_var, seed_var, folder = found
-    problems = len(held_out(args.train, 0, args.per_level or None))
-    width = expected_half_width(seeds, problems, problem_var, seed_var)
-    needed = seeds_to_decide(args.margin, problems, problem_var, seed_var)
-    return (f"compare: each Δ vs {BASELINE} over {seeds} seeds of {problems} held-out problems: expected "
-            f"95% interval ±{100 * width:.1f} points (variances from {folder}: {problem_var:.3f} a problem, "
-            f"{seed_var:.5f} between seeds); deciding ±{100 * args.margin:g} points 4 times in 5 at a true "
-            f"Δ of 0 takes {needed or 'more than 1000'} seeds"), needed
+    measured, folder, dataset = found
+    held = [held_out(args.train, s, args.per_level or None) for s in (0, 1)]
+    problems = len(held[0])
+    target = design(np.array([[p.question for p in split] for split in held]))
+    parts, assumed = as_design(measured, target)
+    source = (f"from this study's runs in {folder}" if folder != COMMITTED else
+              f"borrowed from the committed comparison on {dataset} ({folder}, {measured['design']})")
+    width = expected_half_width(seeds, problems, parts)
+    needed = seeds_to_decide(args.margin, problems, parts)
+    if needed or target == "nested":
+        decides = f"takes {needed} seeds" if needed else "takes more than 200 seeds"
+    else:  # the seeds enough without the problems' shared part, doubled until a test set would do
+        at = max(seeds, seeds_to_decide(args.margin, problems, {**parts, "problem_var": 0.0}) or seeds)
+        more = problems_to_decide(at, args.margin, problems, parts)
+        while more is None and at < 200:
+            at, more = 2 * at, problems_to_decide(2 * at, args.margin, problems, parts)
+        decides = (f"no number of seeds does over {problems} problems: the problems set the floor; {at} "
+                   f"seeds need a test set of {f'about {more:,}' if more else 'more than 65,536'} problems")
+    return (f"compare: each Δ vs {BASELINE} over {seeds} seeds of {problems} held-out problems ({target}): "
+            f"expected 95% interval ±{100 * width:.1f} points (variances {source}: {parts['seed_var']:.5f} "
+            f"between seeds, {parts['problem_var']:.3f} a problem shared by the seeds, "
+            f"{parts['noise_var']:.3f} a problem's noise{assumed}); deciding ±{100 * args.margin:g} points 4 "
+            f"times in 5 at a true Δ of 0 {decides}"), needed

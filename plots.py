@@ -194,8 +194,10 @@ def plot_early_acr_scatter(result: dict, folder: Folder, name: str, points: str 
                       max(r["early_acr"] for r in result["runs"])])
         ax.plot(x, result["slope"] * x + result["intercept"], "k--", lw=1)
     ci = lambda v: f"[{v[0]:.2f}, {v[1]:.2f}]"  # noqa: E731
-    ax.set(title=f"{len(result['runs'])} {points}: R² = {result['r2']:.2f} {ci(result['r2_ci'])}, "
-                 f"slope = {result['slope']:.2f} {ci(result['slope_ci'])}",
+    within = result["within"]
+    ax.set(title=f"{len(result['runs'])} {points}: slope {result['slope']:.2f} {ci(result['slope_ci'])}, "
+                 f"R² = {result['r2']:.2f}; within levels {within['slope']:.2f} {ci(within['slope_ci'])}, "
+                 f"R² = {within['r2']:.2f}",
            xlabel=f"early raw ACR (mean over the first 20% of steps; {result['distinct_early_acr']} values)",
            ylabel="final held-out accuracy")
     ax.title.set_fontsize(9)

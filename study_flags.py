@@ -29,7 +29,7 @@ INTEGERS = {"seeds": 0, "scatter_seeds": 0, "precision_seeds": 0, "scatter_g": 2
 RATES = ("full_lrs", "lora_lrs")  # comma lists of positive numbers
 QUICK = ["--out", "runs/quick", "--model", "tiny-qwen2", "--seeds", "0,1", "--steps", "2",
          "--prompts-per-step", "2", "--group-size", "4", "--max-new-tokens", "8", "--eval-size", "4",
-         "--eval-every", "1", "--per-level", "2", "--resamples", "500", "--scatter-prompts", "2",
+         "--eval-every", "1", "--per-level", "2", "--scatter-prompts", "2",
          "--scatter-levels", "add1,mul1", "--scatter-g", "2,4", "--scatter-seeds", "0", "--scatter-steps",
          "2", "--scatter-eval-size", "4", "--difficulty-prompts", "4", "--precision-seeds", "0,1",
          "--precision-steps", "2", "--full-lrs", "1e-5,2e-5", "--lora-lrs", "1e-4,2e-4", "--jobs", "1"]
@@ -52,7 +52,6 @@ def make_parser() -> FlagParser:
     p.add_argument("--seeds", default="0,1,2,3,4")
     p.add_argument("--per-level", type=at_least(0), default=0,
                    help="compare: final per-problem eval on the first N problems of each level (0: all)")
-    p.add_argument("--resamples", type=COUNT, default=2000, help="bootstrap resamples")
     p.add_argument("--scatter-levels", default="add1,mul1,add2,mul2,mul3")
     p.add_argument("--scatter-g", default="2,4,8", help="group sizes of the scatter grid")
     p.add_argument("--scatter-seeds", default="0,1,2")

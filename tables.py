@@ -3,6 +3,7 @@ early-ACR fits), their markdown tables, and report.md: the papers' claims judged
 
 import json
 import math
+import re
 from pathlib import Path
 
 import numpy as np
@@ -10,24 +11,25 @@ import numpy as np
 from data.tasks import NO_LEVEL, level_order, load_problems, step_problems
 from metrics import early_steps
 from run_folder import RunFolderError, read_jsonl
-from stats import bootstrap_accuracy, claim_verdict, interval, line_fit
-from study_runs import ABLATIONS, BASELINE, LORA, final_records, held_out
+from stats import RULE, line_fit, mean_interval, no_information, seed_interval, variance_parts, verdict
+from study_runs import ABLATIONS, BASELINE, LORA, as_written, final_records, held_out, run_dir
 from written import Folder
 
 
-def accuracy_table(correct: np.ndarray, levels: np.ndarray, names: list[str], resamples: int,
+def accuracy_table(correct: np.ndarray, levels: np.ndarray, problems: np.ndarray, names: list[str],
                    baseline: str = BASELINE) -> dict:
-    """For each method: accuracy and Δ to `baseline` (paired), overall and per level, each with its 95% CI;
-    for a method with ablations in ABLATIONS, also its overall Δ to each (paired the same way)."""
-    boot, base = bootstrap_accuracy(correct, levels, resamples), names.index(baseline)
+    """For each method: accuracy and Δ to `baseline` (paired), overall and per level, each with its 95%
+    interval by the study's design (`stats.mean_interval`: correct [M, S, N]; `problems` [S, N], the problem
+    at each position; `levels` [N], each position's level); for a method with ablations in ABLATIONS, also
+    its overall Δ to each (paired the same way)."""
+    base = names.index(baseline)
     table = {}
     for i, name in enumerate(names):
         row = {"accuracy": None, "delta": None, "by_level": {}, "delta_by_level": {}}
         for key, mask in ([("all", np.ones(len(levels), bool))]
                           + [(lv, levels == lv) for lv in level_order(levels)]):
-            point = correct[:, :, mask].mean(axis=(1, 2))  # [M]
-            acc, delta = interval(point[i], boot[key][:, i]), interval(point[i] - point[base],
-                                                                         boot[key][:, i] - boot[key][:, base])
+            acc = mean_interval(correct[i][:, mask], problems[:, mask])
+            delta = mean_interval(correct[i][:, mask] - correct[base][:, mask], problems[:, mask])
             if key == "all":
                 row["accuracy"], row["delta"] = acc, delta
             else:
@@ -37,9 +39,8 @@ def accuracy_table(correct: np.ndarray, levels: np.ndarray, names: list[str], re
     for name, ablations in ABLATIONS.items():
         for ablation in [a for a in ablations if name in names and a in names]:
             i, j = names.index(name), names.index(ablation)
-            point = table[name]["accuracy"]["mean"] - table[ablation]["accuracy"]["mean"]
-            table[name].setdefault("delta_vs_ablation", {})[ablation] = interval(
-                point, boot["all"][:, i] - boot["all"][:, j])
+            table[name].setdefault("delta_vs_ablation", {})[ablation] = mean_interval(correct[i] - correct[j],
+                                                                                      problems)
     return table
 
 
@@ -82,21 +83,17 @@ def collapse(runs: list[Path]) -> dict:
             for k, v in per_seed.items()}
 
 
-def seed_deltas(table: dict, resamples: int, seed: int = 0, baseline: str = BASELINE) -> None:
-    """Add to each method's collapse and cost numbers a 95% bootstrap CI over the seeds ("ci"), and their
-    difference to `baseline` paired by seed, with its CI ("delta"): for claims about collapse and cost, where
-    each seed gives one number."""
-    rng = np.random.default_rng(seed)
-    seeds = len(table[baseline]["cost"]["seconds"]["per_seed"])
-    picks = rng.integers(0, seeds, size=(resamples, seeds))  # [R, S]: the same draws for every number
+def seed_deltas(table: dict, baseline: str = BASELINE) -> None:
+    """Add to each method's collapse and cost numbers a 95% t interval over the seeds ("ci"), and their
+    difference to `baseline` paired by seed, with its interval ("delta"; `stats.seed_interval`): for claims
+    about collapse and cost, where each seed gives one number."""
     for row in table.values():
         for group in ("collapse", "cost"):
             for key, stat in row[group].items():
                 values = np.array(stat["per_seed"])  # [S]
-                stat["ci"] = interval(values.mean(), values[picks].mean(axis=1))["ci"]
+                stat["ci"] = seed_interval(values)["ci"]
                 if key in table[baseline][group]:
-                    diff = values - np.array(table[baseline][group][key]["per_seed"])  # [S]
-                    stat["delta"] = interval(diff.mean(), diff[picks].mean(axis=1))
+                    stat["delta"] = seed_interval(values - np.array(table[baseline][group][key]["per_seed"]))
 
 
 def accuracy_curves(runs: list[Path]) -> dict:
@@ -116,16 +113,19 @@ def accuracy_curves(runs: list[Path]) -> dict:
             "accuracy_high": np.max(accuracy, axis=0).tolist()}
 
 
-def early_acr_scatter(runs: list[dict], resamples: int) -> dict:
-    """Fit final accuracy = slope * early ACR + intercept over the runs; bootstrap CIs over runs."""
+def early_acr_scatter(runs: list[dict]) -> dict:
+    """Fit final accuracy = slope * early ACR + intercept over the runs, pooled (the paper's claim) and
+    within each level (`stats.line_fit`): how much of the pooled fit is the levels' difference."""
     x, y = np.array([r["early_acr"] for r in runs]), np.array([r["accuracy"] for r in runs])
-    return {**line_fit(x, y, resamples), "distinct_early_acr": len(set(x.tolist())), "runs": runs}
+    fit = line_fit(x, y, np.array([r["level"] for r in runs]))
+    return {**fit, "distinct_early_acr": len(set(x.tolist())), "runs": runs}
 
 
-def early_acr_by_level(runs: dict[int, Path], config, per_level: int | None, resamples: int) -> dict:
+def early_acr_by_level(runs: dict[int, Path], config, per_level: int | None) -> dict:
     """AVSPO's Figure 1 (He et al., arXiv 2605.21125) from the compare runs of one method (GRPO), seed ->
     run: for each seed and level of the data, the early raw ACR of that level's groups and the final accuracy
-    on that level's held-out problems; the line through these points with bootstrap CIs (`early_acr_scatter`).
+    on that level's held-out problems; the line through these points, pooled and within levels
+    (`early_acr_scatter`).
     A group's level is its prompt's: each step's prompts follow from the seed and step alone
     (`data.tasks.step_problems`), in the order of metrics.jsonl's `groups_sampled` (C, W, =: collapsed)."""
     points = []
@@ -146,16 +146,21 @@ def early_acr_by_level(runs: dict[int, Path], config, per_level: int | None, res
                 points.append({"level": level, "group_size": config.group_size, "seed": seed,
                                "groups": groups[level], "early_acr": collapsed[level] / groups[level],
                                "accuracy": float(np.mean(answers))})
-    return early_acr_scatter(points, resamples)
+    return early_acr_scatter(points)
 
 
 def fit_line(fit: dict) -> str:
-    """A line's fit in words: its slope and R², each with its 95% CI (`stats.line_fit`)."""
+    """A line's fit in words (`stats.line_fit`): pooled, its slope with its 95% interval and R²; within the
+    levels, the same; and the R² of the levels alone."""
     if not math.isfinite(fit["slope"]):
         return "no line: no spread in early ACR or accuracy"
-    slope, r2 = fit["slope_ci"], fit["r2_ci"]
-    return (f"slope {fit['slope']:.2f} [{slope[0]:.2f}, {slope[1]:.2f}], R² {fit['r2']:.2f} "
-            f"[{r2[0]:.2f}, {r2[1]:.2f}]")
+    slope, within = fit["slope_ci"], fit["within"]
+    said = f"pooled: slope {fit['slope']:.2f} [{slope[0]:.2f}, {slope[1]:.2f}], R² {fit['r2']:.2f}"
+    if not math.isfinite(within["slope"]):
+        return f"{said}; within levels: no line"
+    low, high = within["slope_ci"]
+    return (f"{said}; within levels: slope {within['slope']:.2f} [{low:.2f}, {high:.2f}], R² "
+            f"{within['r2']:.2f}; the level alone: R² {fit['r2_groups']:.2f}")
 
 
 def markdown_table(table: dict) -> str:
@@ -219,54 +224,124 @@ def print_results(results: dict, parts: list[str]) -> None:
         print(f"\nearly ACR vs accuracy over {len(s['runs'])} runs: {fit_line(s)}")
 
 
-# The papers' claims a compare study can speak to: (claim, method, measure, the claimed effect's least size)
-CLAIMS = [("AVSPO (He et al., arXiv 2605.21125): +4 to +6 points over GRPO", "avspo", "accuracy", 0.04),
-          ("AAPO (Xiong et al., arXiv 2505.14264): +2.5 to +4.6 points over GRPO", "aapo", "accuracy", 0.025),
-          ("DAPO's dynamic sampling (Yu et al., 2025) beats GRPO", "dapo", "accuracy", 0.0),
-          ("AVSPO: virtual rewards cut the collapsed groups by 58-63%", "avspo", "cut", 0.58),
-          ("AAPO: GRPO's zero-advantage groups rise late in training", "grpo", "late rise", 0.0),
-          ("AVSPO: early ACR predicts final accuracy (its R² 0.617)", "grpo", "early ACR", 0.0)]
+# The papers' claims a compare study can speak to: (claim, method, measure, the region claimed for the effect)
+CLAIMS = [("AVSPO (He et al., arXiv 2605.21125): +4 to +6 points over GRPO (at least +4)", "avspo",
+           "accuracy", (0.04, math.inf)),
+          ("AAPO (Xiong et al., arXiv 2505.14264): +2.5 to +4.6 points over GRPO (at least +2.5)", "aapo",
+           "accuracy", (0.025, math.inf)),
+          ("DAPO's dynamic sampling (Yu et al., 2025) beats GRPO", "dapo", "accuracy", (0.0, math.inf)),
+          ("AVSPO: virtual rewards cut the collapsed groups by 58-63% (at least 58%)", "avspo", "cut",
+           (0.58, math.inf)),
+          ("AAPO: GRPO's zero-advantage groups rise late in training", "grpo", "late rise", (0.0, math.inf)),
+          ("AVSPO: early ACR predicts final accuracy (its R² 0.617): a negative slope", "grpo", "early ACR",
+           (-math.inf, 0.0))]
+
+
+def judged(ci: list[float], region: tuple[float, float], why_not: str | None) -> str:
+    """A claim's verdict (`stats.verdict`), or "no information" and why (`stats.no_information`)."""
+    return f"no information: {why_not}" if why_not else verdict(ci, region)
 
 
 def claim_rows(results: dict) -> list[str]:
-    """The CLAIMS rows this study's compare results can judge (`stats.claim_verdict`): claim | measured here
-    (95% CI) | verdict."""
+    """The CLAIMS rows this study's compare results can judge: claim | measured here (95% interval) |
+    verdict (`judged`)."""
     table, fit, rows = results["compare"], results.get("early_acr_by_level"), []
     points = lambda ci: f"[{100 * ci[0]:+.1f}, {100 * ci[1]:+.1f}]"  # noqa: E731
-    for claim, method, measure, claimed in CLAIMS:
+    for claim, method, measure, region in CLAIMS:
         if method not in table or (measure != "late rise" and BASELINE not in table):
             continue
         if measure == "accuracy":
             delta = table[method]["delta"]
-            said, ci, sign = f"{100 * delta['mean']:+.1f} {points(delta['ci'])} points", delta["ci"], 1
-        elif measure == "cut":  # of the effective ACR, against GRPO's, its seeds' deltas over GRPO's mean
-            stat = table[method]["collapse"]["acr_effective"]
-            base = table[BASELINE]["collapse"]["acr_effective"]["mean"]
-            ci, sign = [-x / base for x in reversed(stat["delta"]["ci"])], 1
-            said = f"{-stat['delta']['mean'] / base:.0%} [{ci[0]:.0%}, {ci[1]:.0%}] (Δ / GRPO's {base:.2f})"
+            said, ci = f"{100 * delta['mean']:+.1f} {points(delta['ci'])} points", delta["ci"]
+            why_not = no_information(*(np.array(table[m]["per_seed"]) for m in (method, BASELINE)))
+        elif measure == "cut":  # of the effective ACR, against GRPO's: its seeds' Δ over GRPO's mean
+            stat, base = (table[m]["collapse"]["acr_effective"] for m in (method, BASELINE))
+            ci = [-x / base["mean"] for x in reversed(stat["delta"]["ci"])]
+            said = (f"{-stat['delta']['mean'] / base['mean']:.1%} [{ci[0]:.1%}, {ci[1]:.1%}] (Δ / GRPO's "
+                    f"{base['mean']:.3f})")
+            why_not = no_information(np.array(stat["per_seed"]), np.array(base["per_seed"]))
         elif measure == "late rise":
-            rise = table[method]["collapse"]["late_rise"]
-            said = f"{rise['mean']:+.2f} [{rise['ci'][0]:+.2f}, {rise['ci'][1]:+.2f}], last quarter - first"
-            ci, sign = rise["ci"], 1
+            acr = table[method]["collapse"]
+            rise = acr["late_rise"]
+            said = f"{rise['mean']:+.3f} [{rise['ci'][0]:+.3f}, {rise['ci'][1]:+.3f}], last quarter - first"
+            ci = rise["ci"]
+            why_not = no_information(*(np.array(acr[f"acr_effective_{q}_quarter"]["per_seed"])
+                                       for q in ("first", "last")))
         elif fit and math.isfinite(fit["slope"]):  # early ACR: a higher one, a lower accuracy
-            said, ci, sign = f"{fit_line(fit)} over {len(fit['runs'])} points", fit["slope_ci"], -1
+            said, ci, why_not = f"{fit_line(fit)}, over {len(fit['runs'])} points", fit["slope_ci"], None
         else:
             continue
-        rows.append(f"| {claim} | {said} | **{claim_verdict(ci, claimed, sign)}** |")
+        said_of_it = judged(ci, region, why_not)
+        rows.append(f"| {claim} | {said} | {said_of_it if why_not else f'**{said_of_it}**'} |")
     return rows
+
+
+def design_note(table: dict) -> str:
+    """What report.md's intervals are, by the study's design and seeds."""
+    row = next(iter(table.values()))
+    seeds, design = len(row["per_seed"]), row["accuracy"]["design"]
+    how = ("each seed drew its own held-out problems (nested): a t interval over the per-seed means, with "
+           f"{seeds - 1} degrees of freedom" if design == "nested" else
+           "every seed answered the same problems (crossed, one test file): the seeds' spread plus the "
+           "problems' shared part (two-way analysis of variance), with Satterthwaite's degrees of freedom; "
+           "more seeds cannot narrow the problems' part")
+    note = f"Design: {how}. Per-seed numbers (collapse, cost): a t interval over the {seeds} seeds."
+    if seeds == 2:
+        note += (" With 2 seeds each interval rests on 1 degree of freedom (t quantile 12.7): wide, and it "
+                 "covers 83-97% of simulated studies rather than 95% (tests/test_stats.py).")
+    return note
 
 
 def report(results: dict, what: str) -> str:
     """report.md: the methods side by side, the early-ACR fit by level, and the claims this study judges."""
-    lines = [f"# The study: {what}", "", "## The methods (95% CIs over seeds and problems)", "",
-             results["compare_table"], ""]
+    lines = [f"# The study: {what}", "", "## The methods (95% intervals over seeds and problems)", "",
+             design_note(results["compare"]), "", results["compare_table"], ""]
     if fit := results.get("early_acr_by_level"):
         lines += ["## Early ACR against final accuracy, by level (AVSPO's Figure 1)", "",
                   f"{fit_line(fit)}, over {len(fit['runs'])} (GRPO seed, level) points", ""]
-    lines += ["## The papers' claims", "", "Confirmed: the interval excludes no effect, on the claimed side; "
-              "refuted: it excludes the claimed effect; inconclusive: it holds both.", "",
-              "| claim | measured here (95% CI) | verdict |", "|---|---|---|", *claim_rows(results)]
+    lines += ["## The papers' claims", "", RULE, "",
+              "| claim | measured here (95% interval) | verdict |", "|---|---|---|", *claim_rows(results)]
     return "\n".join(lines) + "\n"
+
+
+def evaluated_seeds(folder: Path, method: str) -> set[int]:
+    """The seeds of `method` in a compare folder whose final evaluation is there (`run_dir`'s names)."""
+    named = (re.fullmatch(rf"seed(\d+)-{re.escape(method)}", p.name) for p in folder.glob(f"seed*-{method}"))
+    return {int(m[1]) for m in named if m and (folder / m[0] / "final_eval.jsonl").exists()}
+
+
+def compare_variances(folders: list[Path], methods: list[str]) -> tuple[dict, Path, str] | None:
+    """(parts, folder, dataset): the variance parts of the paired Δs against GRPO (`stats.variance_parts`, by
+    the design their problems show, averaged over the methods), from the first folder holding finished
+    compare runs of GRPO and another method on two seeds or more, each final evaluation on the same
+    problems, and the dataset they trained on; None where none does."""
+    answers = {}  # (folder, method, seed) -> the final evaluation's records, each file read once
+
+    def answers_of(folder: Path, method: str, seed: int) -> list[dict]:
+        if (folder, method, seed) not in answers:
+            run = run_dir(folder, method, seed).parent  # where the study caches final_eval.jsonl
+            as_written(run, "runs", ("final_eval.jsonl",))
+            answers[folder, method, seed] = read_jsonl(run / "final_eval.jsonl")
+        return answers[folder, method, seed]
+
+    for folder in folders:
+        parts = []
+        for method in [m for m in methods if m != BASELINE]:
+            seeds = sorted(evaluated_seeds(folder, method) & evaluated_seeds(folder, BASELINE))
+            if len(seeds) < 2:
+                continue
+            base, other = ([answers_of(folder, name, s) for s in seeds] for name in (BASELINE, method))
+            problems = np.array([[r["question"] for r in records] for records in base])  # [S, N]
+            if problems.tolist() == [[r["question"] for r in records] for records in other]:
+                d = np.array([[r["correct"] for r in records] for records in other], dtype=float) \
+                    - np.array([[r["correct"] for r in records] for records in base], dtype=float)  # [S, N]
+                parts.append(variance_parts(d, problems))
+        if parts:
+            mean = {key: float(np.mean([p[key] for p in parts])) for key in ("seed_var", "problem_var",
+                                                                               "noise_var")}
+            config = json.loads((run_dir(folder, BASELINE, seeds[0]) / "config.json").read_text())
+            return {"design": parts[0]["design"], **mean}, folder, config["dataset"]
+    return None
 
 
 def results_so_far(figures: Folder, name: str) -> dict:

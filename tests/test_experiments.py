@@ -1,4 +1,4 @@
-"""experiments.py: the bootstrap and the scatter fit on synthetic data (no model), then the whole --quick
+"""experiments.py: the tables' intervals and the scatter fit on synthetic data (no model), then the --quick
 pipeline on the tiny model: every part runs and writes its numbers and figures."""
 
 import errno
@@ -25,6 +25,7 @@ import plan
 import run_folder
 import study_flags
 import study_runs
+import stats
 import tables
 import train
 import workers
@@ -38,6 +39,11 @@ from test_plan import STAND_IN
 from written import Folder, owned
 
 LEVELS = np.array(["easy"] * 20 + ["hard"] * 30)
+
+
+def own_problems(seeds: int) -> np.ndarray:
+    """problems [S, N]: each seed its own held-out problems (nested), as arith-mix draws them."""
+    return np.arange(seeds * len(LEVELS)).reshape(seeds, len(LEVELS))
 
 
 def write_jsonl(path: Path, records: list[dict]) -> None:
@@ -54,7 +60,7 @@ def synthetic_correct(rng: np.random.Generator, methods: int, seeds: int, p_easy
 
 def test_paired_difference_of_identical_methods_is_exactly_zero():
     one = synthetic_correct(np.random.default_rng(0), 1, 5)
-    table = tables.accuracy_table(np.concatenate([one, one]), LEVELS, ["grpo", "same"], resamples=2000)
+    table = tables.accuracy_table(np.concatenate([one, one]), LEVELS, own_problems(5), ["grpo", "same"])
     delta = table["same"]["delta"]
     assert delta["mean"] == 0 and delta["ci"] == [0.0, 0.0] and delta["half_width"] == 0
     assert all(d["ci"] == [0.0, 0.0] for d in table["same"]["delta_by_level"].values())
@@ -70,7 +76,7 @@ def test_paired_difference_recovers_a_known_shift():
     for s in range(5):
         wrong_hard = np.flatnonzero((base[s] == 0) & (LEVELS == "hard"))
         better[s, wrong_hard[:5]] = 1
-    table = tables.accuracy_table(np.stack([base, better]), LEVELS, ["grpo", "better"], resamples=2000)
+    table = tables.accuracy_table(np.stack([base, better]), LEVELS, own_problems(5), ["grpo", "better"])
     delta = table["better"]["delta"]
     assert math.isclose(delta["mean"], 5 / 50)
     assert 0 < delta["ci"][0] <= 0.1 <= delta["ci"][1]  # paired: the CI excludes 0 though accuracies overlap
@@ -80,48 +86,53 @@ def test_paired_difference_recovers_a_known_shift():
 
 def test_avspo_is_also_compared_with_its_ablations_paired():
     """AVSPO against avspo-always and avspo-fixed, and its all-wrong end against its all-correct end, by
-    the same paired bootstrap: the shifted method is the first of each pair."""
+    the same paired interval: the shifted method is the first of each pair."""
     base = synthetic_correct(np.random.default_rng(1), 1, 5)[0]  # [S, N]
     better = base.copy()
     for s in range(5):
         better[s, np.flatnonzero(base[s] == 0)[:5]] = 1
-    table = tables.accuracy_table(np.stack([base, base, better, base]), LEVELS,
-                                       ["grpo", "avspo-always", "avspo", "avspo-fixed"], resamples=2000)
+    table = tables.accuracy_table(np.stack([base, base, better, base]), LEVELS, own_problems(5),
+                                  ["grpo", "avspo-always", "avspo", "avspo-fixed"])
     against = table["avspo"]["delta_vs_ablation"]
     assert list(against) == ["avspo-always", "avspo-fixed"]
     for delta in against.values():
         assert math.isclose(delta["mean"], 5 / 50) and 0 < delta["ci"][0] <= 0.1 <= delta["ci"][1]
     assert all("delta_vs_ablation" not in table[name] for name in ("grpo", "avspo-always", "avspo-fixed"))
-    ends = tables.accuracy_table(np.stack([base, base, better]), LEVELS,
-                                      ["grpo", "avspo-correct", "avspo-wrong"], resamples=2000)
+    ends = tables.accuracy_table(np.stack([base, base, better]), LEVELS, own_problems(5),
+                                 ["grpo", "avspo-correct", "avspo-wrong"])
     assert math.isclose(ends["avspo-wrong"]["delta_vs_ablation"]["avspo-correct"]["mean"], 5 / 50)
 
 
 def test_seed_deltas_pair_collapse_and_cost_by_seed():
-    """A method whose every per-seed number is GRPO's + 0.1 differs by exactly 0.1, with a CI of one point;
-    each number's own CI over seeds lies within its seeds' range."""
+    """A method whose every per-seed number is GRPO's + 0.1 differs by exactly 0.1, with an interval of one
+    point; each number's own interval is the t interval over its seeds (`stats.seed_interval`)."""
     grpo = [0.5, 0.2, 0.9, 0.4, 0.6]
     stat = lambda values: {"mean": float(np.mean(values)), "per_seed": values}  # noqa: E731
     table = {name: {"collapse": {"acr": stat([v + shift for v in grpo])},
                     "cost": {"seconds": stat([1.0] * 5)}} for name, shift in (("grpo", 0.0), ("later", 0.1))}
-    tables.seed_deltas(table, resamples=500)
+    tables.seed_deltas(table)
     delta = table["later"]["collapse"]["acr"]["delta"]
     assert math.isclose(delta["mean"], 0.1) and np.allclose(delta["ci"], [0.1, 0.1])
-    low, high = table["grpo"]["collapse"]["acr"]["ci"]
-    assert 0.2 <= low < np.mean(grpo) < high <= 0.9
+    assert table["grpo"]["collapse"]["acr"]["ci"] == stats.seed_interval(np.array(grpo))["ci"]
     assert table["grpo"]["collapse"]["acr"]["delta"]["ci"] == [0.0, 0.0]
 
 
-def test_early_acr_fit_recovers_a_line_with_finite_cis():
+def test_early_acr_fit_recovers_a_line_pooled_and_within_levels():
+    """Four levels, each its own accuracy, and within each the same slope -0.5: both fits find it; the levels
+    alone explain part of the accuracy."""
     rng = np.random.default_rng(4)
     x = rng.random(32)
-    runs = [{"early_acr": float(xi), "accuracy": float(0.9 - 0.5 * xi + rng.normal(0, 0.05))} for xi in x]
-    fit = tables.early_acr_scatter(runs, resamples=2000)
-    assert fit["slope_ci"][0] < -0.5 < fit["slope_ci"][1] and fit["slope_ci"][1] < 0
-    assert 0.7 < fit["r2"] < 1 and fit["r2_ci"][0] < fit["r2"] <= fit["r2_ci"][1] <= 1
-    assert fit["distinct_early_acr"] == 32
+    level = np.repeat(np.arange(4), 8)
+    runs = [{"early_acr": float(xi), "level": f"l{lv}", "accuracy": float(0.9 - 0.5 * xi + 0.05 * lv
+                                                                        + rng.normal(0, 0.05))}
+            for xi, lv in zip(x, level)]
+    fit = tables.early_acr_scatter(runs)
+    for line in (fit, fit["within"]):
+        assert line["slope_ci"][0] < -0.5 < line["slope_ci"][1] and line["slope_ci"][1] < 0
+    assert 0.5 < fit["r2"] < 1 and 0 < fit["r2_groups"] < 1 and fit["distinct_early_acr"] == 32
+    assert "within levels: slope -0." in tables.fit_line(fit)
     runs[1]["early_acr"] = runs[0]["early_acr"]  # two runs at one early ACR: one x value fewer
-    assert tables.early_acr_scatter(runs, resamples=10)["distinct_early_acr"] == 31
+    assert tables.early_acr_scatter(runs)["distinct_early_acr"] == 31
 
 
 def test_quick_pipeline_writes_every_number_and_figure(tmp_path, capsys):
@@ -170,7 +181,7 @@ def test_quick_pipeline_writes_every_number_and_figure(tmp_path, capsys):
     assert all(f"| {name} |" in results["compare_table"] for name in table)
     scatter = results["scatter"]
     assert len(scatter["runs"]) == 4  # 2 levels x G in {2, 4} x 1 seed
-    assert {"slope", "slope_ci", "r2", "r2_ci"} <= set(scatter)  # NaN here: the tiny model's accuracy is flat
+    assert {"slope", "slope_ci", "r2", "within", "r2_groups"} <= set(scatter)  # NaN here: a flat accuracy
     for name in ("acr_vs_difficulty", "compare", "compare_accuracy", "compare_learning", "collapse_map",
                  "early_acr_vs_accuracy"):
         assert (tmp_path / "figures" / f"{name}.png").stat().st_size > 5_000
@@ -295,7 +306,7 @@ def test_git_keeps_the_experiments_logs_but_not_weights_or_scratch_runs():
 # ------------------------------------------------------------------ issue 54: what experiments.py may touch
 # The smallest runs experiments.py makes: one GRPO run of 2 steps on the tiny model, without --quick (whose
 # defaults the flags below would otherwise have to beat).
-TINY = ["--model", "tiny-qwen2", "--max-new-tokens", "8", "--resamples", "50", "--jobs", "1"]
+TINY = ["--model", "tiny-qwen2", "--max-new-tokens", "8", "--jobs", "1"]
 SCATTER = [*TINY, "--only", "scatter", "--scatter-levels", "add1", "--scatter-g", "2", "--scatter-seeds",
            "0", "--scatter-steps", "2", "--scatter-prompts", "2", "--scatter-eval-size", "4"]
 COMPARE = [*TINY, "--only", "compare", "--methods", "grpo", "--seeds", "0", "--steps", "2",
@@ -317,9 +328,12 @@ def one_line(exit_info, capsys) -> str:
 
 
 def timeless(value):
-    """`value` without its wall-clock numbers (seconds), which no two runs share."""
+    """`value` without its wall-clock numbers (seconds), which no two runs share; NaN (no interval from one
+    seed), which equals nothing, as a word."""
     if isinstance(value, dict):
         return {k: timeless(v) for k, v in value.items() if k not in ("seconds", "compare_table", "scale")}
+    if isinstance(value, float) and math.isnan(value):
+        return "NaN"
     return [timeless(v) for v in value] if isinstance(value, list) else value
 
 
@@ -422,18 +436,39 @@ def plan_line(argv: list[str], capsys, monkeypatch) -> str:
 
 def test_the_plan_states_each_comparisons_interval_and_the_seeds_that_decide_the_margin(tmp_path, capsys,
                                                                                           monkeypatch):
-    """With no runs of its own, the plan takes the variances from the committed comparison (5 seeds of 336
-    problems, runs/experiments/compare): its intervals were ±1.9 to ±4.0 points, and the plan expects ±2.9
-    (`stats.expected_half_width`); more seeds narrow it, a wider --margin takes fewer seeds."""
+    """With no runs of its own, the plan borrows the variances of the committed comparison (5 seeds of 336
+    problems, nested: runs/experiments/compare) and says so, and from what task; its width and seeds are the
+    simulated procedure's (`stats`); more seeds narrow it, a wider --margin takes fewer seeds."""
+    parts = {"design": "nested", "seed_var": 0.0006421383463211154, "problem_var": 0.0,
+             "noise_var": 0.10501421464108031}  # tables.compare_variances of the committed runs
+    assert tables.compare_variances([plan.COMMITTED], study_runs.COMPARE)[0] == pytest.approx(parts)
     line = plan_line(["--out", str(tmp_path)], capsys, monkeypatch)
-    assert "over 5 seeds of 336 held-out problems: expected 95% interval ±2.9 points" in line
-    assert f"variances from {plan.COMMITTED}: 0.105 a problem, 0.00064 between seeds" in line
-    assert line.endswith("deciding ±2.5 points 4 times in 5 at a true Δ of 0 takes 19 seeds")
+    width, seeds = stats.expected_half_width(5, 336, parts), stats.seeds_to_decide(0.025, 336, parts)
+    assert f"over 5 seeds of 336 held-out problems (nested): expected 95% interval ±{100 * width:.1f}" in line
+    assert f"borrowed from the committed comparison on arith-mix ({plan.COMMITTED}, nested)" in line
+    assert line.endswith(f"deciding ±2.5 points 4 times in 5 at a true Δ of 0 takes {seeds} seeds")
     twelve = ",".join(map(str, range(12)))
-    assert "over 12 seeds of 336 held-out problems: expected 95% interval ±1.9 points" in plan_line(
+    twelve_width = 100 * stats.expected_half_width(12, 336, parts)
+    assert f"expected 95% interval ±{twelve_width:.1f} points" in plan_line(
         ["--out", str(tmp_path), "--seeds", twelve], capsys, monkeypatch)
-    assert line.replace("±2.5 points", "±5 points").replace("19 seeds", "5 seeds") == plan_line(
-        ["--out", str(tmp_path), "--margin", "0.05"], capsys, monkeypatch)
+    wider = plan_line(["--out", str(tmp_path), "--margin", "0.05"], capsys, monkeypatch)
+    assert wider.endswith(f"±5 points 4 times in 5 at a true Δ of 0 takes "
+                          f"{stats.seeds_to_decide(0.05, 336, parts)} seeds")
+
+
+def test_on_a_fixed_test_file_the_plan_models_a_crossed_design_and_asks_for_problems(tmp_path, capsys,
+                                                                                      monkeypatch):
+    """A MATH-form file: every seed evaluates the same 10 held-out problems (crossed). Nested variances
+    cannot split a problem's shared part from its noise: taken as shared, and said; no number of seeds
+    decides ±2.5 points over 10 problems, and the plan says how many problems would."""
+    data = math_form_file(tmp_path / "math.jsonl", levels=True)
+    line = plan_line(["--out", str(tmp_path), "--dataset", str(data)], capsys, monkeypatch)
+    assert "over 5 seeds of 10 held-out problems (crossed)" in line
+    assert "its problems' noise is taken as shared by the seeds (the widest case)" in line
+    assert "no number of seeds does over 10 problems: the problems set the floor; " in line
+    at = int(line.split("the floor; ")[1].split()[0])
+    problems = int(line.split("a test set of about ")[1].split()[0].replace(",", ""))
+    assert at >= 5 and problems > 10
 
 
 def test_a_results_json_that_is_not_json_is_one_line_before_any_run(tmp_path, capsys):
@@ -529,8 +564,8 @@ def test_lora_delta_is_paired_with_full_fine_tuning_by_seed_and_problem():
     lora = full.copy()
     for s in range(5):
         lora[s, np.flatnonzero(full[s] == 0)[:3]] = 1
-    table = tables.accuracy_table(np.stack([full, lora]), LEVELS, ["full-ft", "lora-r1"], resamples=2000,
-                                       baseline="full-ft")
+    table = tables.accuracy_table(np.stack([full, lora]), LEVELS, own_problems(5), ["full-ft", "lora-r1"],
+                                  baseline="full-ft")
     delta = table["lora-r1"]["delta"]
     assert math.isclose(delta["mean"], 3 / 50) and 0.02 < delta["ci"][0] <= 0.06 <= delta["ci"][1] < 0.1
     assert table["full-ft"]["delta"]["ci"] == [0.0, 0.0]
@@ -558,8 +593,10 @@ def test_quick_lora_part_sweeps_each_arm_then_trains_the_seeds_at_the_chosen_rat
             assert (config["seed"], config["lr"], config["lora_rank"]) == (seed, float(row["lr"]), ranks[arm])
             assert config["lora_alpha"] == 32 and config["steps"] == 2 and config["dataset"] == "arith-mix"
         assert len(row["per_seed"]) == 1 and row["seconds_per_step"]["mean"] > 0
-        assert row["verdict"] in ({None} if arm == "full-ft" else {"confirmed", "refuted", "inconclusive"})
-        assert row["cost"]["seconds"]["delta"] if arm != "full-ft" else row["delta"]["ci"] == [0.0, 0.0]
+        # one seed: no spread between seeds, so no interval and no verdict
+        assert row["verdict"] == (None if arm == "full-ft" else "no information: fewer than 2 seeds: no "
+                                                                 "spread between seeds to measure")
+        assert row["cost"]["seconds"]["delta"] if arm != "full-ft" else row["delta"]["mean"] == 0
     logs = [study_runs.run_dir(folder, arm, 3) / "samples.jsonl" for arm in study_runs.LORA]
     asked = [[g["prompt"] for g in run_folder.read_jsonl(log) if g["step"] == 1] for log in logs]
     assert asked[0] and asked[0] == asked[1] == asked[2]
@@ -728,7 +765,9 @@ def test_a_study_on_your_own_file_groups_by_its_levels_and_passes_its_flags(tmp_
     assert (tmp_path / "study" / "figures" / "early_acr_by_level.png").exists()
     report = (tmp_path / "study" / "report.md").read_text()  # the methods, the fit, the claims it can judge
     assert results["compare_table"] in report and "## Early ACR against final accuracy, by level" in report
-    assert "| AVSPO (He et al., arXiv 2605.21125): +4 to +6 points over GRPO |" in report
+    assert "| AVSPO (He et al., arXiv 2605.21125): +4 to +6 points over GRPO (at least +4) |" in report
+    assert "every seed answered the same problems (crossed, one test file)" in report  # a file's split
+    assert "With 2 seeds each interval rests on 1 degree of freedom" in report
     for name, row in results["compare"].items():
         assert list(row["by_level"]) == names
         for seed in (0, 1):
@@ -785,7 +824,7 @@ def test_early_acr_by_level_gives_each_group_its_prompts_level(tmp_path, dataset
     held = study_runs.held_out(config, seed, None)
     write_jsonl(run / "eval_records.jsonl", [{"question": p.question, "level": p.level, "extracted": None,
                                               "correct": p.level in right} for p in held])
-    fit = tables.early_acr_by_level({seed: run}, config, None, resamples=50)
+    fit = tables.early_acr_by_level({seed: run}, config, None)
     seen = {p.level for step in (1, 2) for p in tasks.step_problems(problems, 6, seed, step)}
     assert marked in seen and len(seen) > 1
     assert {p["level"] for p in fit["runs"]} == seen and all(p["seed"] == seed for p in fit["runs"])
@@ -795,22 +834,81 @@ def test_early_acr_by_level_gives_each_group_its_prompts_level(tmp_path, dataset
     assert sum(p["groups"] for p in fit["runs"]) == 12  # 2 early steps of 6 groups
 
 
+COMMITTED_RESULTS = Path(experiments.__file__).parent / "docs" / "results.json"
+README = Path(experiments.__file__).parent / "README.md"
+
+
 def test_the_report_judges_the_committed_comparison_as_the_readme_does():
     """report.md's claims from docs/results.json: compare's rows, and AVSPO's from the readings, get the
-    README's verdicts (its claims table); a claim the results cannot speak to (no early-ACR fit) is left
-    out."""
-    results = json.loads((Path(experiments.__file__).parent / "docs" / "results.json").read_text())
+    README's verdicts (its claims table), by the one rule that the README states in the same words."""
+    results = json.loads(COMMITTED_RESULTS.read_text())
     verdicts = lambda rows: [(row.split(" | ")[0][2:], row.rsplit("**", 2)[1]) for row in rows]  # noqa: E731
     claims = {claim: measure for claim, _, measure, _ in tables.CLAIMS}
     judged = dict(verdicts(tables.claim_rows(results)))
-    readme = ["refuted", "refuted", "confirmed", "refuted", "confirmed"]
-    assert judged == dict(zip(claims, readme))
+    assert judged == dict(zip(claims, ["refuted", "refuted", "confirmed", "inconclusive", "confirmed",
+                                       "confirmed"]))
     rows = tables.claim_rows({**results, "compare": results["readings"]})
     assert dict(verdicts(rows))[next(iter(claims))] == "refuted"
-    assert "-3.7 [-5.7, -1.7] points" in rows[0] and "38% [26%, 52%] (Δ / GRPO's 0.56)" in rows[1]
+    assert "-3.7 [-6.0, -1.4] points" in rows[0] and "38.3% [18.1%, 58.6%] (Δ / GRPO's 0.562)" in rows[1]
+    assert "**inconclusive**" in rows[1]  # the cut: its interval holds the claimed 58%
     text = tables.report(results, "SmolLM2-135M on arith-mix")
     assert text.startswith("# The study: SmolLM2-135M on arith-mix") and results["compare_table"] in text
-    assert "## Early ACR" not in text and text.count("** |") == 5  # five claims judged
+    assert "## Early ACR" in text and text.count("** |") == 6 and stats.RULE in text
+    assert "a t interval over the per-seed means, with 4 degrees of freedom" in text  # its design, nested
+    assert stats.RULE in " ".join(README.read_text().split())  # one wording: the README's is the code's
+
+
+def test_a_claim_whose_measure_sits_at_its_ceiling_gets_no_verdict():
+    """The real-data example's case: every group all-wrong (GRPO's effective ACR 1 in every run) and a
+    trigger that fired at every step (AVSPO's 0): a 100% cut holds by construction, so no verdict; so too an
+    accuracy of 0 in every run of both methods, and a study of one seed."""
+    results = json.loads(COMMITTED_RESULTS.read_text())
+    table = {name: results["compare"][name] for name in ("grpo", "avspo")}
+    for name, value in (("grpo", 1.0), ("avspo", 0.0)):
+        for key in ("acr_effective", "acr_effective_first_quarter", "acr_effective_last_quarter"):
+            table[name]["collapse"][key]["per_seed"] = [value] * 5
+        table[name]["per_seed"] = [0.0] * 5
+    rows = tables.claim_rows({"compare": table})  # AVSPO's gain, its cut, GRPO's late rise
+    assert [row.split(" | ")[-1] for row in rows] == [
+        "no information: at its floor or ceiling in every run: the result holds by construction |"] * 3
+    table["avspo"]["per_seed"] = [0.0] * 4 + [1 / 336]  # one right answer: information, if little
+    assert "no information" not in tables.claim_rows({"compare": table})[0]
+
+
+def test_the_readme_prints_the_numbers_of_docs_results_json():
+    """Every interval the README's results and claims print, recomputed from docs/results.json; the claims'
+    intervals also in docs/results.md's table of what issue 71 changed."""
+    results, readme = json.loads(COMMITTED_RESULTS.read_text()), README.read_text()
+    history = (COMMITTED_RESULTS.parent / "results.md").read_text()
+    changes = history.split("## Intervals by the study's design")[1].split("\n## ")[0]
+    compare, readings, lora = results["compare"], results["readings"], results["lora"]["arms"]
+    ci3 = lambda x: f"{x['mean']:.3f} [{x['ci'][0]:.3f}, {x['ci'][1]:.3f}]"  # noqa: E731
+    ci2 = lambda x: f"{x['mean']:.2f} [{x['ci'][0]:.2f}, {x['ci'][1]:.2f}]"  # noqa: E731
+    pts = lambda x: f"{100 * x['mean']:+.1f} [{100 * x['ci'][0]:+.1f}, {100 * x['ci'][1]:+.1f}]"  # noqa: E731
+    for name, row in compare.items():
+        delta = "-" if name == "grpo" else pts(row["delta"])
+        assert f"| {name} | {ci3(row['accuracy'])} | {delta} |" in readme, name
+        assert f" | {ci2(row['collapse']['clipped'])} | " in readme, name
+    base = readings["grpo"]["collapse"]["acr_effective"]["mean"]
+    for arm in ("avspo", "avspo-fixed"):
+        d = readings[arm]["collapse"]["acr_effective"]["delta"]
+        cut = f"{-d['mean'] / base:.1%} [{-d['ci'][1] / base:.1%}, {-d['ci'][0] / base:.1%}]"
+        assert cut in readme and cut in changes
+    for said in [pts(readings["avspo"]["delta"]), pts(readings["avspo"]["delta_vs_ablation"]["avspo-fixed"]),
+                 *(pts(compare[m]["delta_by_level"]["add2"]) for m in ("aapo", "dapo")),
+                 *(pts(lora[arm]["delta"]) for arm in ("lora-r1", "lora-r32"))]:
+        assert said in readme, said
+    for said in [pts(readings["avspo"]["delta"]), pts(readings["avspo"]["delta_vs_ablation"]["avspo-fixed"]),
+                 pts(compare["aapo"]["delta"]), pts(compare["dapo"]["delta"]),
+                 *(pts(lora[arm]["delta"]) for arm in ("lora-r1", "lora-r32"))]:
+        assert said in changes, said
+    grpo = compare["grpo"]["collapse"]
+    assert f"{grpo['late_rise']['mean']:+.2f} [{grpo['late_rise']['ci'][0]:+.2f}, " \
+           f"{grpo['late_rise']['ci'][1]:+.2f}]" in readme
+    pooled, within = results["scatter"], results["scatter"]["within"]
+    line = lambda fit: f"slope {fit['slope']:.2f} [{fit['slope_ci'][0]:.2f}, {fit['slope_ci'][1]:.2f}], " \
+        f"R² {fit['r2']:.2f}"  # noqa: E731
+    assert f"{line(pooled)}; within levels: {line(within)}" in readme
 
 
 def test_print_commands_then_the_study_gathers_what_the_in_process_study_computes(tmp_path, capsys,

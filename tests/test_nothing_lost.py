@@ -60,7 +60,7 @@ def test_eval_refuses_a_bad_flag_in_one_line_before_any_model(flags, monkeypatch
 
 
 EXPERIMENTS_FLAGS = [["--eval-every", "-1"], ["--steps", "0"], ["--group-size", "1"], ["--jobs", "0"],
-                     ["--resamples", "-1"], ["--budget-minutes", "nan"], ["--budget-minutes", "-1"],
+                     ["--budget-minutes", "nan"], ["--budget-minutes", "-1"],
                      ["--seeds", "0,x"], ["--scatter-g", "1,2"], ["--only", "compare,typo"],
                      ["--methods", "grpo,ppo"], ["--scatter-levels", "add9"], ["--per-level", "-1"],
                      ["--budget-minutes", "60", "--print-commands"]]
