@@ -26,7 +26,7 @@ from tqdm import tqdm
 from data.tasks import Problem, load_eval_problems
 from decoding import FAST_ON, decode
 from flags import FlagParser, at_least, folder, in_range
-from hardware import DEVICES, pick_device, where, working_copy
+from hardware import DEVICES, pick_device, resident_bytes, where, working_copy
 from memory import context_warning, describe_estimate, estimate_memory, longest_prompt, parameter_counts
 from model import (PROMPT_FORMATS, load_config, load_model, load_tokenizer, sample, sample_with_generate,
                    stop_token_ids)
@@ -162,14 +162,17 @@ def write_results(out: Path, summary: dict, results: dict, dataset: str, tempera
     print(f"wrote {out / 'summary.json'} and {len(names) - 1} samples-*.jsonl beside it")
 
 
-def where_it_runs(args: argparse.Namespace, model, net, prompt_len: int, problems: int) -> str:
+def where_it_runs(args: argparse.Namespace, model, net, prompt_len: int, problems: int,
+                  runtime: int = 0) -> str:
     """The first line of a model's evaluation, as train.py's (`run.where_it_runs`): the device, the precision
-    and dtypes, and the memory it should need (memory.py, sampling alone: one generate call's rows)."""
+    and dtypes, and the memory it should need (memory.py, sampling alone: one generate call's rows; `runtime`,
+    the process's bytes before the model loaded)."""
     own, adapters = parameter_counts(model)
     terms = estimate_memory(model.config, own, rows=min(args.batch_size, problems) * args.samples,
                             prompt_len=prompt_len, completion_len=args.max_new_tokens, micro_batch=0,
                             bf16=net.dtype == torch.bfloat16, reference=False, checkpointing=False,
-                            cuda=model.device.type == "cuda", lora_params=adapters, training=False)
+                            cuda=model.device.type == "cuda", lora_params=adapters, training=False,
+                            runtime=runtime)
     return f"{where(model, net, args.precision)}; {describe_estimate(terms)}"
 
 
@@ -237,13 +240,14 @@ def main(argv: list[str] | None = None) -> dict:
             prompt_lens[name] = longest_prompt(load_config(name), load_tokenizer(name), problems,
                                                args.prompt_format, args.system)
         transformers.logging.disable_progress_bar()  # tqdm's bar of the evaluation alone, as in train.py
-        results = {}
+        results, runtime = {}, resident_bytes()  # before any model: the estimate's runtime
         for name in args.model:
             model, tokenizer = load_model(name, device)
             if warning := context_warning(model.config, prompt_lens[name], args.max_new_tokens):
                 print(f"{name}: {warning}", file=sys.stderr)
             net = working_copy(model, args.precision)  # the network train.py samples from
-            print(f"[eval {name}] {where_it_runs(args, model, net, prompt_lens[name], len(problems))}")
+            first_line = where_it_runs(args, model, net, prompt_lens[name], len(problems), runtime)
+            print(f"[eval {name}] {first_line}")
             torch.manual_seed(args.seed)
             results[name] = evaluate(net, tokenizer, problems, max_new_tokens=args.max_new_tokens,
                                      samples=args.samples, temperature=args.temperature,

@@ -84,6 +84,16 @@ def peak_memory_bytes(device: torch.device) -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
+def resident_bytes() -> int:
+    """This process's resident memory now (Linux's /proc/self/statm; elsewhere its peak so far): before a
+    model loads, what Python, torch and transformers hold beside any tensor, which memory.py's estimate
+    counts on the CPU as the runtime."""
+    try:
+        return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, IndexError, ValueError):
+        return peak_memory_bytes(torch.device("cpu"))
+
+
 def device_memory_bytes(device: torch.device) -> int:
     """The memory a run on `device` may fill: the GPU's, or the machine's RAM."""
     if device.type == "cuda":

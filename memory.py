@@ -8,7 +8,9 @@ Bytes, P the parameter count, w the working precision's bytes (2 for bf16, 4 for
   under LoRA (--lora-rank), L the adapters' parameter count: the frozen weights wP (in the working precision,
   no float32 master of them), weights 4L, optimizer 8L and gradients 4L for the adapters alone, no working
   copy (the policy is the master), and the reference 0 (the policy with its adapters off);
-  on CUDA, CUDA_ALLOWANCE for the CUDA context and the cuBLAS and attention workspaces;
+  on CUDA, CUDA_ALLOWANCE for the CUDA context and the cuBLAS and attention workspaces; on the CPU, the
+  runtime: what the process held before the model loaded (Python, torch, transformers: ~0.45 GiB), measured
+  (`hardware.resident_bytes`), so that the total is the process's peak resident memory;
 then the larger of the two phases, which never overlap:
   sampling, as HF generate (CUDA's path) runs it: it prefills every row, each prompt once per completion,
     then appends to the KV cache, layers x 2 x kv_dim x w per token; the larger of the prefill (the prompts'
@@ -39,7 +41,8 @@ from model import LOGPROB_CHUNK, format_prompts
 
 GIB = 2**30
 CUDA_ALLOWANCE = GIB  # the CUDA context (about 0.5 GiB with lazy module loading) and the kernels' workspaces
-STATIC = ("frozen", "weights", "optimizer", "gradients", "working_copy", "reference", "cuda")  # a run long
+STATIC = ("frozen", "weights", "optimizer", "gradients", "working_copy", "reference", "cuda",
+          "runtime")  # a run long
 
 
 def layer_bytes(config, w: int) -> int:
@@ -99,12 +102,13 @@ def parameter_counts(model) -> tuple[int, int]:
 
 def estimate_memory(config, num_params: int, *, rows: int, prompt_len: int, completion_len: int,
                     micro_batch: int, bf16: bool, reference: bool, checkpointing: bool,
-                    cuda: bool = False, lora_params: int = 0, training: bool = True) -> dict[str, float]:
+                    cuda: bool = False, lora_params: int = 0, training: bool = True,
+                    runtime: int = 0) -> dict[str, float]:
     """The terms of the module docstring in bytes, for a transformers config (hidden_size,
     intermediate_size, num_hidden_layers, num_attention_heads, num_key_value_heads, vocab_size), and
     "total": the static terms plus the larger phase. `num_params` counts the model's own weights;
     `lora_params` > 0, the LoRA adapters' (trained, the model's own frozen); `training` False, sampling
-    alone (eval.py)."""
+    alone (eval.py); `runtime`, the process's own bytes on the CPU (0 on CUDA: they are the host's)."""
     w = 2 if bf16 else 4
     hidden, layers = config.hidden_size, config.num_hidden_layers
     head_dim = getattr(config, "head_dim", None) or hidden // config.num_attention_heads
@@ -125,6 +129,7 @@ def estimate_memory(config, num_params: int, *, rows: int, prompt_len: int, comp
         "working_copy": (4 if training else 2) * num_params if bf16 and not lora else 0,
         "reference": w * num_params if reference and not lora else 0,
         "cuda": CUDA_ALLOWANCE if cuda else 0,
+        "runtime": 0 if cuda else runtime,
         "sampling": max(rows * prompt_len * (kv_token + prefill_bytes(config, w, lora)),
                         rows * (prompt_len + completion_len) * kv_token),
         "activations": tokens * (per_token + kept) if training else 0,
@@ -146,7 +151,8 @@ def describe_estimate(terms: dict[str, float]) -> str:
     parts = [f"weights{updated} {trained}"]
     if terms["frozen"]:  # LoRA
         parts = [f"frozen weights {size(terms['frozen'])}", f"adapters{updated} {trained}"]
-    names = {"working_copy": "working copy", "reference": "reference", "cuda": "CUDA context"}
+    names = {"working_copy": "working copy", "reference": "reference", "cuda": "CUDA context",
+             "runtime": "runtime (Python, torch)"}
     parts += [f"{names[n]} {size(terms[n])}" for n in names if terms[n]]
     phase = f"sampling (prefill, KV cache) {size(terms['sampling'])}"
     if update := terms["activations"] + terms["logits"]:

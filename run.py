@@ -23,7 +23,7 @@ import packing
 from data.tasks import Problem, load_eval_problems, load_problems
 from decoding import FAST_ON, decode
 from eval import evaluate, score_groups
-from hardware import cast_weights, pick_device, where, working_copy
+from hardware import cast_weights, pick_device, resident_bytes, where, working_copy
 from lora import (adapter_folder, adapters_off, add_adapters, base_identity, base_of, check_rank,
                   checked_adapters, merged)
 from memory import context_warning, describe_estimate, estimate_memory, longest_prompt, parameter_counts
@@ -106,7 +106,7 @@ def start_run(args, run_dir: Path, device: torch.device, is_main: bool, state: d
               with_reference: bool) -> Run:
     """The models, optimizer, method state and problems of a run (train.Args `args`): new, or as saved with
     --resume."""
-    started = time.perf_counter()
+    started, runtime = time.perf_counter(), resident_bytes()  # before the model: the estimate's runtime
     transformers.logging.disable_progress_bar()  # the run's own bar alone: none for loading or saving weights
     checkpoint = find_checkpoint(run_dir) if args.resume else None  # `folder_problem`: a run has one
     if args.resume and not checkpoint and is_main:
@@ -138,7 +138,8 @@ def start_run(args, run_dir: Path, device: torch.device, is_main: bool, state: d
     reward_fn = load_reward(args.reward, args.reward_range, args.reward_timeout, costs)
     train_problems = load_problems(args.dataset, "train", args.seed)
     if is_main:
-        first_line = where_it_runs(args, master, policy, reference, tokenizer, train_problems + eval_problems)
+        first_line = where_it_runs(args, master, policy, reference, tokenizer, train_problems + eval_problems,
+                                   runtime)
         print(f"[{args.algo}] {first_line}")
     return Run(master, policy, reference, tokenizer, optimizer, state, reward_fn, train_problems,
                eval_problems, done, costs, stop_token_ids(master, tokenizer), started)
@@ -167,11 +168,13 @@ def sample_and_score(args, run: Run, network, problems: list[Problem]) -> tuple[
     return rollout, rewards
 
 
-def where_it_runs(args, master, policy, reference, tokenizer, problems: list[Problem]) -> str:
+def where_it_runs(args, master, policy, reference, tokenizer, problems: list[Problem],
+                  runtime: int = 0) -> str:
     """The run's first line: the device, the precision and dtypes, and the memory it should need
     (memory.py; under LoRA, the frozen weights apart from the adapters), for the run's shapes; the prompt
     length is that of the longest question of `problems` (those it trains on and those it evaluates),
-    templated. A prompt longer than the model's context is refused (`memory.longest_prompt`)."""
+    templated; `runtime`, the process's bytes before the model loaded. A prompt longer than the model's
+    context is refused (`memory.longest_prompt`)."""
     prompt_len = longest_prompt(master.config, tokenizer, problems, args.prompt_format, args.system)
     if warning := context_warning(master.config, prompt_len, args.max_new_tokens):
         print(f"[{args.algo}] {warning}")
@@ -181,7 +184,7 @@ def where_it_runs(args, master, policy, reference, tokenizer, problems: list[Pro
                             completion_len=args.max_new_tokens, micro_batch=min(args.micro_batch, rows),
                             bf16=policy.dtype == torch.bfloat16, reference=reference is not None,
                             checkpointing=args.grad_checkpointing, cuda=master.device.type == "cuda",
-                            lora_params=adapters)
+                            lora_params=adapters, runtime=runtime)
     return f"{where(master, policy, args.precision)}; {describe_estimate(terms)}"
 
 

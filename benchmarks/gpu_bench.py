@@ -17,7 +17,7 @@
     (a check with no row trained fails);
   - one `train.train_step` of each method with every flag that makes other tensors meet (`OPENED`: the KL's
     reference, PPO's old log-probs, top-p, checkpointing) and torchrun's collectives through a one-process
-    nccl group (`one_process_group`): what tests/test_device.py's CPU stand-in for CUDA cannot run;
+    nccl group (`one_process_group`): what tests/cuda_stand_in.py's CPU stand-in for CUDA cannot run;
   - LoRA (train.py --lora-rank, lora.py): the fast paths against the plain ones with adapters (B drawn
     nonzero, `with_adapters`), in bf16, and one `train.train_step` of each method at rank 2, bf16 frozen
     weights and float32 adapters, with checkpointing, the reference the policy with its adapters off; each

@@ -1,7 +1,7 @@
 """What a GPU run meets around its steps, on the CPU (issue 62): a checkpoint a GPU saved, the settings that
 change float32 numbers, the wait of the other processes while the first evaluates and saves, sampling's memory
 as HF generate prefills every row, the hub kernels transformers would fetch, and train.py itself, from main,
-under CUDA's rules (`test_device.CudaDeviceRules`)."""
+under CUDA's rules (`cuda_stand_in.CudaDeviceRules`)."""
 
 import dataclasses
 import json
@@ -35,7 +35,8 @@ from benchmarks import gpu_bench
 from benchmarks.gpu_bench import PARITY  # PARITY: a coin flip per completion, groups split, rows train
 from model import load_model, sample_with_generate
 from test_bench import TINY_CONFIGS, gpu_check_command, smoke_checks_all_ran, table_rows_measured
-from test_device import DRIVEN, LORA, OPENED, CudaDeviceRules, peak_bytes, widths
+from cuda_stand_in import CudaDeviceRules
+from test_device import DRIVEN, LORA, OPENED, peak_bytes, widths
 from test_device import TINY as STAND_IN
 from test_faults import TINY, small_processes
 
@@ -161,7 +162,7 @@ def test_memory_sampling_is_the_peak_of_hf_generates_prefill(size, precision, ra
 
 
 def under_cudas_rules(main, argv: list[str]):
-    """main(argv) as a process of its own on the stand-in (`test_device.CudaDeviceRules`): a device that reads
+    """main(argv) as a process of its own on the stand-in (`cuda_stand_in.CudaDeviceRules`): a device that reads
     as cuda:0, with its own generator, seeded as a fresh process's is."""
     with CudaDeviceRules():
         return main(argv)
