@@ -20,7 +20,9 @@ MARGIN = 0.025
 PER_RUN = ("algo", "seed", "out", "resume", "overwrite")  # the train.py flags the study sets run by run
 # where the comparison runs (compare, readings, lora) differ from `python train.py`, unless a flag says
 # otherwise; --save-every follows --eval-every
-STUDY_DEFAULTS = {"dataset": "arith-mix", "prompts_per_step": 8, "eval_size": 112}
+# The comparisons' scale (docs/results.md's runs), apart from the demo's defaults (`python train.py`)
+STUDY_DEFAULTS = {"dataset": "arith-mix", "prompts_per_step": 8, "eval_size": 112, "steps": 40,
+                  "max_new_tokens": 64}
 DESCRIPTION = "The methods side by side, on your model and data, with error bars (experiments.py's docstring)"
 COUNT, SECONDS = at_least(1), in_range(0, math.inf, low_open=True)
 PARTS = ("difficulty", "compare", "readings", "scatter", "precision", "lora")
@@ -62,7 +64,8 @@ def make_parser() -> FlagParser:
     p.add_argument("--scatter-eval-size", type=COUNT, default=32, help="scatter: held-out problems per run")
     p.add_argument("--difficulty-prompts", type=COUNT, default=32)
     p.add_argument("--precision-seeds", default="0,1,2,3", help="precision: seeds, each run in bf16 and fp32")
-    p.add_argument("--precision-steps", type=COUNT, default=train.Args.steps, help="precision: steps per run")
+    p.add_argument("--precision-steps", type=COUNT, default=STUDY_DEFAULTS["steps"],
+                   help="precision: steps per run")
     p.add_argument("--full-lrs", default="1e-5,2e-5,4e-5", help="lora: full fine-tuning's learning rates")
     p.add_argument("--lora-lrs", default="1e-4,2e-4,4e-4,8e-4,1.6e-3",
                    help="lora: LoRA's learning rates (each rank)")

@@ -69,10 +69,10 @@ class Args:
     device: str = arg("auto", "auto (CUDA if this process can use it, else CPU), cpu, cuda", choices=DEVICES)
     fast: bool = arg(True, "fast paths where verified (CPU: decoding.py, packing.py); --no-fast: plain")
     # sampling
-    steps: int = arg(40, "optimizer steps (one batch of groups each)", type=at_least(1))
+    steps: int = arg(30, "optimizer steps (one batch of groups each)", type=at_least(1))
     prompts_per_step: int = arg(2, "prompts per step (B), over all processes", type=at_least(1))
     group_size: int = arg(8, "completions per prompt (G)", type=at_least(2))
-    max_new_tokens: int = arg(64, "completion length limit (longer ones are truncated)", type=at_least(1))
+    max_new_tokens: int = arg(32, "completion length limit (longer ones are truncated)", type=at_least(1))
     temperature: float = arg(1.0, "sampling temperature, also applied to the log-probs", type=POSITIVE)
     top_p: float = arg(1.0, "nucleus sampling", type=UNIT_OPEN)
     prompt_format: str = arg("chat", "chat (the tokenizer's chat template), raw (plain text: base models)",
@@ -105,7 +105,8 @@ class Args:
     # evaluation and logging
     eval_every: int = arg(10, "held-out accuracy every N steps (0: before and after)", type=at_least(0))
     eval_size: int = arg(64, "held-out problems per evaluation", type=at_least(1))
-    save_every: int = arg(10, "checkpoint every N steps, at the end and on Ctrl-C (0: no)", type=at_least(0))
+    save_every: int = arg(40, "checkpoint every N steps, at the end, on Ctrl-C and SIGTERM (0: no)",
+                          type=at_least(0))
     log_samples: str = arg("evals", "samples.jsonl: the groups' prompts, completions, rewards, advantages, "
                            "on evaluation steps, every step or none", choices=("evals", "every", "none"))
     show_group: bool = arg(True, "at each evaluation, print one training group (a collapsed one if any)")

@@ -106,7 +106,8 @@ def test_the_budget_fits_a_study_on_a_stand_in_step_and_says_so(tmp_path, monkey
     printed = capsys.readouterr().out
     chosen = next(line for line in printed.splitlines() if line.startswith("--budget-minutes 300 fits "))
     seeds = chosen.split("--seeds ")[1].split()[0]
-    assert chosen.endswith(f"--steps {train.Args.steps} --eval-size 112 (plan.fit_budget's rule)")  # as asked
+    steps = study_flags.STUDY_DEFAULTS["steps"]
+    assert chosen.endswith(f"--steps {steps} --eval-size 112 (plan.fit_budget's rule)")  # as asked
     args = study_flags.parse_args([*argv, "--seeds", seeds])
 
     def minutes(seeds: str) -> float:
@@ -120,7 +121,7 @@ def test_the_budget_fits_a_study_on_a_stand_in_step_and_says_so(tmp_path, monkey
     assert "--budget-minutes 300 fits --seeds 0,1 --steps " in capsys.readouterr().out  # given: kept
     with pytest.raises(SystemExit) as exit_info:
         experiments.main([*argv, "--budget-minutes", "5"])
-    smallest = f"--seeds 0,1 --steps {train.Args.steps // 4} --eval-size 32"
+    smallest = f"--seeds 0,1 --steps {steps // 4} --eval-size 32"
     assert str(exit_info.value.code).startswith(
         f"error: no plan fits --budget-minutes 5: the smallest by plan.fit_budget's rule ({smallest})")
     assert "no run started" in str(exit_info.value.code) and not (tmp_path / "compare").exists()
