@@ -18,7 +18,7 @@ import hardware
 import run
 from memory import CUDA_ALLOWANCE, GIB
 import train
-from benchmarks import bench, floors, gpu_bench
+from benchmarks import bench, demo_phases, floors, gpu_bench
 from data.prepare import DOWNLOADS
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -324,3 +324,24 @@ def test_the_peak_on_a_gpu_counts_what_the_estimate_counts(monkeypatch):
     monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda device: 23 * gib)
     monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device: 21 * gib)
     assert hardware.peak_memory_bytes(cuda) == 24 * gib
+
+
+def test_demo_phases_split_a_runs_time_by_its_own_logs(tmp_path):
+    """benchmarks/demo_phases.py: each phase is the sum of the run's logged seconds; the rest of time_run is
+    loading, checkpoints and the plot; the imports are the wall time before time_run; min and median by group."""
+    def run(name: str, wall: float, generate: list[float]) -> Path:
+        folder = tmp_path / name
+        (folder / "grpo").mkdir(parents=True)
+        steps = [{"time_generate": g, "time_score": 0.5, "time_train": 2.0} for g in generate]
+        (folder / "grpo" / "metrics.jsonl").write_text("".join(json.dumps(s) + "\n" for s in steps))
+        (folder / "grpo" / "evals.jsonl").write_text('{"time_eval": 3.0}\n{"time_eval": 1.0}\n')
+        (folder / "grpo" / "summary.json").write_text(json.dumps({"time_run": wall - 5}))
+        (folder / "wall.txt").write_text(f"{wall} 2000000\n")
+        return folder
+
+    measured = demo_phases.phases(run("a", 40.0, [4.0, 6.0]))
+    assert measured == {"wall": 40.0, "imports": 5.0, "loading, checkpoints, plot": 35 - 10 - 1 - 4 - 4,
+                        "sampling": 10.0, "scoring": 1.0, "update": 4.0, "evaluations": 4.0,
+                        "peak GB": 2000000 * 1024 / 1e9}
+    rows = demo_phases.table({"x": [run("b", 30.0, [1.0]), run("c", 50.0, [1.0]), run("d", 100.0, [1.0])]})
+    assert "| wall | 30.0 | 50.0 |" in rows and "| sampling | 1.0 | 1.0 |" in rows
