@@ -105,8 +105,7 @@ class Args:
     # evaluation and logging
     eval_every: int = arg(10, "held-out accuracy every N steps (0: before and after)", type=at_least(0))
     eval_size: int = arg(64, "held-out problems per evaluation", type=at_least(1))
-    save_every: int = arg(40, "checkpoint every N steps, at the end, on Ctrl-C and SIGTERM (0: no)",
-                          type=at_least(0))
+    save_every: int = arg(40, "checkpoint every N steps, at the end, when stopped (0: no)", type=at_least(0))
     log_samples: str = arg("evals", "samples.jsonl: the groups' prompts, completions, rewards, advantages, "
                            "on evaluation steps, every step or none", choices=("evals", "every", "none"))
     show_group: bool = arg(True, "at each evaluation, print one training group (a collapsed one if any)")
