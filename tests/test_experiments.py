@@ -875,6 +875,26 @@ def test_a_claim_whose_measure_sits_at_its_ceiling_gets_no_verdict():
     assert "no information" not in tables.claim_rows({"compare": table})[0]
 
 
+def test_the_real_data_examples_committed_logs_recompute_its_report(tmp_path, monkeypatch):
+    """docs/study-example.md's command, run again on a copy of its committed logs (no checkpoint, so nothing
+    can train): every run is reused, and report.md and results.json come out as committed, byte for byte;
+    that report gives no verdict, since every run sits at a floor or a ceiling (issue 71)."""
+    root = Path(experiments.__file__).resolve().parent
+    committed = root / "runs" / "experiments" / "study-example"
+    doc = (root / "docs" / "study-example.md").read_text()
+    command = shlex.split(doc.split("```bash\n")[1].split("```")[0].replace("\\\n", " "))
+    out = str(committed.relative_to(root))
+    assert command[:2] == ["python", "experiments.py"] and command[-2:] == ["--out", out]
+    shutil.copytree(committed, tmp_path / "study")
+    monkeypatch.chdir(root)  # the runs name their data file by its path in the checkout
+    experiments.main([*command[2:-2], "--out", str(tmp_path / "study")])
+    for name in ("report.md", "figures/results.json"):
+        assert (tmp_path / "study" / name).read_bytes() == (committed / name).read_bytes(), name
+    report = (committed / "report.md").read_text()
+    assert report.count("| no information: at its floor or ceiling in every run") == 3
+    assert "\n".join("#" + line if line.startswith("#") else line for line in report.splitlines()) in doc
+
+
 def test_the_readme_prints_the_numbers_of_docs_results_json():
     """Every interval the README's results and claims print, recomputed from docs/results.json; the claims'
     intervals also in docs/results.md's table of what issue 71 changed."""
