@@ -30,7 +30,7 @@ from data.tasks import Problem
 from decoding import decode
 from memory import estimate_memory
 from written import owned
-from cuda_stand_in import DEVICE, HOST, CudaDeviceRules
+from cuda_stand_in import CONTEXT, DEVICE, HOST, SEGMENT, CudaDeviceRules
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -230,6 +230,9 @@ def test_a_train_step_keeps_cudas_device_rules(tmp_path, monkeypatch, capsys, al
             eval_module.main(["--model", "tiny-qwen2", "--samples", "2", "--limit", "2", "--max-new-tokens",
                               "6", "--precision", "bf16", "--fast" if fast else "--no-fast"])
     assert record["skipped"] == 0 and record["truncated_frac"] < 1  # some rows stopped
+    # the peak as a GPU's: the allocator's reservation, in whole segments, and the CUDA context beside it
+    # (max_memory_allocated counts neither: a few MiB here)
+    assert record["peak_memory_bytes"] > CONTEXT and (record["peak_memory_bytes"] - CONTEXT) % SEGMENT == 0
     bf16, lora = args.precision == "bf16", args.lora_rank > 0
     assert (run.policy.dtype == torch.bfloat16) == bf16 == (run.policy is not run.master or lora)
     if lora:  # the frozen weights in bf16, in place; the adapters float32, with gradients on the device
