@@ -348,6 +348,17 @@ def test_the_first_line_counts_the_process_runtime_measured_before_the_model_loa
     assert "memory ~5." in eval_line and " + runtime (Python, torch) 5.0 GiB + " in eval_line
 
 
+def test_the_first_line_counts_aapos_reference_without_a_kl(tmp_path, capsys):
+    """AAPO samples its reference's completions (r_ref) at --beta 0 too: its frozen copy is in memory, and
+    the first line's estimate counts it (M7: one that asked --beta alone left it out)."""
+    args = train.parse_args(TINY + ["--algo", "aapo", "--precision", "fp32", "--out", str(tmp_path)])
+    run = run_module.start_run(args, tmp_path, torch.device("cpu"), True, train.algo_state(args),
+                               with_reference=args.algo == "aapo" or args.beta > 0)  # as train.py asks
+    line = next(line for line in capsys.readouterr().out.splitlines() if "memory ~" in line)
+    own = sum(p.numel() for p in run.master.parameters())
+    assert args.beta == 0 and f" + reference {memory.size(4 * own)} + " in line
+
+
 def test_the_first_line_under_lora_counts_frozen_weights_and_adapters_and_no_copy(tmp_path, monkeypatch):
     """Under LoRA the policy is the master (its frozen weights cast in place) and the reference is the policy
     with its adapters off: the estimate gets the model's own weights apart from the adapters, and the line
