@@ -44,7 +44,8 @@ attention's own FLOPs are left out (a few % at these lengths). Each distinct pro
 decoding.decode prefills it and the update streams it (train.py's `train_tokens`), not once per completion.
 Results go to stdout (markdown) and to --out (JSON, rewritten after every part, and a .md beside it; default
 $OUT/gpu_bench.json where $OUT is set). Checks that would start after --smoke-s and parts after --budget-s
-are skipped and listed by name, not failed: a slow machine runs fewer of them (status 1: a check failed).
+are skipped and listed by name, not failed: a slow machine runs fewer of them (status 1: a check failed;
+status 2: none failed, but some were skipped, which the last line says: "0 FAILED" alone is no verdict).
 A CUDA error stops the smoke: the checks after it, and the table's configs, are listed as not run.
 """
 import argparse
@@ -747,8 +748,10 @@ def main(argv: list[str] | None = None) -> int:
     print(opts.out.with_suffix(".md").read_text())
     if report["smoke"]:
         print(smoke_summary(report["smoke"]))
-    print(f"{opts.out} written; took {report['total_s']:.0f} s")
-    return 1 if any(c["ok"] is False for c in report["smoke"]) else 0
+    skipped = sum(c["ok"] is None for c in report["smoke"])
+    print(f"{opts.out} written; took {report['total_s']:.0f} s" + (
+        f"; {skipped} of {len(report['smoke'])} smoke checks were skipped, not passed" if skipped else ""))
+    return 1 if any(c["ok"] is False for c in report["smoke"]) else 2 if skipped else 0
 
 
 if __name__ == "__main__":

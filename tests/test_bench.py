@@ -247,7 +247,8 @@ def test_gpu_bench_tiny_runs_on_cpu(tmp_path):
 
 def test_gpu_bench_smoke_past_its_budget_skips_the_rest_and_lists_them(tmp_path, monkeypatch, capsys):
     """The tester's 2-core AVX2 machine: a check takes longer than the whole budget (bf16 emulated). The
-    checks after it are skipped, not failed, and named; so are the table's configs; the exit status is 0.
+    checks after it are skipped, not failed, and named; so are the table's configs; the exit status is 2, and
+    the last line says that checks were skipped ("0 FAILED" alone read as a pass when little ran).
     The clock jumps rather than the machine being slow, so the test is the same on any machine."""
     offset = [0.0]  # seconds the clock has jumped
     clock = SimpleNamespace(perf_counter=lambda: time.perf_counter() + offset[0])
@@ -266,9 +267,11 @@ def test_gpu_bench_smoke_past_its_budget_skips_the_rest_and_lists_them(tmp_path,
     monkeypatch.setattr(gpu_bench, "fast_equals_plain", first_one_outlasts_the_budget)
     out = tmp_path / "gpu_bench.json"
     budgets = ["--smoke-s", "1e5", "--budget-s", "1e5"]  # ample, but for the jump: no machine runs out
-    assert gpu_bench.main(["--tiny", "--device", "cpu", "--smoke", *budgets, "--out", str(out)]) == 0
+    assert gpu_bench.main(["--tiny", "--device", "cpu", "--smoke", *budgets, "--out", str(out)]) == 2
     report, markdown = json.loads(out.read_text()), out.with_suffix(".md").read_text()
-    ran = smoke_checks_ran_or_were_listed(report, capsys.readouterr().out, markdown)
+    printed = capsys.readouterr().out
+    assert printed.splitlines()[-1].endswith("; 37 of 38 smoke checks were skipped, not passed")
+    ran = smoke_checks_ran_or_were_listed(report, printed, markdown)
     assert [c["check"] for c in ran] == ["fast paths: greedy decode vs generate (fp32)"]
     assert len(report["smoke"]) == 4 + 2 * 4 + 4 * 5 + 5 + 1  # the other 37 listed as skipped
     assert table_configs_ran_or_were_skipped_for_time(report) == []  # both configs skipped, named
