@@ -414,3 +414,29 @@ class CudaDeviceRules(TorchFunctionMode):
         setter(tensor, value)
         if attribute is torch.Tensor.data:
             self.mark(tensor, self.side(value))
+
+
+WORKER_LOG = "CUDA_STAND_IN_WORKERS"  # the file a study's workers on the stand-in tell what they saw
+WORKER: CudaDeviceRules | None = None  # in a worker of `run_all` on the stand-in: its rules
+
+
+def start_worker(stopping, started, devices: int) -> None:
+    """`workers.start_worker` in a spawned worker of a machine of `devices` stand-in GPUs, where CUDA has not
+    started: the stand-in is entered for the worker's life, before any of its code runs."""
+    import workers
+    global WORKER
+    WORKER = CudaDeviceRules(count=devices)
+    WORKER.__enter__()
+    workers.start_worker(stopping, started, devices)
+
+
+def with_threads(threads: int, fn: Callable, *args):
+    """`workers.with_threads` in a worker started by `start_worker`, then one line in the file WORKER_LOG
+    names: CUDA_VISIBLE_DEVICES as the worker's first CUDA call found it, and the devices it made tensors on."""
+    import json
+    import workers
+    result = workers.with_threads(threads, fn, *args)
+    with open(os.environ[WORKER_LOG], "a") as log:
+        log.write(json.dumps({"pid": os.getpid(), "visible": WORKER.seen_visible, "seen": sorted(WORKER.seen)})
+                  + "\n")
+    return result
