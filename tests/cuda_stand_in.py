@@ -253,8 +253,9 @@ class CudaDeviceRules(TorchFunctionMode):
                 (torch.cuda, "manual_seed", seed), (torch.cuda, "manual_seed_all", seed),
                 (torch.cuda, "get_rng_state", lambda device="cuda": self.generator.get_state()),
                 (torch.cuda, "set_rng_state", lambda state, device="cuda": self.generator.set_state(state)),
-                *[(torch.cuda, name, functools.partial(self.memory, name.replace("memory_", ""))) for name in (
-                    "max_memory_allocated", "max_memory_reserved", "memory_reserved", "memory_allocated")],
+                *[(torch.cuda, name, functools.partial(self.memory, name.replace("memory_", "")))
+                  for name in ("max_memory_allocated", "max_memory_reserved", "memory_reserved",
+                               "memory_allocated")],
                 (torch.cuda, "reset_peak_memory_stats", lambda device=None: self.peaks.update(
                     allocated=0, reserved=0)),
                 (torch.cuda, "empty_cache", lambda: None),
@@ -432,11 +433,12 @@ def start_worker(stopping, started, devices: int) -> None:
 
 def with_threads(threads: int, fn: Callable, *args):
     """`workers.with_threads` in a worker started by `start_worker`, then one line in the file WORKER_LOG
-    names: CUDA_VISIBLE_DEVICES as the worker's first CUDA call found it, and the devices it made tensors on."""
+    names: CUDA_VISIBLE_DEVICES as the worker's first CUDA call found it, and the devices it made tensors
+    on."""
     import json
     import workers
     result = workers.with_threads(threads, fn, *args)
     with open(os.environ[WORKER_LOG], "a") as log:
-        log.write(json.dumps({"pid": os.getpid(), "visible": WORKER.seen_visible, "seen": sorted(WORKER.seen)})
-                  + "\n")
+        told = {"pid": os.getpid(), "visible": WORKER.seen_visible, "seen": sorted(WORKER.seen)}
+        log.write(json.dumps(told) + "\n")
     return result

@@ -295,8 +295,8 @@ def test_a_study_of_two_jobs_runs_a_worker_on_each_gpu_and_nothing_on_the_parent
     monkeypatch.setattr(workers, "start_worker", cuda_stand_in.start_worker)
     monkeypatch.setattr(workers, "with_threads", cuda_stand_in.with_threads)
     with CudaDeviceRules(count=2) as parent:
-        results = experiments.main(["--quick", "--out", str(tmp_path / "study"), "--only", "difficulty,compare",
-                                    "--methods", "grpo,dapo", "--seeds", "0", "--jobs", "2"])
+        results = experiments.main(["--quick", "--out", str(tmp_path / "study"), "--jobs", "2", "--only",
+                                    "difficulty,compare", "--methods", "grpo,dapo", "--seeds", "0"])
     assert set(results["compare"]) == {"grpo", "dapo"} and "mix" in results["difficulty"]
     assert not parent.seen, f"the parent made tensors on GPU {sorted(parent.seen)}"
     told = [json.loads(line) for line in log.read_text().splitlines()]  # calibration, difficulty, compare
