@@ -217,7 +217,9 @@ def first_eval(args, run: Run, folder: Folder) -> None:
 
 def before_failed_step(args, run: Run, folder: Folder, step: int, error: Exception) -> None:
     """Process 0, when step `step` fails before its update (a RewardError, or Ctrl-C while scoring, which
-    `processes.stops_at_once` raises as StoppedWhileScoring): the steps before it saved, and the line said."""
+    `processes.stops_at_once` raises as StoppedWhileScoring) or runs out of device memory in sampling or the
+    update's passes (the weights change only at the optimizer's step): the steps before it saved, and the
+    line said."""
     if args.save_every and step - 1 > run.done:
         save_checkpoint(folder, run.master, run.tokenizer, run.optimizer, step - 1, run.state)
     if isinstance(error, StoppedWhileScoring):

@@ -314,7 +314,7 @@ def train(args: Args, files: Folder | None, stop_requested: Sequence = ()) -> di
     for step in bar:
         try:
             record, samples = train_step(args, run, step, rank, mine, device)
-        except (RewardError, StoppedWhileScoring) as e:  # before the update: save the steps before it
+        except (RewardError, StoppedWhileScoring, torch.OutOfMemoryError) as e:  # save the steps before it
             if is_main:
                 before_failed_step(args, run, files, step, e)
             raise
