@@ -23,10 +23,11 @@ import packing
 from data.tasks import Problem, load_eval_problems, load_problems
 from decoding import FAST_ON, decode
 from eval import evaluate, score_groups
-from hardware import cast_weights, pick_device, resident_bytes, where, working_copy
+from hardware import cast_weights, device_memory_bytes, pick_device, resident_bytes, where, working_copy
 from lora import (adapter_folder, adapters_off, add_adapters, base_identity, base_of, check_rank,
                   checked_adapters, merged)
-from memory import context_warning, describe_estimate, estimate_memory, longest_prompt, parameter_counts
+from memory import (context_warning, describe_estimate, estimate_memory, fits_warning, longest_prompt,
+                    parameter_counts, short_enough)
 from metrics import collapse_warning, early_steps, show_group
 from model import (Rollout, checkpoint_activations, completion_logprobs, format_prompts, from_source,
                    load_model, load_tokenizer, sample, sample_with_generate, stop_token_ids)
@@ -137,6 +138,9 @@ def start_run(args, run_dir: Path, device: torch.device, is_main: bool, state: d
     costs = Counter()  # this step's seconds, tokens and reward calls past --reward-timeout
     reward_fn = load_reward(args.reward, args.reward_range, args.reward_timeout, costs)
     train_problems = load_problems(args.dataset, "train", args.seed)
+    if args.max_prompt_tokens:
+        train_problems, eval_problems = prompts_within(args, tokenizer, train_problems, eval_problems,
+                                                       is_main)
     if is_main:
         first_line = where_it_runs(args, master, policy, reference, tokenizer, train_problems + eval_problems,
                                    runtime)
@@ -168,6 +172,23 @@ def sample_and_score(args, run: Run, network, problems: list[Problem]) -> tuple[
     return rollout, rewards
 
 
+def prompts_within(args, tokenizer, train: list[Problem], held_out: list[Problem],
+                   is_main: bool) -> tuple[list[Problem], list[Problem]]:
+    """The training and held-out problems whose prompts fit --max-prompt-tokens (`memory.short_enough`),
+    the skipped counted in a line; none left is a ValueError, one line."""
+    kept = [short_enough(tokenizer, problems, args.max_prompt_tokens, args.prompt_format, args.system)
+            for problems in (train, held_out)]
+    counts = [f"{len(old) - len(new)} of {len(old)} {name}" for old, new, name in zip(
+        (train, held_out), kept, ("training problems", "held-out ones"))]
+    if not all(kept):
+        raise ValueError(f"--max-prompt-tokens {args.max_prompt_tokens} skips {' and '.join(counts)}: none "
+                         "would be left to train or evaluate on; raise it")
+    if is_main:
+        print(f"[{args.algo}] --max-prompt-tokens {args.max_prompt_tokens}: skipped {' and '.join(counts)}, "
+              "whose prompts are longer")
+    return kept[0], kept[1]
+
+
 def where_it_runs(args, master, policy, reference, tokenizer, problems: list[Problem],
                   runtime: int = 0) -> str:
     """The run's first line: the device, the precision and dtypes, and the memory it should need
@@ -185,6 +206,8 @@ def where_it_runs(args, master, policy, reference, tokenizer, problems: list[Pro
                             bf16=policy.dtype == torch.bfloat16, reference=reference is not None,
                             checkpointing=args.grad_checkpointing, cuda=master.device.type == "cuda",
                             lora_params=adapters, runtime=runtime)
+    if warning := fits_warning(terms, device_memory_bytes(master.device), prompt_len):
+        print(f"[{args.algo}] {warning}")
     return f"{where(master, policy, args.precision)}; {describe_estimate(terms)}"
 
 

@@ -81,7 +81,7 @@ from eval import score_groups  # noqa: E402
 from flags import FlagParser, at_least, in_range  # noqa: E402
 from hardware import DEVICES, peak_memory_bytes, pick_device, working_copy  # noqa: E402
 from lora import adapters_off, add_adapters  # noqa: E402
-from memory import GIB, STATIC, adapter_count, estimate_memory  # noqa: E402
+from memory import FITS, GIB, STATIC, adapter_count, estimate_memory  # noqa: E402
 from model import (checkpoint_activations, completion_logprobs, load_model, sample,  # noqa: E402
                    sample_with_generate)
 from model_files import byte_tokenizer  # noqa: E402
@@ -595,7 +595,6 @@ def smoke_summary(checks: list[dict]) -> str:
 # ------------------------------------------------------------------------------ --memory-table
 
 CARDS_GIB = (24, 48, 80)  # a "24 GB" card holds 24 GiB
-FITS = 0.9  # of a card's memory: the rest for the allocator's fragmentation (the total has the CUDA context)
 
 
 def memory_table(prompts: int, group_size: int, new_tokens: int, prompt_len: int) -> str:

@@ -5,7 +5,9 @@ with every flag that makes other tensors meet; the choice of device, precision a
 
 import copy
 import functools
+import json
 import os
+import re
 import subprocess
 import sys
 import types
@@ -346,6 +348,38 @@ def test_the_first_line_counts_the_process_runtime_measured_before_the_model_loa
     train_line, eval_line = [line for line in capsys.readouterr().out.splitlines() if "memory ~" in line]
     assert "memory ~3." in train_line and " + runtime (Python, torch) 3.0 GiB + " in train_line
     assert "memory ~5." in eval_line and " + runtime (Python, torch) 5.0 GiB + " in eval_line
+
+
+def test_an_estimate_past_90_percent_of_the_device_says_what_to_change(tmp_path, monkeypatch, capsys):
+    """The estimate at the data's longest prompt against the device's memory, before any step: past 90%, one
+    line naming the flags that lower the larger phase (on a 24 GB card, one long prompt's prefill of every
+    row ran it out of memory, and --resume met the same prompt again)."""
+    args = train.parse_args(TINY + ["--out", str(tmp_path)])
+    master, tokenizer = model.load_model("tiny-qwen2", torch.device("cpu"))
+    for device_bytes, warned in [(2**40, False), (2**20, True)]:  # a terabyte; a megabyte
+        monkeypatch.setattr(run_module, "device_memory_bytes", lambda device: device_bytes)
+        run_module.where_it_runs(args, master, master, None, tokenizer, [Problem("What is 2 + 3?", "5")])
+        printed = capsys.readouterr().out
+        assert ("is past 90% of the device's 1 MiB: a step may run out of memory; lower --max-prompt-tokens"
+                in printed) == warned, printed
+
+
+def test_max_prompt_tokens_skips_and_counts_longer_prompts_never_cuts_them(tmp_path, capsys):
+    """--max-prompt-tokens: a problem whose templated prompt is longer is left out whole, training and
+    held-out alike, and counted in a line; the others are kept as they are, and the first line's estimate
+    is at the longest kept. tiny-qwen2's tokenizer: a token a byte."""
+    data = tmp_path / "data.jsonl"
+    questions = [f"What is {i} + 1?" if i % 7 else "Add these: " + "7 " * 300 for i in range(40)]
+    data.write_text("".join(json.dumps({"problem": q, "answer": "1"}) + "\n" for q in questions))
+    args = train.parse_args(TINY + ["--dataset", str(data), "--max-prompt-tokens", "200", "--out",
+                                    str(tmp_path / "run")])
+    run = run_module.start_run(args, tmp_path / "run", torch.device("cpu"), True, train.algo_state(args),
+                               with_reference=False)
+    kept = run.train_problems + run.eval_problems
+    skipped = re.search(r"--max-prompt-tokens 200: skipped (\d+) of (\d+) training problems and (\d+) of "
+                        r"(\d+) held-out ones", capsys.readouterr().out)
+    assert skipped and int(skipped[1]) + int(skipped[3]) == 6 and all("7 7" not in p.question for p in kept)
+    assert int(skipped[2]) - int(skipped[1]) == len(run.train_problems)
 
 
 def test_the_first_line_counts_aapos_reference_without_a_kl(tmp_path, capsys):

@@ -178,7 +178,8 @@ PROGRAMS = {
              "--max-grad-norm", "0.5", "--acr-threshold", "0.3", "--alpha", "1", "--num-virtual", "2",
              "--virtual-delta", "0.2", "--virtual-ends", "all-wrong", "--delta-low", "0.1", "--delta-high",
              "0.2", "--resample-rounds", "1", "--reward-range=-1,1", "--reward-timeout", "30", "--seed", "3",
-             "--micro-batch", "2", "--eval-every", "1", "--eval-size", "2", "--no-show-group", "--no-fast"],
+             "--micro-batch", "2", "--eval-every", "1", "--eval-size", "2", "--no-show-group", "--no-fast",
+             "--max-prompt-tokens", "1000"],
     "lora": [*LORA, "--system", "Answer briefly.", "--fixed-threshold", "--eval-every", "0",
              "--log-samples", "none", "--prompts-per-step", "1"],
 }
