@@ -33,6 +33,8 @@ micro-batch at a time), and the allocator's fragmentation (docs/performance.md's
 card for it).
 """
 
+from typing import Callable
+
 from transformers import PreTrainedTokenizerBase
 
 from data.tasks import Problem
@@ -175,6 +177,21 @@ def longest_prompt(config, tokenizer: PreTrainedTokenizerBase, problems: list[Pr
         raise ValueError(f"{longest.where or repr(longest.question[:40])}: a prompt of {tokens} tokens, "
                          f"longer than the model's context of {context}: shorten or remove it")
     return tokens
+
+
+def sampled_rows(estimate: Callable[[int], dict[str, float]], rows: int, group_size: int,
+                 device_bytes: int) -> int:
+    """The rows of a step to sample at once (`model.sample`'s rows_at_once): all `rows` where `estimate`
+    (this module's terms with that many rows sampled at once) fits FITS of the device's memory; else fewer,
+    whole groups of `group_size`, while sampling is the larger phase and the estimate does not fit, one group
+    at least. Where the update is the larger phase fewer rows would not help, and the draws stay as they were."""
+    sampled = rows
+    while sampled > group_size:
+        terms = estimate(sampled)
+        if terms["total"] <= FITS * device_bytes or terms["sampling"] <= terms["activations"] + terms["logits"]:
+            break
+        sampled -= group_size
+    return sampled
 
 
 def fits_warning(terms: dict[str, float], device_bytes: int, prompt_len: int) -> str | None:

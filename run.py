@@ -27,7 +27,7 @@ from hardware import cast_weights, device_memory_bytes, pick_device, resident_by
 from lora import (adapter_folder, adapters_off, add_adapters, base_identity, base_of, check_rank,
                   checked_adapters, merged)
 from memory import (context_warning, describe_estimate, estimate_memory, fits_warning, longest_prompt,
-                    parameter_counts, short_enough)
+                    parameter_counts, sampled_rows, short_enough)
 from metrics import collapse_warning, early_steps, show_group
 from model import (Rollout, checkpoint_activations, completion_logprobs, format_prompts, from_source,
                    load_model, load_tokenizer, sample, sample_with_generate, stop_token_ids)
@@ -100,6 +100,7 @@ class Run:
     costs: Counter  # this step's sampling seconds and generated tokens
     stop_ids: list[int] | None = None  # the ids that end a completion (`model.stop_token_ids`), once
     started: float = 0.0  # perf_counter before loading the model: summary.json's time_run counts from it
+    rows_at_once: int = 0  # the rows sampled at once (`rows_at_once`; 0: all of a step's)
 
 
 @bad_input_is_one_line()  # a model, data line or prompt the run cannot use: one line, not a traceback
@@ -141,12 +142,13 @@ def start_run(args, run_dir: Path, device: torch.device, is_main: bool, state: d
     if args.max_prompt_tokens:
         train_problems, eval_problems = prompts_within(args, tokenizer, train_problems, eval_problems,
                                                        is_main)
+    problems = train_problems + eval_problems
     if is_main:
-        first_line = where_it_runs(args, master, policy, reference, tokenizer, train_problems + eval_problems,
-                                   runtime)
-        print(f"[{args.algo}] {first_line}")
+        print(f"[{args.algo}] {where_it_runs(args, master, policy, reference, tokenizer, problems, runtime)}")
+    prompt_len = longest_prompt(master.config, tokenizer, problems, args.prompt_format, args.system)
     return Run(master, policy, reference, tokenizer, optimizer, state, reward_fn, train_problems,
-               eval_problems, done, costs, stop_token_ids(master, tokenizer), started)
+               eval_problems, done, costs, stop_token_ids(master, tokenizer), started,
+               rows_at_once(args, master, policy, reference, prompt_len, runtime))
 
 
 def sample_and_score(args, run: Run, network, problems: list[Problem]) -> tuple[Rollout, torch.Tensor]:
@@ -157,7 +159,7 @@ def sample_and_score(args, run: Run, network, problems: list[Problem]) -> tuple[
     paths = fast_or_plain(args.fast, network.device)
     rollout = sample(network, run.tokenizer, questions, args.group_size, args.max_new_tokens,
                      args.temperature, args.top_p, paths.sample_completions, args.prompt_format, args.system,
-                     [p.instruction for p in problems], run.stop_ids)
+                     [p.instruction for p in problems], run.stop_ids, run.rows_at_once)
     run.costs["generate"] += time.perf_counter() - start
     run.costs["gen_tokens"] += rollout.completion_mask.sum().item()
     start = time.perf_counter()
@@ -189,26 +191,47 @@ def prompts_within(args, tokenizer, train: list[Problem], held_out: list[Problem
     return kept[0], kept[1]
 
 
+def step_rows(args) -> int:
+    """The completions a step samples on this process (of torchrun's WORLD_SIZE)."""
+    return args.prompts_per_step * args.group_size // int(os.environ.get("WORLD_SIZE", 1))
+
+
+def run_estimate(args, master, policy, reference, prompt_len: int, runtime: int, sampled: int) -> dict:
+    """memory.py's terms for this run's shapes, prompts of `prompt_len` tokens, `sampled` rows sampled at
+    once (under LoRA, the frozen weights apart from the adapters); `runtime`, the process's bytes before the
+    model loaded."""
+    rows, (own, adapters) = step_rows(args), parameter_counts(master)
+    return estimate_memory(master.config, own, rows=sampled, prompt_len=prompt_len,
+                           completion_len=args.max_new_tokens, micro_batch=min(args.micro_batch, rows),
+                           bf16=policy.dtype == torch.bfloat16, reference=reference is not None,
+                           checkpointing=args.grad_checkpointing, cuda=master.device.type == "cuda",
+                           lora_params=adapters, runtime=runtime)
+
+
+def rows_at_once(args, master, policy, reference, prompt_len: int, runtime: int) -> int:
+    """The rows a step samples at once: all of them where the estimate fits the device, else fewer whole
+    groups (`memory.sampled_rows`): HF generate prefills every row it is given at once, and one long prompt
+    can take a 24 GB card past its memory."""
+    return sampled_rows(partial(run_estimate, args, master, policy, reference, prompt_len, runtime),
+                        step_rows(args), args.group_size, device_memory_bytes(master.device))
+
+
 def where_it_runs(args, master, policy, reference, tokenizer, problems: list[Problem],
                   runtime: int = 0) -> str:
     """The run's first line: the device, the precision and dtypes, and the memory it should need
-    (memory.py; under LoRA, the frozen weights apart from the adapters), for the run's shapes; the prompt
-    length is that of the longest question of `problems` (those it trains on and those it evaluates),
-    templated; `runtime`, the process's bytes before the model loaded. A prompt longer than the model's
-    context is refused (`memory.longest_prompt`)."""
+    (`run_estimate`), the rows sampled at once where they are fewer than a step's (`rows_at_once`); the
+    prompt length is that of the longest question of `problems` (those it trains on and those it evaluates),
+    templated. A prompt longer than the model's context is refused (`memory.longest_prompt`); an estimate
+    past 90% of the device's memory is a warning line before it (`memory.fits_warning`)."""
     prompt_len = longest_prompt(master.config, tokenizer, problems, args.prompt_format, args.system)
     if warning := context_warning(master.config, prompt_len, args.max_new_tokens):
         print(f"[{args.algo}] {warning}")
-    rows = args.prompts_per_step * args.group_size // int(os.environ.get("WORLD_SIZE", 1))
-    own, adapters = parameter_counts(master)
-    terms = estimate_memory(master.config, own, rows=rows, prompt_len=prompt_len,
-                            completion_len=args.max_new_tokens, micro_batch=min(args.micro_batch, rows),
-                            bf16=policy.dtype == torch.bfloat16, reference=reference is not None,
-                            checkpointing=args.grad_checkpointing, cuda=master.device.type == "cuda",
-                            lora_params=adapters, runtime=runtime)
+    rows, sampled = step_rows(args), rows_at_once(args, master, policy, reference, prompt_len, runtime)
+    terms = run_estimate(args, master, policy, reference, prompt_len, runtime, sampled)
     if warning := fits_warning(terms, device_memory_bytes(master.device), prompt_len):
         print(f"[{args.algo}] {warning}")
-    return f"{where(master, policy, args.precision)}; {describe_estimate(terms)}"
+    at_once = f" ({sampled} of a step's {rows} rows sampled at once)" if sampled < rows else ""
+    return f"{where(master, policy, args.precision)}; {describe_estimate(terms)}{at_once}"
 
 
 def run_eval(args, run: Run, folder: Folder, step: int) -> float:

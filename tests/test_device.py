@@ -4,6 +4,7 @@ with every flag that makes other tensors meet; the choice of device, precision a
 --precision, --fast)."""
 
 import copy
+import dataclasses
 import functools
 import json
 import os
@@ -380,6 +381,36 @@ def test_max_prompt_tokens_skips_and_counts_longer_prompts_never_cuts_them(tmp_p
                         r"(\d+) held-out ones", capsys.readouterr().out)
     assert skipped and int(skipped[1]) + int(skipped[3]) == 6 and all("7 7" not in p.question for p in kept)
     assert int(skipped[2]) - int(skipped[1]) == len(run.train_problems)
+
+
+def test_a_step_whose_sampling_would_not_fit_samples_fewer_rows_at_once(tmp_path, monkeypatch, capsys):
+    """Where the estimate at the longest prompt, every row sampled at once, is past 90% of the device and
+    sampling is the larger phase, a step samples fewer whole groups at once (HF generate prefills every row
+    it is given), the first line's estimate and its words count that many, and every sampling call of the
+    run asks for them; where it fits, all at once, as before."""
+    data = tmp_path / "data.jsonl"
+    questions = [f"What is {i} + 1? " + "Think it over. " * 40 for i in range(30)]
+    data.write_text("".join(json.dumps({"problem": q, "answer": "1"}) + "\n" for q in questions))
+    args = train.parse_args(TINY + ["--dataset", str(data), "--prompts-per-step", "4", "--micro-batch", "1",
+                                    "--out", str(tmp_path / "run")])
+    run = run_module.start_run(args, tmp_path / "run", torch.device("cpu"), True, train.algo_state(args),
+                               with_reference=False)
+    assert run.rows_at_once == 16 and "rows sampled at once" not in capsys.readouterr().out
+    prompt_len = memory.longest_prompt(run.master.config, run.tokenizer, run.train_problems)
+    totals = {rows: run_module.run_estimate(args, run.master, run.policy, None, prompt_len, 0, rows)
+              for rows in (8, 12, 16)}
+    assert totals[16]["sampling"] > totals[16]["activations"] + totals[16]["logits"]
+    device_bytes = (totals[8]["total"] + totals[12]["total"]) / 2 / memory.FITS  # 2 groups fit, 3 do not
+    monkeypatch.setattr(run_module, "device_memory_bytes", lambda device: device_bytes)
+    assert run_module.rows_at_once(args, run.master, run.policy, None, prompt_len, 0) == 8
+    line = run_module.where_it_runs(args, run.master, run.policy, None, run.tokenizer, run.train_problems)
+    assert line.endswith(f"sampling (prefill, KV cache) {memory.size(totals[8]['sampling'])} (8 of a step's "
+                         "16 rows sampled at once)"), line
+    asked = []
+    monkeypatch.setattr(run_module, "sample", lambda *args: asked.append(args[-1]) or model.sample(*args))
+    run = dataclasses.replace(run, rows_at_once=8)
+    run_module.sample_and_score(args, run, run.policy, run.train_problems[:4])
+    assert asked == [8]
 
 
 def test_the_first_line_counts_aapos_reference_without_a_kl(tmp_path, capsys):
