@@ -184,11 +184,12 @@ def sampled_rows(estimate: Callable[[int], dict[str, float]], rows: int, group_s
     """The rows of a step to sample at once (`model.sample`'s rows_at_once): all `rows` where `estimate`
     (this module's terms with that many rows sampled at once) fits FITS of the device's memory; else fewer,
     whole groups of `group_size`, while sampling is the larger phase and the estimate does not fit, one group
-    at least. Where the update is the larger phase fewer rows would not help, and the draws stay as they were."""
+    at least. Where the update is the larger phase fewer rows would not help: the draws stay as they were."""
     sampled = rows
     while sampled > group_size:
         terms = estimate(sampled)
-        if terms["total"] <= FITS * device_bytes or terms["sampling"] <= terms["activations"] + terms["logits"]:
+        update = terms["activations"] + terms["logits"]
+        if terms["total"] <= FITS * device_bytes or terms["sampling"] <= update:
             break
         sampled -= group_size
     return sampled

@@ -106,8 +106,8 @@ def test_no_float32_log_softmax_of_a_whole_micro_batch_on_either_path(monkeypatc
 
 def test_sampling_fewer_rows_at_once_keeps_every_group_and_all_at_once_keeps_the_draws():
     """`sample(rows_at_once=...)`: calls of whole groups, at most that many rows each, whose completions line
-    up as one call's (greedy: the same tokens); as many rows as a step has, or 0, is one call, drawing from the
-    generator as before (a committed run's samples stay the same)."""
+    up as one call's (greedy: the same tokens); as many rows as a step has, or 0, is one call, drawing from
+    the generator as before (a committed run's samples stay the same)."""
     model, tokenizer = load_model("tiny-qwen2", torch.device("cpu"))
     questions, calls = ["2+3?", "What is 17 * 4?", "hi"], []
 
