@@ -222,29 +222,21 @@ def sample(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, questions
            max_new_tokens: int, temperature: float = 1.0, top_p: float = 1.0,
            sample_completions: Callable = sample_with_generate, prompt_format: str = "chat",
            system: str = "", instructions: list[str] | None = None,
-           stop_ids: list[int] | None = None, rows_at_once: int = 0) -> Rollout:
+           stop_ids: list[int] | None = None) -> Rollout:
     """B*G completions, G per question, as a `Rollout`; temperature 0 means greedy decoding. Prompts as
     `format_prompts` writes them; the completion ids come from `sample_completions`, `sample_with_generate`
     or any function with its arguments; each completion ends at the first of `stop_ids`, and so do its mask
-    and the text the reward reads (None: `stop_token_ids`, which a run works out once and passes).
-    `rows_at_once` > 0: the prompts in calls of that many rows at most (whole groups, one prompt at least),
-    which bounds sampling's peak memory (HF generate prefills every row of a call at once); 0, or as many
-    rows as there are, is one call, as before (the same draws from the generator)."""
+    and the text the reward reads (None: `stop_token_ids`, which a run works out once and passes)."""
     enc = tokenizer(format_prompts(tokenizer, questions, prompt_format, system, instructions),
                     return_tensors="pt", padding=True, padding_side="left",  # completions go right
                     add_special_tokens=prompt_format == "raw").to(model.device)  # a template writes its own
     stop_ids = stop_ids or stop_token_ids(model, tokenizer)
-    ids, mask = enc["input_ids"], enc["attention_mask"]  # [B, P]
-    per_call = max(1, rows_at_once // group_size) if rows_at_once else len(questions)  # prompts
-    calls = [sample_completions(model, ids[i : i + per_call], mask[i : i + per_call], group_size,
-                                max_new_tokens, temperature, top_p, stop_ids, tokenizer.pad_token_id)
-             for i in range(0, len(questions), per_call)]  # each [its rows, its own C]
-    width = max(c.shape[1] for c in calls)  # a call whose rows all stopped sooner: pad after their stops
-    completion_ids = torch.cat([F.pad(c, (0, width - c.shape[1]), value=tokenizer.pad_token_id)
-                                for c in calls])  # [N, C]
+    completion_ids = sample_completions(model, enc["input_ids"], enc["attention_mask"], group_size,
+                                        max_new_tokens, temperature, top_p, stop_ids,
+                                        tokenizer.pad_token_id)  # [N, C]
     completion_mask = completion_mask_from_eos(completion_ids, stop_ids)  # [N, C]
-    prompt_ids = ids.repeat_interleave(group_size, dim=0)  # [N, P]
-    prompt_mask = mask.repeat_interleave(group_size, dim=0)  # [N, P]
+    prompt_ids = enc["input_ids"].repeat_interleave(group_size, dim=0)  # [N, P]
+    prompt_mask = enc["attention_mask"].repeat_interleave(group_size, dim=0)  # [N, P]
     ended = torch.isin(completion_ids[:, -1], torch.tensor(stop_ids, device=completion_ids.device))  # [N]
     return Rollout(
         input_ids=torch.cat([prompt_ids, completion_ids], dim=1),

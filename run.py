@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Callable, ContextManager, NamedTuple
 
 import torch
+import torch.nn.functional as F
 import transformers
 from tqdm import tqdm
 
@@ -100,7 +101,7 @@ class Run:
     costs: Counter  # this step's sampling seconds and generated tokens
     stop_ids: list[int] | None = None  # the ids that end a completion (`model.stop_token_ids`), once
     started: float = 0.0  # perf_counter before loading the model: summary.json's time_run counts from it
-    rows_at_once: int = 0  # the rows sampled at once (`rows_at_once`; 0: all of a step's)
+    rows_at_once: int = 0  # the rows sampled at once where fewer than a step's (`rows_at_once`); 0: all
 
 
 @bad_input_is_one_line()  # a model, data line or prompt the run cannot use: one line, not a traceback
@@ -146,9 +147,10 @@ def start_run(args, run_dir: Path, device: torch.device, is_main: bool, state: d
     if is_main:
         print(f"[{args.algo}] {where_it_runs(args, master, policy, reference, tokenizer, problems, runtime)}")
     prompt_len = longest_prompt(master.config, tokenizer, problems, args.prompt_format, args.system)
+    sampled = rows_at_once(args, master, policy, reference, prompt_len, runtime)
     return Run(master, policy, reference, tokenizer, optimizer, state, reward_fn, train_problems,
                eval_problems, done, costs, stop_token_ids(master, tokenizer), started,
-               rows_at_once(args, master, policy, reference, prompt_len, runtime))
+               sampled if sampled < step_rows(args) else 0)
 
 
 def sample_and_score(args, run: Run, network, problems: list[Problem]) -> tuple[Rollout, torch.Tensor]:
@@ -156,10 +158,12 @@ def sample_and_score(args, run: Run, network, problems: list[Problem]) -> tuple[
     `SampleAndScore`); the seconds each took and the tokens generated go to `run.costs`."""
     questions, answers = [p.question for p in problems], [p.answer for p in problems]
     start = time.perf_counter()
-    paths = fast_or_plain(args.fast, network.device)
+    sample_completions = fast_or_plain(args.fast, network.device).sample_completions
+    if run.rows_at_once:  # fewer than a step's rows (`rows_at_once`)
+        sample_completions = in_calls_of(run.rows_at_once, sample_completions)
     rollout = sample(network, run.tokenizer, questions, args.group_size, args.max_new_tokens,
-                     args.temperature, args.top_p, paths.sample_completions, args.prompt_format, args.system,
-                     [p.instruction for p in problems], run.stop_ids, run.rows_at_once)
+                     args.temperature, args.top_p, sample_completions, args.prompt_format, args.system,
+                     [p.instruction for p in problems], run.stop_ids)
     run.costs["generate"] += time.perf_counter() - start
     run.costs["gen_tokens"] += rollout.completion_mask.sum().item()
     start = time.perf_counter()
@@ -189,6 +193,19 @@ def prompts_within(args, tokenizer, train: list[Problem], held_out: list[Problem
         print(f"[{args.algo}] --max-prompt-tokens {args.max_prompt_tokens}: skipped {' and '.join(counts)}, "
               "whose prompts are longer")
     return kept[0], kept[1]
+
+
+def in_calls_of(rows: int, sample_completions: Callable) -> Callable:
+    """`sample_completions` (`model.sample_with_generate`'s arguments) in calls of `rows` rows at most, whole
+    groups, one prompt at least, their completions padded to the longest call's (after each row's stop):
+    HF generate prefills every row of a call at once, so this bounds sampling's peak memory."""
+    def in_calls(model, ids: torch.Tensor, mask: torch.Tensor, group_size: int, *rest) -> torch.Tensor:
+        prompts, pad = max(1, rows // group_size), rest[-1]  # rest ends with pad_token_id
+        calls = [sample_completions(model, ids[i : i + prompts], mask[i : i + prompts], group_size, *rest)
+                 for i in range(0, len(ids), prompts)]  # each [its rows, its own C]
+        width = max(c.shape[1] for c in calls)
+        return torch.cat([F.pad(c, (0, width - c.shape[1]), value=pad) for c in calls])  # [N, C]
+    return in_calls
 
 
 def step_rows(args) -> int:

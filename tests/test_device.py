@@ -395,7 +395,7 @@ def test_a_step_whose_sampling_would_not_fit_samples_fewer_rows_at_once(tmp_path
                                     "--out", str(tmp_path / "run")])
     run = run_module.start_run(args, tmp_path / "run", torch.device("cpu"), True, train.algo_state(args),
                                with_reference=False)
-    assert run.rows_at_once == 16 and "rows sampled at once" not in capsys.readouterr().out
+    assert run.rows_at_once == 0 and "rows sampled at once" not in capsys.readouterr().out  # all at once
     prompt_len = memory.longest_prompt(run.master.config, run.tokenizer, run.train_problems)
     totals = {rows: run_module.run_estimate(args, run.master, run.policy, None, prompt_len, 0, rows)
               for rows in (8, 12, 16)}
@@ -406,11 +406,29 @@ def test_a_step_whose_sampling_would_not_fit_samples_fewer_rows_at_once(tmp_path
     line = run_module.where_it_runs(args, run.master, run.policy, None, run.tokenizer, run.train_problems)
     assert line.endswith(f"sampling (prefill, KV cache) {memory.size(totals[8]['sampling'])} (8 of a step's "
                          "16 rows sampled at once)"), line
-    asked = []
-    monkeypatch.setattr(run_module, "sample", lambda *args: asked.append(args[-1]) or model.sample(*args))
+    calls, in_calls_of = [], run_module.in_calls_of
+    monkeypatch.setattr(run_module, "in_calls_of", lambda n, fn: calls.append(n) or in_calls_of(n, fn))
     run = dataclasses.replace(run, rows_at_once=8)
     run_module.sample_and_score(args, run, run.policy, run.train_problems[:4])
-    assert asked == [8]
+    assert calls == [8]
+
+
+def test_sampling_in_calls_of_fewer_rows_keeps_every_group_in_place():
+    """`run.in_calls_of`: a step's prompts in calls of whole groups, at most that many rows each, whose
+    completions line up as one call's would (greedy: the same tokens, masks and texts)."""
+    net, tokenizer = model.load_model("tiny-qwen2", torch.device("cpu"))
+    questions, calls = ["2+3?", "What is 17 * 4?", "hi"], []
+
+    def counted(net, ids, mask, group_size, *rest):
+        calls.append(len(ids) * group_size)  # rows
+        return model.sample_with_generate(net, ids, mask, group_size, *rest)
+
+    whole, parts = (model.sample(net, tokenizer, questions, 4, 6, 0.0, sample_completions=fn)
+                    for fn in (counted, run_module.in_calls_of(5, counted)))  # 5 rows: one group of 4 a call
+    assert calls == [12, 4, 4, 4]
+    for name in ("input_ids", "attention_mask", "completion_mask", "truncated"):
+        assert torch.equal(getattr(whole, name), getattr(parts, name)), name
+    assert whole.texts == parts.texts
 
 
 def test_the_first_line_counts_aapos_reference_without_a_kl(tmp_path, capsys):

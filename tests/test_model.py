@@ -102,27 +102,3 @@ def test_no_float32_log_softmax_of_a_whole_micro_batch_on_either_path(monkeypatc
         logp = logprobs(net, rollout.input_ids, rollout.attention_mask, rollout.completion_len, 0.7)
         logp.sum().backward()
     assert rollout.completion_mask.sum() > 4 * 4 and 0 < seen.largest <= 4 * vocab
-
-
-def test_sampling_fewer_rows_at_once_keeps_every_group_and_all_at_once_keeps_the_draws():
-    """`sample(rows_at_once=...)`: calls of whole groups, at most that many rows each, whose completions line
-    up as one call's (greedy: the same tokens); as many rows as a step has, or 0, is one call, drawing from
-    the generator as before (a committed run's samples stay the same)."""
-    model, tokenizer = load_model("tiny-qwen2", torch.device("cpu"))
-    questions, calls = ["2+3?", "What is 17 * 4?", "hi"], []
-
-    def counted(model, ids, mask, group_size, *args):
-        calls.append(len(ids) * group_size)  # rows
-        return model_module.sample_with_generate(model, ids, mask, group_size, *args)
-
-    def rollout(temperature: float, rows_at_once: int):
-        torch.manual_seed(0)
-        return sample(model, tokenizer, questions, 4, 6, temperature, sample_completions=counted,
-                      rows_at_once=rows_at_once)
-
-    whole, parts = rollout(0.0, 0), rollout(0.0, 5)  # 5 rows: one group of 4 a call
-    assert calls == [12, 4, 4, 4]
-    for name in ("input_ids", "attention_mask", "completion_mask", "truncated"):
-        assert torch.equal(getattr(whole, name), getattr(parts, name)), name
-    assert whole.texts == parts.texts
-    assert torch.equal(rollout(1.0, 12).input_ids, rollout(1.0, 0).input_ids) and calls[-2:] == [12, 12]
