@@ -159,7 +159,7 @@ class CudaDeviceRules(TorchFunctionMode):
         self.pending: list[tuple[torch.Tensor, torch.Tensor]] = []  # non_blocking copies: (host, bytes)
         self.queued = False  # device work since the last synchronisation: a clock read now stops too early
         self.seen_visible: str | None = None  # CUDA_VISIBLE_DEVICES as the first door found it (`visible`)
-        self.started = False
+        self.started = False  # whether a door was asked: CUDA has started in this process (`visible`)
         self.live = weakref.WeakValueDictionary()  # the device tensors alive, by id (`memory`)
         self.peaks = {"allocated": 0, "reserved": 0}  # since the last reset of the peak statistics
 
@@ -424,7 +424,7 @@ WORKER: CudaDeviceRules | None = None  # in a worker of `run_all` on the stand-i
 def start_worker(stopping, started, devices: int) -> None:
     """`workers.start_worker` in a spawned worker of a machine of `devices` stand-in GPUs, where CUDA has not
     started: the stand-in is entered for the worker's life, before any of its code runs."""
-    import workers
+    import workers  # here: the stand-in itself needs nothing of the project's
     global WORKER
     WORKER = CudaDeviceRules(count=devices)
     WORKER.__enter__()
