@@ -79,7 +79,7 @@ from study_runs import (BASELINE, LORA, PRECISIONS, Run, acr_by_difficulty, chec
 from tables import (accuracy_curves, accuracy_table, collapse, compute_cost, early_acr_by_level,
                     early_acr_scatter, judged, lora_table, markdown_table, pick_lr, print_results, report,
                     results_so_far, seed_deltas)
-from workers import Progress, Stopped, Workers, runs_at_once, stop_handler
+from workers import Progress, Stopped, Workers, run_all, runs_at_once, stop_handler
 from written import Folder, NotWritten, owned
 
 
@@ -318,7 +318,10 @@ def run_parts(args: argparse.Namespace, parts: list[str], out: Folder, figures: 
     study = {k: v for k, v in vars(args).items() if k not in ("out", "figures", "only", "train", "workers")}
     results["scale"] = {**study, "train": as_flags(args.train)}  # and the comparison runs' train.py flags
     if "difficulty" in parts:
-        results["difficulty"] = acr_by_difficulty(args.train, args.difficulty_prompts, 8)
+        # in a worker, as the runs are (`run_all`): the parent keeps no model, nor CUDA's cache of one, on
+        # the GPU a worker trains on
+        results["difficulty"], = run_all([(acr_by_difficulty, args.train, args.difficulty_prompts, 8)],
+                                         args.jobs)
         plot_difficulty(results["difficulty"], figures, "acr_vs_difficulty.png",
                         f"{args.train.model} on {args.train.dataset}, G=8, T={args.train.temperature:g}")
     for part, methods, drawn in (("compare", args.methods, figures), ("readings", args.readings, None)):

@@ -84,6 +84,15 @@ def peak_memory_bytes(device: torch.device) -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
+def out_of_memory(error: Exception) -> str:
+    """One line for an out-of-memory error mid-run (torch.OutOfMemoryError), saying what to change: a step's
+    prompts follow from --seed and the step, so --resume as it was would meet the same wall."""
+    what = str(error).splitlines()[0] if str(error) else type(error).__name__
+    return (f"out of device memory ({what}); the steps before it are saved (unless --save-every 0): before "
+            "--resume, lower --max-prompt-tokens, --micro-batch, --prompts-per-step or --group-size, or add "
+            "--grad-checkpointing (the first line's estimate says which phase is the larger)")
+
+
 def resident_bytes() -> int:
     """This process's resident memory now (Linux's /proc/self/statm; elsewhere its peak so far): before a
     model loads, what Python, torch and transformers hold beside any tensor, which memory.py's estimate

@@ -33,6 +33,8 @@ micro-batch at a time), and the allocator's fragmentation (docs/performance.md's
 card for it).
 """
 
+from typing import Callable
+
 from transformers import PreTrainedTokenizerBase
 
 from data.tasks import Problem
@@ -40,6 +42,7 @@ from lora import has_adapters
 from model import LOGPROB_CHUNK, format_prompts
 
 GIB = 2**30
+FITS = 0.9  # of a device's memory a run may plan to fill: the rest for the allocator's fragmentation
 CUDA_ALLOWANCE = GIB  # the CUDA context (about 0.5 GiB with lazy module loading) and the kernels' workspaces
 STATIC = ("frozen", "weights", "optimizer", "gradients", "working_copy", "reference", "cuda",
           "runtime")  # a run long
@@ -174,6 +177,49 @@ def longest_prompt(config, tokenizer: PreTrainedTokenizerBase, problems: list[Pr
         raise ValueError(f"{longest.where or repr(longest.question[:40])}: a prompt of {tokens} tokens, "
                          f"longer than the model's context of {context}: shorten or remove it")
     return tokens
+
+
+def sampled_rows(estimate: Callable[[int], dict[str, float]], rows: int, group_size: int,
+                 device_bytes: int) -> int:
+    """The rows of a step to sample at once (`model.sample`'s rows_at_once): all `rows` where `estimate`
+    (this module's terms with that many rows sampled at once) fits FITS of the device's memory; else fewer,
+    whole groups of `group_size`, while sampling is the larger phase and the estimate does not fit, one group
+    at least. Where the update is the larger phase fewer rows would not help: the draws stay as they were."""
+    sampled = rows
+    while sampled > group_size:
+        terms = estimate(sampled)
+        update = terms["activations"] + terms["logits"]
+        if terms["total"] <= FITS * device_bytes or terms["sampling"] <= update:
+            break
+        sampled -= group_size
+    return sampled
+
+
+def fits_warning(terms: dict[str, float], device_bytes: int, prompt_len: int) -> str | None:
+    """One line where the estimate at the longest prompt passes FITS of the device's memory, naming what to
+    lower for its larger phase: sampling prefills every row of a step at once (the prompts' length, the
+    prompts and completions per step), the update one micro-batch at a time. None where it fits."""
+    if terms["total"] <= FITS * device_bytes:
+        return None
+    update = terms["activations"] + terms["logits"]
+    change = ("--micro-batch, or add --grad-checkpointing" if update > terms["sampling"]
+              else "--prompts-per-step or --group-size (the rows sampled at once)")
+    return (f"warning: memory ~{size(terms['total'])} at the longest prompt ({prompt_len} tokens) is past "
+            f"{FITS:.0%} of the device's {size(device_bytes)}: a step may run out of memory; lower "
+            f"--max-prompt-tokens (longer prompts are skipped) or {change}")
+
+
+def short_enough(tokenizer: PreTrainedTokenizerBase, problems: list[Problem], limit: int,
+                 prompt_format: str = "chat", system: str = "") -> list[Problem]:
+    """The problems whose prompt, templated as `format_prompts` writes it, has at most `limit` tokens (0:
+    every problem): train.py --max-prompt-tokens skips the others whole, since a prompt cut short would
+    be another question, and one long prompt sets the memory of its step (the prefill of every row)."""
+    if not limit:
+        return problems
+    prompts = format_prompts(tokenizer, [p.question for p in problems], prompt_format, system,
+                             [p.instruction for p in problems])
+    lengths = [len(ids) for ids in tokenizer(prompts, add_special_tokens=False).input_ids]
+    return [problem for problem, tokens in zip(problems, lengths) if tokens <= limit]
 
 
 def context_warning(config, prompt_len: int, max_new_tokens: int) -> str | None:

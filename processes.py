@@ -13,7 +13,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from hardware import pick_device
+from hardware import out_of_memory, pick_device
 from run_folder import RunFolderError
 from verifier import RewardError
 from written import NotWritten
@@ -162,13 +162,16 @@ def exits_cleanly():
     (`ctrl_c_stops_after_the_step` yields the stop requests); an unknown model, a missing file, a damaged run
     folder, a file that is not the run's (written.py) or a bad reward exits with one line, not a traceback;
     the processes of torchrun are closed whichever way it ends. A filesystem failure (a full disk, a
-    read-only folder) is one line too: what was saved before it stays whole."""
+    read-only folder) is one line too: what was saved before it stays whole; so is running out of device
+    memory, with what to change (`hardware.out_of_memory`)."""
     requested: list[int] = []
     try:
         with ctrl_c_stops_after_the_step() as requested:
             yield requested
     except (OSError, RunFolderError, RewardError, NotWritten) as e:
         sys.exit(f"error: {e}")
+    except torch.OutOfMemoryError as e:  # the steps before it saved (`run.before_failed_step`)
+        sys.exit(f"error: {out_of_memory(e)}")
     except KeyboardInterrupt as e:  # the checkpoint is saved and said so (or a second signal); no traceback
         sys.exit(128 + (requested[0] if requested else getattr(e, "signum", signal.SIGINT)))
     finally:

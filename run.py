@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Callable, ContextManager, NamedTuple
 
 import torch
+import torch.nn.functional as F
 import transformers
 from tqdm import tqdm
 
@@ -23,10 +24,11 @@ import packing
 from data.tasks import Problem, load_eval_problems, load_problems
 from decoding import FAST_ON, decode
 from eval import evaluate, score_groups
-from hardware import cast_weights, pick_device, resident_bytes, where, working_copy
+from hardware import cast_weights, device_memory_bytes, pick_device, resident_bytes, where, working_copy
 from lora import (adapter_folder, adapters_off, add_adapters, base_identity, base_of, check_rank,
                   checked_adapters, merged)
-from memory import context_warning, describe_estimate, estimate_memory, longest_prompt, parameter_counts
+from memory import (context_warning, describe_estimate, estimate_memory, fits_warning, longest_prompt,
+                    parameter_counts, sampled_rows, short_enough)
 from metrics import collapse_warning, early_steps, show_group
 from model import (Rollout, checkpoint_activations, completion_logprobs, format_prompts, from_source,
                    load_model, load_tokenizer, sample, sample_with_generate, stop_token_ids)
@@ -99,6 +101,7 @@ class Run:
     costs: Counter  # this step's sampling seconds and generated tokens
     stop_ids: list[int] | None = None  # the ids that end a completion (`model.stop_token_ids`), once
     started: float = 0.0  # perf_counter before loading the model: summary.json's time_run counts from it
+    rows_at_once: int = 0  # the rows sampled at once where fewer than a step's (`rows_at_once`); 0: all
 
 
 @bad_input_is_one_line()  # a model, data line or prompt the run cannot use: one line, not a traceback
@@ -137,12 +140,17 @@ def start_run(args, run_dir: Path, device: torch.device, is_main: bool, state: d
     costs = Counter()  # this step's seconds, tokens and reward calls past --reward-timeout
     reward_fn = load_reward(args.reward, args.reward_range, args.reward_timeout, costs)
     train_problems = load_problems(args.dataset, "train", args.seed)
+    if args.max_prompt_tokens:
+        train_problems, eval_problems = prompts_within(args, tokenizer, train_problems, eval_problems,
+                                                       is_main)
+    problems = train_problems + eval_problems
     if is_main:
-        first_line = where_it_runs(args, master, policy, reference, tokenizer, train_problems + eval_problems,
-                                   runtime)
-        print(f"[{args.algo}] {first_line}")
+        print(f"[{args.algo}] {where_it_runs(args, master, policy, reference, tokenizer, problems, runtime)}")
+    prompt_len = longest_prompt(master.config, tokenizer, problems, args.prompt_format, args.system)
+    sampled = rows_at_once(args, master, policy, reference, prompt_len, runtime)
     return Run(master, policy, reference, tokenizer, optimizer, state, reward_fn, train_problems,
-               eval_problems, done, costs, stop_token_ids(master, tokenizer), started)
+               eval_problems, done, costs, stop_token_ids(master, tokenizer), started,
+               sampled if sampled < step_rows(args) else 0)
 
 
 def sample_and_score(args, run: Run, network, problems: list[Problem]) -> tuple[Rollout, torch.Tensor]:
@@ -150,9 +158,11 @@ def sample_and_score(args, run: Run, network, problems: list[Problem]) -> tuple[
     `SampleAndScore`); the seconds each took and the tokens generated go to `run.costs`."""
     questions, answers = [p.question for p in problems], [p.answer for p in problems]
     start = time.perf_counter()
-    paths = fast_or_plain(args.fast, network.device)
+    sample_completions = fast_or_plain(args.fast, network.device).sample_completions
+    if run.rows_at_once:  # fewer than a step's rows (`rows_at_once`)
+        sample_completions = in_calls_of(run.rows_at_once, sample_completions)
     rollout = sample(network, run.tokenizer, questions, args.group_size, args.max_new_tokens,
-                     args.temperature, args.top_p, paths.sample_completions, args.prompt_format, args.system,
+                     args.temperature, args.top_p, sample_completions, args.prompt_format, args.system,
                      [p.instruction for p in problems], run.stop_ids)
     run.costs["generate"] += time.perf_counter() - start
     run.costs["gen_tokens"] += rollout.completion_mask.sum().item()
@@ -168,24 +178,77 @@ def sample_and_score(args, run: Run, network, problems: list[Problem]) -> tuple[
     return rollout, rewards
 
 
+def prompts_within(args, tokenizer, train: list[Problem], held_out: list[Problem],
+                   is_main: bool) -> tuple[list[Problem], list[Problem]]:
+    """The training and held-out problems whose prompts fit --max-prompt-tokens (`memory.short_enough`),
+    the skipped counted in a line; none left is a ValueError, one line."""
+    kept = [short_enough(tokenizer, problems, args.max_prompt_tokens, args.prompt_format, args.system)
+            for problems in (train, held_out)]
+    counts = [f"{len(old) - len(new)} of {len(old)} {name}" for old, new, name in zip(
+        (train, held_out), kept, ("training problems", "held-out ones"))]
+    if not all(kept):
+        raise ValueError(f"--max-prompt-tokens {args.max_prompt_tokens} skips {' and '.join(counts)}: none "
+                         "would be left to train or evaluate on; raise it")
+    if is_main:
+        print(f"[{args.algo}] --max-prompt-tokens {args.max_prompt_tokens}: skipped {' and '.join(counts)}, "
+              "whose prompts are longer")
+    return kept[0], kept[1]
+
+
+def in_calls_of(rows: int, sample_completions: Callable) -> Callable:
+    """`sample_completions` (`model.sample_with_generate`'s arguments) in calls of `rows` rows at most, whole
+    groups, one prompt at least, their completions padded to the longest call's (after each row's stop):
+    HF generate prefills every row of a call at once, so this bounds sampling's peak memory."""
+    def in_calls(model, ids: torch.Tensor, mask: torch.Tensor, group_size: int, *rest) -> torch.Tensor:
+        prompts, pad = max(1, rows // group_size), rest[-1]  # rest ends with pad_token_id
+        calls = [sample_completions(model, ids[i : i + prompts], mask[i : i + prompts], group_size, *rest)
+                 for i in range(0, len(ids), prompts)]  # each [its rows, its own C]
+        width = max(c.shape[1] for c in calls)
+        return torch.cat([F.pad(c, (0, width - c.shape[1]), value=pad) for c in calls])  # [N, C]
+    return in_calls
+
+
+def step_rows(args) -> int:
+    """The completions a step samples on this process (of torchrun's WORLD_SIZE)."""
+    return args.prompts_per_step * args.group_size // int(os.environ.get("WORLD_SIZE", 1))
+
+
+def run_estimate(args, master, policy, reference, prompt_len: int, runtime: int, sampled: int) -> dict:
+    """memory.py's terms for this run's shapes, prompts of `prompt_len` tokens, `sampled` rows sampled at
+    once (under LoRA, the frozen weights apart from the adapters); `runtime`, the process's bytes before the
+    model loaded."""
+    rows, (own, adapters) = step_rows(args), parameter_counts(master)
+    return estimate_memory(master.config, own, rows=sampled, prompt_len=prompt_len,
+                           completion_len=args.max_new_tokens, micro_batch=min(args.micro_batch, rows),
+                           bf16=policy.dtype == torch.bfloat16, reference=reference is not None,
+                           checkpointing=args.grad_checkpointing, cuda=master.device.type == "cuda",
+                           lora_params=adapters, runtime=runtime)
+
+
+def rows_at_once(args, master, policy, reference, prompt_len: int, runtime: int) -> int:
+    """The rows a step samples at once: all of them where the estimate fits the device, else fewer whole
+    groups (`memory.sampled_rows`): HF generate prefills every row it is given at once, and one long prompt
+    can take a 24 GB card past its memory."""
+    return sampled_rows(partial(run_estimate, args, master, policy, reference, prompt_len, runtime),
+                        step_rows(args), args.group_size, device_memory_bytes(master.device))
+
+
 def where_it_runs(args, master, policy, reference, tokenizer, problems: list[Problem],
                   runtime: int = 0) -> str:
     """The run's first line: the device, the precision and dtypes, and the memory it should need
-    (memory.py; under LoRA, the frozen weights apart from the adapters), for the run's shapes; the prompt
-    length is that of the longest question of `problems` (those it trains on and those it evaluates),
-    templated; `runtime`, the process's bytes before the model loaded. A prompt longer than the model's
-    context is refused (`memory.longest_prompt`)."""
+    (`run_estimate`), the rows sampled at once where they are fewer than a step's (`rows_at_once`); the
+    prompt length is that of the longest question of `problems` (those it trains on and those it evaluates),
+    templated. A prompt longer than the model's context is refused (`memory.longest_prompt`); an estimate
+    past 90% of the device's memory is a warning line before it (`memory.fits_warning`)."""
     prompt_len = longest_prompt(master.config, tokenizer, problems, args.prompt_format, args.system)
     if warning := context_warning(master.config, prompt_len, args.max_new_tokens):
         print(f"[{args.algo}] {warning}")
-    rows = args.prompts_per_step * args.group_size // int(os.environ.get("WORLD_SIZE", 1))
-    own, adapters = parameter_counts(master)
-    terms = estimate_memory(master.config, own, rows=rows, prompt_len=prompt_len,
-                            completion_len=args.max_new_tokens, micro_batch=min(args.micro_batch, rows),
-                            bf16=policy.dtype == torch.bfloat16, reference=reference is not None,
-                            checkpointing=args.grad_checkpointing, cuda=master.device.type == "cuda",
-                            lora_params=adapters, runtime=runtime)
-    return f"{where(master, policy, args.precision)}; {describe_estimate(terms)}"
+    rows, sampled = step_rows(args), rows_at_once(args, master, policy, reference, prompt_len, runtime)
+    terms = run_estimate(args, master, policy, reference, prompt_len, runtime, sampled)
+    if warning := fits_warning(terms, device_memory_bytes(master.device), prompt_len):
+        print(f"[{args.algo}] {warning}")
+    at_once = f" ({sampled} of a step's {rows} rows sampled at once)" if sampled < rows else ""
+    return f"{where(master, policy, args.precision)}; {describe_estimate(terms)}{at_once}"
 
 
 def run_eval(args, run: Run, folder: Folder, step: int) -> float:
@@ -217,7 +280,9 @@ def first_eval(args, run: Run, folder: Folder) -> None:
 
 def before_failed_step(args, run: Run, folder: Folder, step: int, error: Exception) -> None:
     """Process 0, when step `step` fails before its update (a RewardError, or Ctrl-C while scoring, which
-    `processes.stops_at_once` raises as StoppedWhileScoring): the steps before it saved, and the line said."""
+    `processes.stops_at_once` raises as StoppedWhileScoring) or runs out of device memory in sampling or the
+    update's passes (the weights change only at the optimizer's step): the steps before it saved, and the
+    line said."""
     if args.save_every and step - 1 > run.done:
         save_checkpoint(folder, run.master, run.tokenizer, run.optimizer, step - 1, run.state)
     if isinstance(error, StoppedWhileScoring):

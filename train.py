@@ -78,6 +78,7 @@ class Args:
     prompt_format: str = arg("chat", "chat (the tokenizer's chat template), raw (plain text: base models)",
                              choices=PROMPT_FORMATS)
     system: str = arg("", "system message of every chat prompt; empty: the chat template's own")
+    max_prompt_tokens: int = arg(0, "skip (and count) longer prompts, in tokens (0: none)", type=at_least(0))
     # optimisation
     lr: float = arg(2e-5, "AdamW learning rate (at the first step)", type=POSITIVE)
     lr_decay: float = arg(1.0, "last fraction of the steps in which the lr falls to 0", type=in_range(0, 1))
@@ -88,8 +89,7 @@ class Args:
     micro_batch: int = arg(8, "completions per forward/backward pass", type=at_least(1))
     max_grad_norm: float = arg(1.0, "gradient clipping", type=POSITIVE)
     grad_checkpointing: bool = arg(False, "recompute activations in backward: less memory, more time")
-    precision: str = arg("auto", "auto (bf16 where the GPU or CPU has it natively), fp32, bf16",
-                         choices=PRECISIONS)
+    precision: str = arg("auto", "auto (bf16 where native on the GPU or CPU), fp32, bf16", choices=PRECISIONS)
     lora_rank: int = arg(0, "LoRA: adapters of this rank on every linear layer (0: none)", type=at_least(0))
     lora_alpha: float = arg(32.0, "LoRA: the adapters are scaled by alpha / rank", type=POSITIVE)
     # AVSPO (He et al., 2026) and AAPO (Xiong et al., 2025)
@@ -314,7 +314,7 @@ def train(args: Args, files: Folder | None, stop_requested: Sequence = ()) -> di
     for step in bar:
         try:
             record, samples = train_step(args, run, step, rank, mine, device)
-        except (RewardError, StoppedWhileScoring) as e:  # before the update: save the steps before it
+        except (RewardError, StoppedWhileScoring, torch.OutOfMemoryError) as e:  # save the steps before it
             if is_main:
                 before_failed_step(args, run, files, step, e)
             raise

@@ -44,7 +44,8 @@ attention's own FLOPs are left out (a few % at these lengths). Each distinct pro
 decoding.decode prefills it and the update streams it (train.py's `train_tokens`), not once per completion.
 Results go to stdout (markdown) and to --out (JSON, rewritten after every part, and a .md beside it; default
 $OUT/gpu_bench.json where $OUT is set). Checks that would start after --smoke-s and parts after --budget-s
-are skipped and listed by name, not failed: a slow machine runs fewer of them (status 1: a check failed).
+are skipped and listed by name, not failed: a slow machine runs fewer of them (status 1: a check failed;
+status 2: none failed, but some were skipped, which the last line says: "0 FAILED" alone is no verdict).
 A CUDA error stops the smoke: the checks after it, and the table's configs, are listed as not run.
 """
 import argparse
@@ -80,7 +81,7 @@ from eval import score_groups  # noqa: E402
 from flags import FlagParser, at_least, in_range  # noqa: E402
 from hardware import DEVICES, peak_memory_bytes, pick_device, working_copy  # noqa: E402
 from lora import adapters_off, add_adapters  # noqa: E402
-from memory import GIB, STATIC, adapter_count, estimate_memory  # noqa: E402
+from memory import FITS, GIB, STATIC, adapter_count, estimate_memory  # noqa: E402
 from model import (checkpoint_activations, completion_logprobs, load_model, sample,  # noqa: E402
                    sample_with_generate)
 from model_files import byte_tokenizer  # noqa: E402
@@ -594,7 +595,6 @@ def smoke_summary(checks: list[dict]) -> str:
 # ------------------------------------------------------------------------------ --memory-table
 
 CARDS_GIB = (24, 48, 80)  # a "24 GB" card holds 24 GiB
-FITS = 0.9  # of a card's memory: the rest for the allocator's fragmentation (the total has the CUDA context)
 
 
 def memory_table(prompts: int, group_size: int, new_tokens: int, prompt_len: int) -> str:
@@ -747,8 +747,10 @@ def main(argv: list[str] | None = None) -> int:
     print(opts.out.with_suffix(".md").read_text())
     if report["smoke"]:
         print(smoke_summary(report["smoke"]))
-    print(f"{opts.out} written; took {report['total_s']:.0f} s")
-    return 1 if any(c["ok"] is False for c in report["smoke"]) else 0
+    skipped = sum(c["ok"] is None for c in report["smoke"])
+    print(f"{opts.out} written; took {report['total_s']:.0f} s" + (
+        f"; {skipped} of {len(report['smoke'])} smoke checks were skipped, not passed" if skipped else ""))
+    return 1 if any(c["ok"] is False for c in report["smoke"]) else 2 if skipped else 0
 
 
 if __name__ == "__main__":

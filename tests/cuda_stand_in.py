@@ -7,8 +7,10 @@ does not answer, raises instead of starting)."""
 import contextlib
 import functools
 import math
+import os
 import time
 import types
+import weakref
 from typing import Callable
 from unittest import mock
 
@@ -30,6 +32,8 @@ RANDOM = {torch.multinomial, torch.rand, torch.randn, torch.randint, torch.randp
 # host never has (`STORAGE`)
 DEVICE, HOST, STORAGE = torch.device("cuda", 0), torch.device("cpu"), torch.device("cpu", 0)
 CUDA_SEED = 67280421310721  # a CUDA device's default generator's seed before any seeding (torch's default)
+TOTAL, CONTEXT = 80 * 2**30, 2**29  # a GPU's memory, and what its CUDA context and workspaces hold of it
+SEGMENT = 20 * 2**20  # the caching allocator reserves large allocations in segments of this size
 PARAMETER_NEW, LOAD = torch.nn.Parameter.__dict__["__new__"], torch.load
 
 
@@ -123,8 +127,10 @@ class CudaDeviceRules(TorchFunctionMode):
     index. A device tensor's `.device` reads cuda:<its index> (`.is_cuda` True), so `device=t.device` follows
     t; any other tensor's reads its own (the host, or meta). Host tensors: factories without a device,
     `.cpu()`, and an explicit CPU (`"cpu"`, `torch.device("cpu")`). `torch.cuda` answers as GPUs of 80 GiB
-    (`is_available`, their name and memory, bf16, memory statistics of 0), so the code's CUDA branches run;
-    so do `torch.accelerator`, streams and events (`doors`), on a CPU wheel as on a CUDA one.
+    (`is_available`, their name and memory, bf16, memory statistics as a GPU's: `memory`), so the code's CUDA
+    branches run; so do `torch.accelerator`, streams and events (`doors`), on a CPU wheel as on a CUDA one.
+    CUDA_VISIBLE_DEVICES is read once, at the first door asked (`visible`), as CUDA reads it when it starts:
+    set later, it changes nothing. Work on the device is `queued` until a synchronisation, as CUDA's is.
     Generators: `torch.Generator(device=d)` is on d's side; `torch.Generator()` and `torch.default_generator`
     on the host; a draw on the device without one uses the device's own, seeded only as CUDA's is
     (`torch.manual_seed`, `torch.cuda.manual_seed*`). CUDA's rules, as its errors state them:
@@ -151,12 +157,39 @@ class CudaDeviceRules(TorchFunctionMode):
         self.index, self.count, self.nccl = index, count, False
         self.seen: set[int] = set()  # the CUDA devices this process made tensors on
         self.pending: list[tuple[torch.Tensor, torch.Tensor]] = []  # non_blocking copies: (host, bytes)
+        self.queued = False  # device work since the last synchronisation: a clock read now stops too early
+        self.seen_visible: str | None = None  # CUDA_VISIBLE_DEVICES as the first door found it (`visible`)
+        self.started = False  # whether a door was asked: CUDA has started in this process (`visible`)
+        self.live = weakref.WeakValueDictionary()  # the device tensors alive, by id (`memory`)
+        self.peaks = {"allocated": 0, "reserved": 0}  # since the last reset of the peak statistics
 
     def mark(self, t, index: int | None = 0):
         t._cuda_index = index  # a plain attribute: a tensor's side, not its storage
         if index is not None and isinstance(t, torch.Tensor):
             self.seen.add(index)
+            self.live[id(t)] = t
         return t
+
+    def visible(self) -> int:
+        """The devices this process sees: CUDA_VISIBLE_DEVICES as it was at the first door asked (CUDA reads
+        it once, when it starts), the ids in it among `count`; all `count` where it is unset."""
+        if not self.started:
+            self.started, self.seen_visible = True, os.environ.get("CUDA_VISIBLE_DEVICES")
+        if self.seen_visible is None:
+            return self.count
+        return len([i for i in self.seen_visible.split(",") if i.strip().isdigit() and int(i) < self.count])
+
+    def memory(self, statistic: str, device=None) -> int:
+        """A GPU's memory statistic, from the device tensors alive when asked: "allocated" their storages'
+        bytes, "reserved" those rounded up to the caching allocator's segments; each peak the largest read
+        since `reset_peak_memory_stats`. Beside them the CUDA context holds `CONTEXT` (`mem_get_info`)."""
+        with torch._C.DisableTorchFunction():
+            storages = {s.data_ptr(): s.nbytes() for s in (t.untyped_storage() for t in self.live.values())}
+        now = {"allocated": sum(storages.values())}
+        now["reserved"] = -(-now["allocated"] // SEGMENT) * SEGMENT
+        for name, value in now.items():
+            self.peaks[name] = max(self.peaks[name], value)
+        return self.peaks[statistic[4:]] if statistic.startswith("max_") else now[statistic]
 
     @staticmethod
     def side(t) -> int | None:
@@ -209,22 +242,25 @@ class CudaDeviceRules(TorchFunctionMode):
         for owner, name, value in [*self.doors(set_device, synchronize),
                 (torch, "Generator", Generator), (torch.nn.Parameter, "__new__", staticmethod(parameter)),
                 (torch, "load", load),
-                (torch.version, "cuda", "12.4"), (torch.cuda, "is_available", lambda: True),
-                (torch.cuda, "device_count", lambda: self.count),
+                (torch.version, "cuda", "12.4"), (torch.cuda, "is_available", lambda: self.visible() > 0),
+                (torch.cuda, "device_count", self.visible),
                 (torch.cuda, "current_device", lambda: self.index), (torch.cuda, "set_device", set_device),
                 (torch.cuda, "get_device_properties", lambda device=None: types.SimpleNamespace(
-                    name="CudaDeviceRules", total_memory=80 * 2**30, major=9, minor=0)),
+                    name="CudaDeviceRules", total_memory=TOTAL, major=9, minor=0)),
                 (torch.cuda, "get_device_name", lambda device=None: "CudaDeviceRules"),
                 (torch.cuda, "is_bf16_supported", lambda including_emulation=True: True),
                 (torch.cuda, "synchronize", synchronize),
                 (torch.cuda, "manual_seed", seed), (torch.cuda, "manual_seed_all", seed),
                 (torch.cuda, "get_rng_state", lambda device="cuda": self.generator.get_state()),
                 (torch.cuda, "set_rng_state", lambda state, device="cuda": self.generator.set_state(state)),
-                *[(torch.cuda, name, lambda device=None: 0) for name in (
-                    "max_memory_allocated", "max_memory_reserved", "memory_reserved", "memory_allocated")],
-                (torch.cuda, "reset_peak_memory_stats", lambda device=None: None),
+                *[(torch.cuda, name, functools.partial(self.memory, name.replace("memory_", "")))
+                  for name in ("max_memory_allocated", "max_memory_reserved", "memory_reserved",
+                               "memory_allocated")],
+                (torch.cuda, "reset_peak_memory_stats", lambda device=None: self.peaks.update(
+                    allocated=0, reserved=0)),
                 (torch.cuda, "empty_cache", lambda: None),
-                (torch.cuda, "mem_get_info", lambda device=None: (80 * 2**30, 80 * 2**30)),
+                (torch.cuda, "mem_get_info", lambda device=None: (
+                    TOTAL - CONTEXT - self.memory("reserved"), TOTAL)),
                 (torch.cuda.nccl, "version", lambda: (2, 21, 5)),  # torch's error log names it
                 (dist, "init_process_group", self.init_process_group),
                 (dist, "get_backend", lambda group=None: "nccl" if self.nccl else REAL["get_backend"](group)),
@@ -293,10 +329,12 @@ class CudaDeviceRules(TorchFunctionMode):
         return REAL[name](*args, **kwargs)
 
     def land(self) -> None:
-        """The non_blocking copies to the host land, as at a synchronisation."""
+        """The device's queued work is done and the non_blocking copies to the host land, as at a
+        synchronisation."""
         for host, values in self.pending:
             host.copy_(values)
         self.pending.clear()
+        self.queued = False
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -344,6 +382,7 @@ class CudaDeviceRules(TorchFunctionMode):
                         or func is torch.Tensor.to and side is None and not kwargs.get("non_blocking")):
             self.land()  # a blocking copy from the device waits for the device's work, earlier copies too
         out = func(*args, **kwargs)
+        self.queued = self.queued or side is not None  # CUDA runs it later: the host goes on at once
         if any(out is t for t in tensors) and self.side(out) != side:
             out = out.clone()  # `.cpu()` of a CPU tensor returns it: a copy, as a move across devices makes
         for t in leaves(out) if side is not None else []:
@@ -376,3 +415,30 @@ class CudaDeviceRules(TorchFunctionMode):
         setter(tensor, value)
         if attribute is torch.Tensor.data:
             self.mark(tensor, self.side(value))
+
+
+WORKER_LOG = "CUDA_STAND_IN_WORKERS"  # the file a study's workers on the stand-in tell what they saw
+WORKER: CudaDeviceRules | None = None  # in a worker of `run_all` on the stand-in: its rules
+
+
+def start_worker(stopping, started, devices: int) -> None:
+    """`workers.start_worker` in a spawned worker of a machine of `devices` stand-in GPUs, where CUDA has not
+    started: the stand-in is entered for the worker's life, before any of its code runs."""
+    import workers  # here: the stand-in itself needs nothing of the project's
+    global WORKER
+    WORKER = CudaDeviceRules(count=devices)
+    WORKER.__enter__()
+    workers.start_worker(stopping, started, devices)
+
+
+def with_threads(threads: int, fn: Callable, *args):
+    """`workers.with_threads` in a worker started by `start_worker`, then one line in the file WORKER_LOG
+    names: CUDA_VISIBLE_DEVICES as the worker's first CUDA call found it, and the devices it made tensors
+    on."""
+    import json
+    import workers
+    result = workers.with_threads(threads, fn, *args)
+    with open(os.environ[WORKER_LOG], "a") as log:
+        told = {"pid": os.getpid(), "visible": WORKER.seen_visible, "seen": sorted(WORKER.seen)}
+        log.write(json.dumps(told) + "\n")
+    return result

@@ -2,6 +2,7 @@
 gpu_bench.py's CPU smoke mode, fast_vs_plain.py."""
 
 import json
+import math
 import os
 import re
 import shlex
@@ -19,7 +20,10 @@ import run
 from memory import CUDA_ALLOWANCE, GIB
 import train
 from benchmarks import bench, demo_phases, floors, gpu_bench
+from cuda_stand_in import DEVICE, CudaDeviceRules
 from data.prepare import DOWNLOADS
+from data.tasks import load_problems
+from verifier import load_reward
 
 ROOT = Path(__file__).resolve().parent.parent
 # data/prepare.py's files, else the development checkout's shared folder
@@ -243,7 +247,8 @@ def test_gpu_bench_tiny_runs_on_cpu(tmp_path):
 
 def test_gpu_bench_smoke_past_its_budget_skips_the_rest_and_lists_them(tmp_path, monkeypatch, capsys):
     """The tester's 2-core AVX2 machine: a check takes longer than the whole budget (bf16 emulated). The
-    checks after it are skipped, not failed, and named; so are the table's configs; the exit status is 0.
+    checks after it are skipped, not failed, and named; so are the table's configs; the exit status is 2, and
+    the last line says that checks were skipped ("0 FAILED" alone read as a pass when little ran).
     The clock jumps rather than the machine being slow, so the test is the same on any machine."""
     offset = [0.0]  # seconds the clock has jumped
     clock = SimpleNamespace(perf_counter=lambda: time.perf_counter() + offset[0])
@@ -262,9 +267,11 @@ def test_gpu_bench_smoke_past_its_budget_skips_the_rest_and_lists_them(tmp_path,
     monkeypatch.setattr(gpu_bench, "fast_equals_plain", first_one_outlasts_the_budget)
     out = tmp_path / "gpu_bench.json"
     budgets = ["--smoke-s", "1e5", "--budget-s", "1e5"]  # ample, but for the jump: no machine runs out
-    assert gpu_bench.main(["--tiny", "--device", "cpu", "--smoke", *budgets, "--out", str(out)]) == 0
+    assert gpu_bench.main(["--tiny", "--device", "cpu", "--smoke", *budgets, "--out", str(out)]) == 2
     report, markdown = json.loads(out.read_text()), out.with_suffix(".md").read_text()
-    ran = smoke_checks_ran_or_were_listed(report, capsys.readouterr().out, markdown)
+    printed = capsys.readouterr().out
+    assert printed.splitlines()[-1].endswith("; 37 of 38 smoke checks were skipped, not passed")
+    ran = smoke_checks_ran_or_were_listed(report, printed, markdown)
     assert [c["check"] for c in ran] == ["fast paths: greedy decode vs generate (fp32)"]
     assert len(report["smoke"]) == 4 + 2 * 4 + 4 * 5 + 5 + 1  # the other 37 listed as skipped
     assert table_configs_ran_or_were_skipped_for_time(report) == []  # both configs skipped, named
@@ -312,6 +319,51 @@ def test_gpu_bench_smoke_stops_at_the_first_cuda_error_and_measures_no_table(tmp
     summary = next(line for line in printed.splitlines() if line.startswith("smoke: "))
     assert summary.startswith(f"smoke: 1 ok, 1 FAILED, {len(rest)} skipped; FAILED: {failed}; skipped: after "
                               f"the CUDA error of {failed} (not run): {rest[0]['check']}, ")
+
+
+def test_gpu_bench_times_device_work_only_once_it_is_done(monkeypatch):
+    """CUDA runs asynchronously: a clock read with work queued on the device stops before the work does. Every
+    clock that times device work, the matmul rate's (B1) and a step's phases (G1), is read after a
+    synchronisation, on the stand-in, which knows when work is queued (`CudaDeviceRules.queued`)."""
+    with CudaDeviceRules() as rules:
+        reads = []
+
+        def perf_counter() -> float:
+            reads.append((sys._getframe(1).f_code.co_name, rules.queued))
+            return time.perf_counter()
+
+        monkeypatch.setattr(gpu_bench, "time", SimpleNamespace(perf_counter=perf_counter))
+        gpu_bench.matmul_tflops(DEVICE, 64, iters=2)
+        opts = SimpleNamespace(prompts=1, group_size=4, max_new_tokens=4, micro_batch=2, fast=False, warmup=0,
+                               steps=1)
+        gpu_bench.bench_config(gpu_bench.Config("tiny", False), DEVICE, opts,
+                               load_problems("arith-mul1", "train"), 1.0, math.inf)
+    timed = [(where, queued) for where, queued in reads if where in ("matmul_tflops", "run_step")]
+    assert [where for where, _ in timed] == ["matmul_tflops"] * 2 + ["run_step"] * 4
+    assert not any(queued for _, queued in timed), timed
+
+
+def test_gpu_bench_step_check_fails_where_no_row_trained():
+    """The verifier on tiny-qwen2's random completions: every group all wrong, no row trained. A step check
+    that passed then (G2) would call a method's update checked that never ran."""
+    reward = load_reward("verifier")
+    checks = gpu_bench.one_step_each("tiny-qwen2", "fp32", False, torch.device("cpu"),
+                                     load_problems("arith-mul1", "train"), reward)
+    name, check = checks[0]
+    ok, detail = check()
+    assert name.startswith("train_step grpo:") and not ok and detail.startswith("rows trained 0,"), detail
+
+
+def test_gpu_bench_kernel_check_fails_where_no_sdpa_ran(monkeypatch):
+    """An attention that ran no SDPA kernel (eager attention, a kernel the profiler names otherwise) fails
+    its check (G3): "none" is no kernel, not a good one."""
+    def no_sdpa(fn) -> str:
+        fn()
+        return "none"
+
+    monkeypatch.setattr(gpu_bench, "attention_kernels", no_sdpa)
+    verdicts = [check() for _, check in gpu_bench.kernel_checks(64, torch.device("cpu"))]
+    assert len(verdicts) == 4 and not any(ok for ok, _ in verdicts), verdicts
 
 
 def test_the_peak_on_a_gpu_counts_what_the_estimate_counts(monkeypatch):

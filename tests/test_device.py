@@ -4,8 +4,11 @@ with every flag that makes other tensors meet; the choice of device, precision a
 --precision, --fast)."""
 
 import copy
+import dataclasses
 import functools
+import json
 import os
+import re
 import subprocess
 import sys
 import types
@@ -30,7 +33,7 @@ from data.tasks import Problem
 from decoding import decode
 from memory import estimate_memory
 from written import owned
-from cuda_stand_in import DEVICE, HOST, CudaDeviceRules
+from cuda_stand_in import CONTEXT, DEVICE, HOST, SEGMENT, CudaDeviceRules
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -230,6 +233,9 @@ def test_a_train_step_keeps_cudas_device_rules(tmp_path, monkeypatch, capsys, al
             eval_module.main(["--model", "tiny-qwen2", "--samples", "2", "--limit", "2", "--max-new-tokens",
                               "6", "--precision", "bf16", "--fast" if fast else "--no-fast"])
     assert record["skipped"] == 0 and record["truncated_frac"] < 1  # some rows stopped
+    # the peak as a GPU's: the allocator's reservation, in whole segments, and the CUDA context beside it
+    # (max_memory_allocated counts neither: a few MiB here)
+    assert record["peak_memory_bytes"] > CONTEXT and (record["peak_memory_bytes"] - CONTEXT) % SEGMENT == 0
     bf16, lora = args.precision == "bf16", args.lora_rank > 0
     assert (run.policy.dtype == torch.bfloat16) == bf16 == (run.policy is not run.master or lora)
     if lora:  # the frozen weights in bf16, in place; the adapters float32, with gradients on the device
@@ -343,6 +349,97 @@ def test_the_first_line_counts_the_process_runtime_measured_before_the_model_loa
     train_line, eval_line = [line for line in capsys.readouterr().out.splitlines() if "memory ~" in line]
     assert "memory ~3." in train_line and " + runtime (Python, torch) 3.0 GiB + " in train_line
     assert "memory ~5." in eval_line and " + runtime (Python, torch) 5.0 GiB + " in eval_line
+
+
+def test_an_estimate_past_90_percent_of_the_device_says_what_to_change(tmp_path, monkeypatch, capsys):
+    """The estimate at the data's longest prompt against the device's memory, before any step: past 90%, one
+    line naming the flags that lower the larger phase (on a 24 GB card, one long prompt's prefill of every
+    row ran it out of memory, and --resume met the same prompt again)."""
+    args = train.parse_args(TINY + ["--out", str(tmp_path)])
+    master, tokenizer = model.load_model("tiny-qwen2", torch.device("cpu"))
+    for device_bytes, warned in [(2**40, False), (2**20, True)]:  # a terabyte; a megabyte
+        monkeypatch.setattr(run_module, "device_memory_bytes", lambda device: device_bytes)
+        run_module.where_it_runs(args, master, master, None, tokenizer, [Problem("What is 2 + 3?", "5")])
+        printed = capsys.readouterr().out
+        assert ("is past 90% of the device's 1 MiB: a step may run out of memory; lower --max-prompt-tokens"
+                in printed) == warned, printed
+
+
+def test_max_prompt_tokens_skips_and_counts_longer_prompts_never_cuts_them(tmp_path, capsys):
+    """--max-prompt-tokens: a problem whose templated prompt is longer is left out whole, training and
+    held-out alike, and counted in a line; the others are kept as they are, and the first line's estimate
+    is at the longest kept. tiny-qwen2's tokenizer: a token a byte."""
+    data = tmp_path / "data.jsonl"
+    questions = [f"What is {i} + 1?" if i % 7 else "Add these: " + "7 " * 300 for i in range(40)]
+    data.write_text("".join(json.dumps({"problem": q, "answer": "1"}) + "\n" for q in questions))
+    args = train.parse_args(TINY + ["--dataset", str(data), "--max-prompt-tokens", "200", "--out",
+                                    str(tmp_path / "run")])
+    run = run_module.start_run(args, tmp_path / "run", torch.device("cpu"), True, train.algo_state(args),
+                               with_reference=False)
+    kept = run.train_problems + run.eval_problems
+    skipped = re.search(r"--max-prompt-tokens 200: skipped (\d+) of (\d+) training problems and (\d+) of "
+                        r"(\d+) held-out ones", capsys.readouterr().out)
+    assert skipped and int(skipped[1]) + int(skipped[3]) == 6 and all("7 7" not in p.question for p in kept)
+    assert int(skipped[2]) - int(skipped[1]) == len(run.train_problems)
+
+
+def test_a_step_whose_sampling_would_not_fit_samples_fewer_rows_at_once(tmp_path, monkeypatch, capsys):
+    """Where the estimate at the longest prompt, every row sampled at once, is past 90% of the device and
+    sampling is the larger phase, a step samples fewer whole groups at once (HF generate prefills every row
+    it is given), the first line's estimate and its words count that many, and every sampling call of the
+    run asks for them; where it fits, all at once, as before."""
+    data = tmp_path / "data.jsonl"
+    questions = [f"What is {i} + 1? " + "Think it over. " * 40 for i in range(30)]
+    data.write_text("".join(json.dumps({"problem": q, "answer": "1"}) + "\n" for q in questions))
+    args = train.parse_args(TINY + ["--dataset", str(data), "--prompts-per-step", "4", "--micro-batch", "1",
+                                    "--out", str(tmp_path / "run")])
+    run = run_module.start_run(args, tmp_path / "run", torch.device("cpu"), True, train.algo_state(args),
+                               with_reference=False)
+    assert run.rows_at_once == 0 and "rows sampled at once" not in capsys.readouterr().out  # all at once
+    prompt_len = memory.longest_prompt(run.master.config, run.tokenizer, run.train_problems)
+    totals = {rows: run_module.run_estimate(args, run.master, run.policy, None, prompt_len, 0, rows)
+              for rows in (8, 12, 16)}
+    assert totals[16]["sampling"] > totals[16]["activations"] + totals[16]["logits"]
+    device_bytes = (totals[8]["total"] + totals[12]["total"]) / 2 / memory.FITS  # 2 groups fit, 3 do not
+    monkeypatch.setattr(run_module, "device_memory_bytes", lambda device: device_bytes)
+    assert run_module.rows_at_once(args, run.master, run.policy, None, prompt_len, 0) == 8
+    line = run_module.where_it_runs(args, run.master, run.policy, None, run.tokenizer, run.train_problems)
+    assert line.endswith(f"sampling (prefill, KV cache) {memory.size(totals[8]['sampling'])} (8 of a step's "
+                         "16 rows sampled at once)"), line
+    calls, in_calls_of = [], run_module.in_calls_of
+    monkeypatch.setattr(run_module, "in_calls_of", lambda n, fn: calls.append(n) or in_calls_of(n, fn))
+    run = dataclasses.replace(run, rows_at_once=8)
+    run_module.sample_and_score(args, run, run.policy, run.train_problems[:4])
+    assert calls == [8]
+
+
+def test_sampling_in_calls_of_fewer_rows_keeps_every_group_in_place():
+    """`run.in_calls_of`: a step's prompts in calls of whole groups, at most that many rows each, whose
+    completions line up as one call's would (greedy: the same tokens, masks and texts)."""
+    net, tokenizer = model.load_model("tiny-qwen2", torch.device("cpu"))
+    questions, calls = ["2+3?", "What is 17 * 4?", "hi"], []
+
+    def counted(net, ids, mask, group_size, *rest):
+        calls.append(len(ids) * group_size)  # rows
+        return model.sample_with_generate(net, ids, mask, group_size, *rest)
+
+    whole, parts = (model.sample(net, tokenizer, questions, 4, 6, 0.0, sample_completions=fn)
+                    for fn in (counted, run_module.in_calls_of(5, counted)))  # 5 rows: one group of 4 a call
+    assert calls == [12, 4, 4, 4]
+    for name in ("input_ids", "attention_mask", "completion_mask", "truncated"):
+        assert torch.equal(getattr(whole, name), getattr(parts, name)), name
+    assert whole.texts == parts.texts
+
+
+def test_the_first_line_counts_aapos_reference_without_a_kl(tmp_path, capsys):
+    """AAPO samples its reference's completions (r_ref) at --beta 0 too: its frozen copy is in memory, and
+    the first line's estimate counts it (M7: one that asked --beta alone left it out)."""
+    args = train.parse_args(TINY + ["--algo", "aapo", "--precision", "fp32", "--out", str(tmp_path)])
+    run = run_module.start_run(args, tmp_path, torch.device("cpu"), True, train.algo_state(args),
+                               with_reference=args.algo == "aapo" or args.beta > 0)  # as train.py asks
+    line = next(line for line in capsys.readouterr().out.splitlines() if "memory ~" in line)
+    own = sum(p.numel() for p in run.master.parameters())
+    assert args.beta == 0 and f" + reference {memory.size(4 * own)} + " in line
 
 
 def test_the_first_line_under_lora_counts_frozen_weights_and_adapters_and_no_copy(tmp_path, monkeypatch):

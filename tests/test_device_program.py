@@ -31,10 +31,12 @@ import memory
 import model_files
 import processes
 import train
+import workers
 from benchmarks import gpu_bench
 from benchmarks.gpu_bench import PARITY  # PARITY: a coin flip per completion, groups split, rows train
 from model import load_model, sample_with_generate
 from test_bench import TINY_CONFIGS, gpu_check_command, smoke_checks_all_ran, table_rows_measured
+import cuda_stand_in
 from cuda_stand_in import CudaDeviceRules
 from test_device import DRIVEN, LORA, OPENED, peak_bytes, widths
 from test_device import TINY as STAND_IN
@@ -176,7 +178,8 @@ PROGRAMS = {
              "--max-grad-norm", "0.5", "--acr-threshold", "0.3", "--alpha", "1", "--num-virtual", "2",
              "--virtual-delta", "0.2", "--virtual-ends", "all-wrong", "--delta-low", "0.1", "--delta-high",
              "0.2", "--resample-rounds", "1", "--reward-range=-1,1", "--reward-timeout", "30", "--seed", "3",
-             "--micro-batch", "2", "--eval-every", "1", "--eval-size", "2", "--no-show-group", "--no-fast"],
+             "--micro-batch", "2", "--eval-every", "1", "--eval-size", "2", "--no-show-group", "--no-fast",
+             "--max-prompt-tokens", "1000"],
     "lora": [*LORA, "--system", "Answer briefly.", "--fixed-threshold", "--eval-every", "0",
              "--log-samples", "none", "--prompts-per-step", "1"],
 }
@@ -280,6 +283,26 @@ def test_experiments_quick_runs_its_runs_and_evaluations_on_the_stand_in(tmp_pat
     for row in results["compare"].values():
         assert math.isfinite(row["accuracy"]["mean"])  # one seed: no interval (stats.py), NaN
         assert all(math.isnan(v) for v in row["by_level"]["add1"]["ci"])
+
+
+def test_a_study_of_two_jobs_runs_a_worker_on_each_gpu_and_nothing_on_the_parents(tmp_path, monkeypatch):
+    """experiments.py --jobs 2 on a machine of 2 GPUs (the stand-in, in the parent and in each spawned
+    worker: `cuda_stand_in.start_worker`): each worker's first CUDA call sees its own GPU (W1), the two
+    compare runs side by side on GPUs 0 and 1, and the parent makes no tensor on any GPU (W4): the
+    calibration and the difficulty part run in a worker too, so no cache of the parent's sits on GPU 0
+    while a worker trains there."""
+    log = tmp_path / "workers.jsonl"
+    monkeypatch.setenv(cuda_stand_in.WORKER_LOG, str(log))
+    monkeypatch.setattr(workers, "start_worker", cuda_stand_in.start_worker)
+    monkeypatch.setattr(workers, "with_threads", cuda_stand_in.with_threads)
+    with CudaDeviceRules(count=2) as parent:
+        results = experiments.main(["--quick", "--out", str(tmp_path / "study"), "--jobs", "2", "--only",
+                                    "difficulty,compare", "--methods", "grpo,dapo", "--seeds", "0"])
+    assert set(results["compare"]) == {"grpo", "dapo"} and "mix" in results["difficulty"]
+    assert not parent.seen, f"the parent made tensors on GPU {sorted(parent.seen)}"
+    told = [json.loads(line) for line in log.read_text().splitlines()]  # calibration, difficulty, compare
+    assert len(told) == 4 and all(worker["seen"] == [0] for worker in told), told  # each its one GPU
+    assert sorted(worker["visible"] for worker in told[-2:]) == ["0", "1"], told  # the compare runs
 
 
 def test_gpu_bench_smoke_runs_every_check_on_the_stand_in(tmp_path, capsys):

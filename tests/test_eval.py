@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import eval as evaluation
+import memory
 import model as model_module
 from data.tasks import Problem
 from eval import evaluate, pass_at_k
@@ -271,6 +272,21 @@ def test_the_estimate_of_an_evaluation_holds_sampling_alone():
     assert terms["total"] == sum(terms[k] for k in STATIC) + terms["sampling"]
     trained = estimate_memory(config, 1000, **shapes, training=True)
     assert trained["sampling"] == terms["sampling"] and trained["working_copy"] == 4000
+
+
+@pytest.mark.parametrize("samples", [1, 4])
+def test_the_first_line_estimates_every_row_one_generate_call_samples(samples):
+    """--samples n: n completions of each of --batch-size prompts in one generate call, n times the rows of
+    the KV cache; an estimate of one completion each (M8) would pass a card that n of them overflow."""
+    args = evaluation.parse_args(["--model", "tiny-qwen2", "--samples", str(samples), "--temperature", "1",
+                                  "--batch-size", "3"])
+    model, _ = tiny_qwen2()
+    line = evaluation.where_it_runs(args, model, model, prompt_len=600, problems=10)
+    config = model.config
+    terms = estimate_memory(config, sum(p.numel() for p in model.parameters()), rows=3 * samples,
+                            prompt_len=600, completion_len=args.max_new_tokens, micro_batch=0, bf16=False,
+                            reference=False, checkpointing=False, training=False)
+    assert f"sampling (prefill, KV cache) {memory.size(terms['sampling'])}" in line
 
 
 def test_a_prompt_longer_than_the_context_is_refused_in_one_line_before_any_model(tmp_path, monkeypatch):

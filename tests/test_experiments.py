@@ -14,6 +14,7 @@ import signal
 import subprocess
 import threading
 import time
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -29,6 +30,7 @@ import stats
 import tables
 import train
 import workers
+from cuda_stand_in import CudaDeviceRules
 from data import tasks
 from flags import dataclass_parser
 from lora import has_adapters
@@ -232,11 +234,39 @@ def test_seed_cpus_reads_each_runs_machines(tmp_path):
     assert study_runs.seed_cpus(tmp_path, ["grpo", "avspo"], 0) == {"Xeon", "EPYC"}
 
 
-def test_run_all_in_parallel_processes_keeps_the_task_order():
+def test_run_all_in_parallel_processes_keeps_the_task_order(monkeypatch):
+    """In spawned processes (W3: a forked child inherits torch's thread pool, and CUDA's context, in a bad
+    state), each with its share of the cores."""
+    methods = []
+
+    class Pool(ProcessPoolExecutor):  # the pool `run_all` makes, and how it starts its workers
+        def __init__(self, *args, mp_context=None, **kwargs):
+            methods.append((mp_context or multiprocessing.get_context()).get_start_method())
+            super().__init__(*args, mp_context=mp_context, **kwargs)
+
+    monkeypatch.setattr(workers, "ProcessPoolExecutor", Pool)
     tasks = [(operator.add, 1, 2), (operator.mul, 3, 4), (torch.get_num_threads,)]
     in_pool = workers.run_all(tasks, jobs=2)  # one pool: a spawn costs seconds of imports
     assert workers.run_all(tasks, jobs=1)[:2] == in_pool[:2] == [3, 12]
     assert in_pool[2] == max(1, (os.cpu_count() or 1) // 2)  # the cores are split
+    assert methods == ["spawn"]
+
+
+def test_a_workers_first_cuda_call_sees_its_own_device(monkeypatch):
+    """The second worker of --jobs 2 on a machine of 2 GPUs (the stand-in, in a process where CUDA has not
+    started): CUDA reads CUDA_VISIBLE_DEVICES once, at its first call, so `start_worker` sets it before any
+    (W1: a worker that asked CUDA first would see both GPUs, and run on the first worker's)."""
+    monkeypatch.setattr(workers, "STOPPING", None)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # restored after the test, then
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    started, handler = multiprocessing.get_context("spawn").Value("i", 1), signal.getsignal(signal.SIGTERM)
+    try:
+        with CudaDeviceRules(count=2) as rules:
+            workers.start_worker(None, started, devices=2)
+            assert torch.cuda.device_count() == 1
+    finally:
+        signal.signal(signal.SIGTERM, handler)
+    assert rules.seen_visible == "1"
 
 
 @pytest.mark.parametrize("visible, seen", [(None, ["0", "1", "2", "0"]), ("5,7", ["5", "7", "5", "7"])])

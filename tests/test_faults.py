@@ -151,6 +151,28 @@ def test_a_bad_reward_mid_run_loses_no_finished_step(rewards, tmp_path, monkeypa
     assert evaluated == [0, *range(every, steps + 1, every)]
 
 
+def test_out_of_device_memory_mid_run_is_one_line_saying_what_to_change_and_loses_no_finished_step(
+        tmp_path, monkeypatch):
+    """A step's sampling runs out of device memory (a long prompt's prefill, say): the steps before it are
+    saved, and the run ends in one line saying which flags to change, since --resume as it was would meet
+    the same prompts at the same step (they follow from --seed and the step), and the same wall."""
+    sample_and_score, calls = run_module.sample_and_score, []
+
+    def out_of_memory_in_step_3(args, run, network, problems):  # GRPO: one call a step
+        calls.append(len(calls) + 1)
+        if len(calls) == 3:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 21.50 GiB")
+        return sample_and_score(args, run, network, problems)
+
+    monkeypatch.setattr(train, "sample_and_score", out_of_memory_in_step_3)
+    with pytest.raises(SystemExit) as exit_info:
+        train.main(TINY + ["--steps", "4", "--eval-every", "0", "--out", str(tmp_path)])
+    line = str(exit_info.value.code)
+    assert line.startswith("error: out of device memory (CUDA out of memory. Tried to allocate 21.50 GiB)")
+    assert "\n" not in line and "--max-prompt-tokens" in line and "--resume" in line
+    assert torch.load(tmp_path / "grpo" / "checkpoint" / "state.pt", weights_only=False)["step"] == 2
+
+
 def test_virtual_rewards_follow_the_declared_range():
     """A group all at 1.0 is all-correct in 0..1 (virtual rewards below it: pushed up) but sits in the lower
     half of 0..5 (virtual rewards above it: pushed down)."""

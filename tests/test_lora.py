@@ -31,6 +31,7 @@ from model import completion_logprobs, load_model, sample
 from model_files import SMOLLM2_SHA256, save_folder, tiny_qwen2
 from run import Paths
 from run_folder import read_jsonl
+from cuda_stand_in import HOST, CudaDeviceRules
 from test_faults import in_a_small_process, killed_at
 from test_model_files import write_tiny_gguf
 from written import RECORD, sha256
@@ -189,6 +190,33 @@ def test_every_method_runs_under_lora_with_checkpointing_and_a_kl(tmp_path, pari
 
 
 # ------------------------------------------------------------------------------ what trains
+
+
+def test_the_adapters_come_back_on_when_the_reference_raises():
+    """A reference that raises (an out-of-memory in AAPO's sampling, Ctrl-C) leaves the policy's adapters on:
+    `adapters_off` without try/finally would leave the run training the base (L3)."""
+    model, _ = tiny_qwen2()
+    lora.add_adapters(model, 2, 32, "tiny-qwen2", 0)
+    layers = [m for m in model.modules() if isinstance(m, BaseTunerLayer)]
+    with pytest.raises(KeyboardInterrupt):
+        with lora.adapters_off(model):
+            assert all(layer.disable_adapters for layer in layers)
+            raise KeyboardInterrupt
+    assert layers and not any(layer.disable_adapters for layer in layers)
+
+
+def test_a_lora_checkpoint_loads_its_base_on_the_device_asked(tmp_path):
+    """A LoRA checkpoint asked on the host, with CUDA available (the stand-in): its base goes where the
+    adapters go, the run's device, not the device `pick_device` would choose (L2: eval.py --device cpu put
+    the base on the GPU)."""
+    model, tokenizer = tiny_qwen2()
+    lora.add_adapters(model, 2, 32, "tiny-qwen2", 0)
+    save_adapters(model, tmp_path / "adapters")
+    tokenizer.save_pretrained(tmp_path / "adapters")  # as a checkpoint holds it
+    with CudaDeviceRules() as rules:
+        loaded, _ = load_model(str(tmp_path / "adapters"), HOST)
+        on_device = [name for name, p in loaded.named_parameters() if rules.on_device(p)]
+    assert has_adapters(loaded) and not on_device, on_device[:3]
 
 
 def test_only_the_adapters_receive_gradients_and_optimizer_state(tmp_path, monkeypatch, parity):
