@@ -82,8 +82,10 @@ def checked_record(saved) -> tuple[str, str, dict]:
     fields = saved.keys() if isinstance(saved, dict) else set()
     if not {"kind", "files"} <= fields <= {"kind", "files", "tmp", "pid"}:  # pid: records before Dec 2026
         raise Damaged("not a record's fields")
-    if saved["kind"] not in KINDS or not isinstance(saved["files"], dict):
-        raise Damaged("not a record's kind and files")
+    if not isinstance(saved["kind"], str) or saved["kind"] not in KINDS:  # a list or dict: unhashable
+        raise Damaged("not a record's kind")
+    if not isinstance(saved["files"], dict):
+        raise Damaged("not a record's files")
     tmp = saved.get("tmp")
     if tmp is not None and not (isinstance(tmp, str) and RECORD_TMP.match(tmp)):
         raise Damaged(f"the temporary {str(tmp)[:60]!r}")

@@ -74,7 +74,7 @@ class Folder:
                 raise Damaged("over 1 GiB")
             with self.open(RECORD, os.O_RDONLY) as f:
                 written_kind, tmp, self.files = checked_record(json.load(f))
-        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError, Damaged) as e:
+        except (ValueError, RecursionError, Damaged) as e:  # ValueError: bad JSON, UTF-8, an over-long int
             why = f" ({e})" if isinstance(e, Damaged) else ""
             raise NotWritten(f"{self.path / RECORD} is damaged{why}: restore it, or choose another "
                              "folder") from None
@@ -111,16 +111,19 @@ class Folder:
             return "other"
         known = [s["dir"] for s in accepted if isinstance(s, dict) and "dir" in s]
         tree = {}
-        for root, dirs, files, root_fd in os.fwalk(name, dir_fd=self.fd):
-            for entry in dirs + files:
-                entry_st = os.stat(entry, dir_fd=root_fd, follow_symlinks=False)
-                if stat.S_ISDIR(entry_st.st_mode):
-                    continue
-                if not stat.S_ISREG(entry_st.st_mode):
-                    return "other"
-                rel = os.path.relpath(os.path.join(root, entry), name)
-                with os.fdopen(os.open(entry, os.O_RDONLY | os.O_NOFOLLOW, dir_fd=root_fd), "rb") as f:
-                    tree[rel] = file_state(f, entry_st, [k[rel] for k in known if rel in k])
+        try:
+            for root, dirs, files, root_fd in os.fwalk(name, dir_fd=self.fd):
+                for entry in dirs + files:
+                    entry_st = os.stat(entry, dir_fd=root_fd, follow_symlinks=False)
+                    if stat.S_ISDIR(entry_st.st_mode):
+                        continue
+                    if not stat.S_ISREG(entry_st.st_mode):
+                        return "other"
+                    rel = os.path.relpath(os.path.join(root, entry), name)
+                    with os.fdopen(os.open(entry, os.O_RDONLY | os.O_NOFOLLOW, dir_fd=root_fd), "rb") as f:
+                        tree[rel] = file_state(f, entry_st, [k[rel] for k in known if rel in k])
+        except RecursionError:  # a tree deeper than Python's stack (os.fwalk recurses): no script made it
+            return "other"
         return {"dir": tree}
 
     def save(self) -> None:
