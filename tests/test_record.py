@@ -106,21 +106,21 @@ def test_a_folder_tree_deeper_than_pythons_stack_in_a_run_is_one_line_and_left(t
         with folder.filling("checkpoint") as filled:
             (filled / "state.pt").write_text("x")
     fd = os.open(tmp_path / "run" / "checkpoint", os.O_RDONLY)
-    for _ in range(1200):  # through descriptors: the path itself would be too long to name
-        os.mkdir("d", dir_fd=fd)
-        fd, parent = os.open("d", os.O_RDONLY, dir_fd=fd), fd
-        os.close(parent)
-    os.close(fd)
-    with owned(tmp_path / "run", "run") as folder:
-        with pytest.raises(NotWritten, match="checkpoint is not a plain file or folder since a script wrote"):
-            folder.clear()
-        assert folder.foreign() == ["checkpoint"]
-    assert (tmp_path / "run" / "checkpoint" / "d").is_dir()
     limit = sys.getrecursionlimit()
-    sys.setrecursionlimit(10_000)  # rmtree recurses too: pytest's clean-up of tmp_path would not remove it
     try:
+        for _ in range(1200):  # through descriptors: the path itself would be too long to name
+            os.mkdir("d", dir_fd=fd)
+            fd, parent = os.open("d", os.O_RDONLY, dir_fd=fd), fd
+            os.close(parent)
+        os.close(fd)
+        with owned(tmp_path / "run", "run") as folder:
+            with pytest.raises(NotWritten, match="checkpoint is not a plain file or folder since a script"):
+                folder.clear()
+            assert folder.foreign() == ["checkpoint"]
+        assert (tmp_path / "run" / "checkpoint" / "d").is_dir()
+    finally:  # rmtree recurses too: pytest's clean-up of tmp_path would not remove it
+        sys.setrecursionlimit(10_000)
         shutil.rmtree(tmp_path / "run" / "checkpoint")
-    finally:
         sys.setrecursionlimit(limit)
 
 
