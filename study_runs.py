@@ -12,7 +12,7 @@ from tqdm import tqdm
 
 import train
 from advantage import advantage_collapse_rate
-from data.tasks import by_level, load_eval_problems, load_problems
+from data.tasks import by_level, held_out_problems, load_problems
 from eval import evaluate, score_groups
 from flags import dataclass_parser
 from hardware import cpu_features, pick_device, working_copy
@@ -170,8 +170,7 @@ def train_and_score(run: Run, problems: list) -> list[dict]:
 def held_out(config: train.Args, seed: int, per_level: int | None) -> list:
     """The held-out problems train.py evaluates a run of `config` on, for this seed (its --eval-dataset, else
     the test split of its --dataset), or their first `per_level` problems of each level (`by_level`)."""
-    problems = (load_eval_problems(config.eval_dataset, seed) if config.eval_dataset
-                else load_problems(config.dataset, "test", seed))
+    problems = held_out_problems(config.dataset, config.eval_dataset, seed)
     if per_level is None:
         return problems
     return [p for problems_of_level in by_level(problems).values() for p in problems_of_level[:per_level]]

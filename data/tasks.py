@@ -172,9 +172,20 @@ def load_eval_problems(spec: str, seed: int = 0) -> list[Problem]:
     return load_problems(spec, "test" if spec.startswith("arith-") else "all", seed)
 
 
+def held_out_problems(dataset: str, eval_dataset: str, seed: int = 0) -> list[Problem]:
+    """What a run of `dataset` is evaluated on: the whole of `eval_dataset` (a file; a generated task: its
+    test split), else `dataset`'s test split, which it never trains on."""
+    return load_eval_problems(eval_dataset, seed) if eval_dataset else load_problems(dataset, "test", seed)
+
+
+HELD_OUT_EVERY = 10  # a JSONL file's test split: its 10th, 20th, ... problem
+
+
 def load_problems(spec: str, split: str = "train", seed: int = 0) -> list[Problem]:
     """Problems for `spec` (arith-<level> or a .jsonl path). A JSONL file is split deterministically:
-    the test split is every 10th problem, so `--dataset` alone gives a held-out evaluation set."""
+    the test split is every 10th problem, so `--dataset` alone gives a held-out evaluation set. A file of
+    fewer than 10 has no test split (a ValueError naming it: --eval-dataset must give one); it trains
+    whole."""
     if split not in ("train", "test", "all"):
         raise ValueError(f"split must be train, test or all; got {split!r}")
     if spec.startswith("arith-"):
@@ -188,6 +199,10 @@ def load_problems(spec: str, split: str = "train", seed: int = 0) -> list[Proble
         raise ValueError(f"unknown dataset {spec!r}: use arith-<level> ({', '.join(LEVELS)}), arith-mix "
                          "or a .jsonl file")
     problems = read_jsonl(path)
-    if split == "all" or len(problems) < 10:
+    if len(problems) < HELD_OUT_EVERY and split == "test":  # else the test split would be the training one
+        raise ValueError(f"{path}: {len(problems)} problems, too few to hold out every {HELD_OUT_EVERY}th: "
+                         f"give --eval-dataset (a file of held-out problems), or at least {HELD_OUT_EVERY}")
+    if split == "all" or len(problems) < HELD_OUT_EVERY:
         return problems
-    return [p for i, p in enumerate(problems) if (i % 10 == 9) == (split == "test")]
+    test = split == "test"
+    return [p for i, p in enumerate(problems) if (i % HELD_OUT_EVERY == HELD_OUT_EVERY - 1) == test]
