@@ -242,12 +242,10 @@ class Folder:
                     self.cut(name, now)
 
     def cut(self, name: str, partial: dict) -> dict:
-        """A part-written append undone: the file as it was before it. Returns that state."""
-        states = self.files[name]
-        before = next(then for then in states if isinstance(then, dict) and "onto" in then)["onto"]
-        self.expect(name, {"file": partial["file"]}, {"file": before})
-        with self.open(name, os.O_WRONLY) as f:
-            f.truncate(partial["cut"])
+        """A part-written append undone: the file as it was before it, put in place by rename, never cut in
+        place (a hard link to it, a user's `cp -al` backup, keeps its bytes). Returns that state."""
+        with self.open(name, os.O_RDONLY) as f:
+            self.write(name, f.read(partial["cut"]))
         return self.now(name)
 
     def write(self, name: str, data: str | bytes) -> Path:
@@ -268,6 +266,10 @@ class Folder:
         now, data = self.now(name), text.encode()
         if now is not None and "cut" in now:
             now = self.cut(name, now)
+        elif now is not None and self.lstat(name).st_nlink > 1:  # a hard link shares it: a copy of our own
+            with self.open(name, os.O_RDONLY) as f:
+                self.write(name, f.read())
+            now = self.now(name)
         before = [now["file"][0], now["file"][1]] if now else [0, hashlib.sha256(b"").hexdigest()]
         digest = hashlib.sha256()
         if now:

@@ -348,3 +348,22 @@ def test_a_copied_run_folder_is_known_by_content_not_by_its_times(tmp_path):
     shutil.copytree(tmp_path / "a", tmp_path / "b", copy_function=shutil.copy2)  # mtimes kept, ctimes new
     with owned(tmp_path / "b", "run") as folder:
         assert folder.foreign() == []
+
+
+@pytest.mark.parametrize("how", ["cut back", "appended to"])
+def test_a_file_hard_linked_elsewhere_is_replaced_by_rename_never_written_through(tmp_path, monkeypatch, how):
+    """A user's `cp -al` backup shares the run's inodes: before, --resume cut a part-written line in place
+    (open and truncate) and appended in place, so the backup's metrics.jsonl changed too."""
+    with owned(tmp_path / "run", "run") as folder:
+        folder.append("metrics.jsonl", '{"step": 1}\n')
+        if how == "cut back":
+            cut_short(folder, "metrics.jsonl", '{"step": 2, "loss": 0.5}\n', monkeypatch)
+    backup = tmp_path / "backup.jsonl"
+    os.link(tmp_path / "run" / "metrics.jsonl", backup)
+    kept = backup.read_bytes()
+    with owned(tmp_path / "run", "run") as folder:
+        folder.remove_temporaries()
+        folder.append("metrics.jsonl", '{"step": 2}\n')
+        assert folder.foreign() == []
+    assert (tmp_path / "run" / "metrics.jsonl").read_text() == '{"step": 1}\n{"step": 2}\n'
+    assert backup.read_bytes() == kept and backup.stat().st_nlink == 1
