@@ -22,7 +22,7 @@ from run import fast_or_plain
 from run_folder import RunFolderError, find_checkpoint, read_jsonl, saved_config
 from workers import Stopped
 from verifier import load_reward
-from written import owned
+from written import owned, plain_bytes
 
 COMPARE = ("grpo", "avspo", "avspo-always", "aapo", "dapo")
 READINGS = ("grpo", "avspo", "avspo-fixed", "avspo-k1", "avspo-wrong", "avspo-correct")
@@ -76,11 +76,15 @@ def run_args(run: Run) -> train.Args:
     return train.Args(**vars(dataclass_parser(train.Args, "").parse_args(train_argv(*run))))
 
 
+SUMMARY_LIMIT = 2**20  # bytes: train.py's summary.json is a few hundred
+
+
 def finished(run: Path) -> bool:
-    """Whether train.py finished the run: its summary.json is whole (a run killed while writing it is not)."""
+    """Whether train.py finished the run: its summary.json is whole (a run killed while writing it is not), a
+    plain file read no further than SUMMARY_LIMIT (`plain_bytes`: a FIFO or a device there is not one)."""
     try:
-        return isinstance(json.loads((run / "summary.json").read_text()), dict)
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return isinstance(json.loads(plain_bytes(run / "summary.json", SUMMARY_LIMIT) or b""), dict)
+    except ValueError:  # not JSON, not UTF-8, an over-long integer
         return False
 
 

@@ -403,6 +403,23 @@ def test_a_damaged_summary_is_named_in_one_line_and_left_as_it_is(scatter_run, c
         assert tree(out) == before
 
 
+@pytest.mark.parametrize("what", ["a FIFO", "a link to /dev/zero", "/dev/zero itself"])
+def test_a_summary_that_is_no_plain_file_is_never_read_and_named_in_one_line(tmp_path, what):
+    """Before, study_runs.finished read summary.json with Path.read_text before the record vouched for it: a
+    FIFO hung the study, /dev/zero ended in a MemoryError. It is read only as a plain file, and bounded."""
+    run = tmp_path / "out" / "grpo"
+    run.mkdir(parents=True)
+    summary = run / "summary.json"
+    if what == "a FIFO":
+        os.mkfifo(summary)
+    elif what == "a link to /dev/zero":
+        summary.symlink_to("/dev/zero")
+    else:  # a device node at the name itself, as root may make one: the same node as /dev/zero's
+        os.mknod(summary, 0o600 | __import__("stat").S_IFCHR, os.stat("/dev/zero").st_rdev)
+    with pytest.raises(run_folder.RunFolderError, match=f"^{summary} is damaged"):
+        study_runs.check_run(tmp_path / "out", 0, "grpo", [])
+
+
 @pytest.mark.parametrize("edit", ["an accuracy of 0.99", "an empty object", "a metrics line"])
 def test_a_run_file_changed_since_train_py_wrote_it_is_named_in_one_line_and_nothing_of_it_used(
         scatter_run, compare_run, tmp_path, capsys, edit):
