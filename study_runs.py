@@ -12,7 +12,7 @@ from tqdm import tqdm
 
 import train
 from advantage import advantage_collapse_rate
-from data.tasks import by_level, held_out_problems, load_problems
+from data.tasks import by_level, changed_data, held_out_problems, load_problems
 from eval import evaluate, score_groups
 from flags import dataclass_parser
 from hardware import cpu_features, pick_device, working_copy
@@ -119,6 +119,9 @@ def check_run(out: Path, seed: int, algo: str, flags: list[str]) -> None:
                    if key not in HOW_RUN and saved.get(key, default[key]) != value]:  # newer flag: default
         raise RunFolderError(f"{run} was trained with {', '.join(changed)} (its config.json): ask for the "
                              "flags it was trained with, or choose another --out")
+    if data := changed_data(saved.get("data_sha256", {}), asked["dataset"], asked["eval_dataset"]):
+        raise RunFolderError(f"{run}: {data}: restore it, or move {run} away to train it again, or choose "
+                             "another --out")
 
 
 def as_written(folder: Path, kind: str, names: tuple[str, ...]) -> None:

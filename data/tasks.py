@@ -10,6 +10,7 @@ Specs accepted by `load_problems`:
   path/to.jsonl   GSM8K form {"question", "answer": "... #### 42"} or MATH form {"problem", "answer"}
 """
 
+import hashlib
 import json
 import math
 import random
@@ -170,6 +171,23 @@ def by_level(problems: list[Problem]) -> dict[str, list[Problem]]:
 def load_eval_problems(spec: str, seed: int = 0) -> list[Problem]:
     """Problems to evaluate on: the test split of a generated task, or a whole JSONL file."""
     return load_problems(spec, "test" if spec.startswith("arith-") else "all", seed)
+
+
+def data_hashes(*specs: str) -> dict[str, str]:
+    """{path: sha256} of each data file among `specs`: a run's identity includes its data's content, not its
+    path alone. A generated task (arith-*) is the code's, and has none."""
+    return {spec: hashlib.sha256(Path(spec).expanduser().read_bytes()).hexdigest()
+            for spec in specs if spec and not spec.startswith("arith-")}
+
+
+def changed_data(recorded: dict, *specs: str) -> str | None:
+    """The first data file among `specs` whose content is not the one `recorded` ({path: sha256}, a run's
+    config.json "data_sha256"), in words; None when all are."""
+    for path, digest in data_hashes(*specs).items():
+        if recorded.get(path) != digest:
+            then = f"sha256 {recorded[path][:12]}" if path in recorded else "no hash recorded"
+            return f"{path} is not the file the run was trained on (sha256 {digest[:12]}; the run's: {then})"
+    return None
 
 
 def held_out_problems(dataset: str, eval_dataset: str, seed: int = 0) -> list[Problem]:

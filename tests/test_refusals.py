@@ -182,3 +182,26 @@ def test_merge_of_a_checkpoint_caught_between_its_saves_renames_names_the_one_be
     monkeypatch.setattr(model_files, "SAVE_WAIT", 0.2)
     refuses(lambda: merge.main([str(run / "checkpoint"), str(tmp_path / "merged")]), tmp_path,
             "checkpoint is being saved by its run: try again in a moment (or read checkpoint.old")
+
+
+def test_a_run_is_known_by_its_datas_content_not_its_path(tmp_path, monkeypatch):
+    """Before, a data file rewritten with other problems since a run was trained on it was continued
+    (--resume) and reused by a study, exit 0: config.json recorded the path alone. It now records each file's
+    sha256; a changed file is one line naming it and the run, and nothing is written."""
+    import study_runs
+    data = tmp_path / "data.jsonl"
+    problems = [{"problem": f"What is {i} + 1?", "answer": str(i + 1)} for i in range(20)]
+    data.write_text("".join(json.dumps(p) + "\n" for p in problems))
+    out = tmp_path / "out"
+    flags = FINISHED + ["--dataset", str(data), "--out", str(out)]
+    train.main(flags)
+    config = json.loads((out / "grpo" / "config.json").read_text())
+    assert list(config["data_sha256"]) == [str(data)]
+    study_runs.check_run(out, 0, "grpo", flags)  # as trained: reused
+    data.write_text("".join(json.dumps(p | {"answer": "0"}) + "\n" for p in problems))  # other golds
+    no_model_in_a_run(monkeypatch)
+    refuses(lambda: train.main(flags + ["--resume", "--steps", "3"]), tmp_path,
+            f"--resume {out / 'grpo'}: {data} is not the file the run was trained on (sha256 ")
+    with pytest.raises(run_folder.RunFolderError, match=f"^{out / 'grpo'}: {data} is not the file the run was "
+                                                        "trained on .*: restore it, or move"):
+        study_runs.check_run(out, 0, "grpo", flags)
