@@ -20,9 +20,10 @@ from model import load_model, sample
 from processes import STOP_SIGNALS
 from run import fast_or_plain
 from run_folder import RunFolderError, find_checkpoint, read_jsonl, saved_config
+from records import plain_bytes
 from workers import Stopped
 from verifier import load_reward
-from written import owned, plain_bytes
+from written import owned
 
 COMPARE = ("grpo", "avspo", "avspo-always", "aapo", "dapo")
 READINGS = ("grpo", "avspo", "avspo-fixed", "avspo-k1", "avspo-wrong", "avspo-correct")

@@ -239,13 +239,13 @@ class Folder:
         for name in list(self.files):
             with contextlib.suppress(NotWritten):
                 if (now := self.now(name)) is not None and "cut" in now:
-                    self.cut(name, now)
+                    self.rewrite(name, now["cut"])  # a part-written append undone
 
-    def cut(self, name: str, partial: dict) -> dict:
-        """A part-written append undone: the file as it was before it, put in place by rename, never cut in
-        place (a hard link to it, a user's `cp -al` backup, keeps its bytes). Returns that state."""
+    def rewrite(self, name: str, size: int | None = None) -> dict:
+        """`name`'s first `size` bytes (all: None) put in place by rename, never written in place: a hard link
+        to it (a user's `cp -al` backup) keeps its bytes. Returns its state."""
         with self.open(name, os.O_RDONLY) as f:
-            self.write(name, f.read(partial["cut"]))
+            self.write(name, f.read(size))
         return self.now(name)
 
     def write(self, name: str, data: str | bytes) -> Path:
@@ -264,12 +264,8 @@ class Folder:
         """`text` at the end of `name` (made if absent), recorded first as the file it will then be, with the
         text itself: a part of it left by a failed write is known as this script's (`partial_append`)."""
         now, data = self.now(name), text.encode()
-        if now is not None and "cut" in now:
-            now = self.cut(name, now)
-        elif now is not None and self.lstat(name).st_nlink > 1:  # a hard link shares it: a copy of our own
-            with self.open(name, os.O_RDONLY) as f:
-                self.write(name, f.read())
-            now = self.now(name)
+        if now is not None and ("cut" in now or self.lstat(name).st_nlink > 1):  # a hard link: a copy of ours
+            now = self.rewrite(name, now.get("cut"))
         before = [now["file"][0], now["file"][1]] if now else [0, hashlib.sha256(b"").hexdigest()]
         digest = hashlib.sha256()
         if now:
@@ -356,21 +352,6 @@ class Folder:
         if st is None:
             folder.save()  # made here: known as a script's, whatever writes in it next (train.py's runs)
         return folder
-
-
-def plain_bytes(path: Path, limit: int) -> bytes | None:
-    """The bytes of `path` where it is a plain file (not a symlink) of at most `limit` bytes, else None. Opened
-    without blocking (a FIFO would wait for a writer) and without following a link, checked by its open
-    descriptor, and read no further than `limit` (a device never ends)."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
-    except OSError:
-        return None
-    with os.fdopen(fd, "rb") as f:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            return None
-        data = f.read(limit + 1)
-        return data if len(data) <= limit else None
 
 
 @contextlib.contextmanager
