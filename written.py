@@ -42,7 +42,6 @@ from records import (ANY_DIR, ANY_FILE, KINDS, RECORD, TEMPORARY, Damaged, check
                      file_state, kind_of, same, sha256, temporary)
 
 
-
 class NotWritten(Exception):
     """A path this script may not touch (not its own, changed since, a symlink) or may not use now (in use):
     the message is the one line to print."""
@@ -256,8 +255,10 @@ class Folder:
             with self.open(tmp, os.O_WRONLY) as f:
                 f.write(data.encode() if isinstance(data, str) else data)
             return self.rename(tmp, name)
-        except Exception:  # a full disk: the temporary goes, `name` stays as it was
+        except Exception as e:  # a full disk: the temporary goes, `name` stays as it was
             self.remove(tmp)
+            if isinstance(e, OSError) and e.filename is None:  # the write's own (ENOSPC, EFBIG) names none
+                e.filename = str(self.path / name)
             raise
 
     def append(self, name: str, text: str) -> None:

@@ -9,6 +9,7 @@ import multiprocessing
 import operator
 import os
 import random
+import resource
 import shlex
 import shutil
 import signal
@@ -37,7 +38,7 @@ from model import sample_with_generate
 from processes import on_stop_signals
 from test_faults import small_processes
 from test_plan import STAND_IN
-from written import Folder, owned
+from written import RECORD, Folder, owned
 
 LEVELS = np.array(["easy"] * 20 + ["hard"] * 30)
 
@@ -735,6 +736,27 @@ def test_a_write_that_fails_is_one_line(scatter_run, tmp_path, monkeypatch, caps
         experiments.main([*SCATTER, "--out", str(out)])
     assert one_line(exit_info, capsys) == (f"error: [Errno {errno.ENOSPC}] {os.strerror(errno.ENOSPC)}: "
                                            f"'{out / 'figures' / 'early_acr_vs_accuracy.png'}'")
+
+
+def test_a_write_past_the_file_size_limit_names_its_file(scatter_run, tmp_path, capsys):
+    """A file size limit (RLIMIT_FSIZE) met as a figure is written: EFBIG, as a full disk's ENOSPC, comes
+    from the write itself, with no file name; the one line names the file being written; the files stay as they were."""
+    out = tmp_path / "out"
+    shutil.copytree(scatter_run[0], out)
+    before, limit = tree(out), resource.getrlimit(resource.RLIMIT_FSIZE)
+    ignored = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # the write fails, the process goes on
+    resource.setrlimit(resource.RLIMIT_FSIZE, (10_000, limit[1]))  # a figure is larger; results.json is not
+    try:
+        with pytest.raises(SystemExit) as exit_info:
+            experiments.main([*SCATTER, "--out", str(out)])
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, limit)
+        signal.signal(signal.SIGXFSZ, ignored)
+    line = one_line(exit_info, capsys)
+    assert line.startswith(f"error: [Errno {errno.EFBIG}] {os.strerror(errno.EFBIG)}: '{out / 'figures'}/")
+    assert line.endswith(".png'")
+    files = lambda tree: {name: data for name, data in tree.items() if RECORD not in name}  # noqa: E731
+    assert files(tree(out)) == files(before)  # the records: the copies' inodes, learnt as they are read
 
 
 # off train.py's defaults, and set by no part of the study: each must reach every run
