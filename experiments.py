@@ -65,7 +65,7 @@ from typing import Iterator
 import numpy as np
 
 import train
-from data.tasks import NO_LEVEL
+from data.tasks import NO_LEVEL, data_line
 from hardware import pick_device, resolve_precision
 from plan import NoPlanFits, plan_study, planned_runs, precision_runs, scale_of, scatter_runs, sweep_runs
 from plots import (plot_accuracy_vs_compute, plot_accuracy_vs_tokens, plot_collapse_map, plot_compare_curves,
@@ -334,7 +334,8 @@ def run_parts(args: argparse.Namespace, parts: list[str], out: Folder, figures: 
                 fit = early_acr_by_level(runs, args.train, args.per_level or None)
                 plot_early_acr_scatter(fit, figures, "early_acr_by_level.png", "(GRPO seed, level) points")
                 results["early_acr_by_level"] = fit
-                out.write(REPORT, report(results, f"{study_title(args.train)}, seeds {args.seeds}"))
+                data = data_line(args.train.dataset, args.train.eval_dataset)
+                out.write(REPORT, report(results, f"{study_title(args.train)}, seeds {args.seeds}", data))
     if "scatter" in parts:
         results["scatter"] = scatter_part(args, out.subfolder("scatter", "experiments").path, figures)
     if "precision" in parts:

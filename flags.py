@@ -73,7 +73,10 @@ def folder(text: str) -> str:
     spaces is one no one asked for."""
     if not text.strip() or any(part and not part.strip() for part in text.split("/")):
         raise argparse.ArgumentTypeError(f"{text!r} is a blank name, not a folder")
-    existing = next(p for p in [Path(text), *Path(text).parents] if p.exists())
+    try:
+        existing = next(p for p in [Path(text), *Path(text).parents] if p.exists())
+    except OSError as e:  # a part longer than the filesystem allows (ENAMETOOLONG): Path.exists raises
+        raise argparse.ArgumentTypeError(f"{e.strerror}: {text[:80]}...") from None
     if not existing.is_dir():
         raise argparse.ArgumentTypeError(f"{existing} is a file, not a folder")
     return text

@@ -17,6 +17,7 @@ from safetensors import SafetensorError
 
 from lora import ADAPTER_CONFIG, adapter_folder, base_of, merged
 from model import load_model
+from model_files import settled
 from processes import bad_input_is_one_line
 from written import NotWritten, owned
 
@@ -49,6 +50,8 @@ def main(argv: list[str] | None = None) -> Path:
     if len(argv := sys.argv[1:] if argv is None else argv) != 2:
         sys.exit("usage: python merge.py <checkpoint of a train.py --lora-rank run> <out folder>")
     checkpoint, out = argv
+    with bad_input_is_one_line():  # a run saving it: its new one, or a line naming checkpoint.old, as eval.py
+        settled(Path(checkpoint))
     if not (adapters := adapter_folder(checkpoint)):
         sys.exit(f"error: {checkpoint} holds no LoRA adapters ({ADAPTER_CONFIG}): nothing to merge")
     transformers.logging.disable_progress_bar()  # no bar for writing one file

@@ -25,7 +25,7 @@ from typing import Callable
 import numpy as np
 
 import train
-from data.tasks import by_level, load_problems
+from data.tasks import by_level, data_line, load_problems
 from hardware import device_memory_bytes, pick_device
 from run_folder import read_jsonl
 from stats import as_design, design, expected_half_width, problems_to_decide, seeds_to_decide
@@ -328,6 +328,7 @@ def plan_study(args: argparse.Namespace, parts: list[str]) -> tuple[argparse.Nam
         args = scaled(args, scale)
     plan = plan_at(scale_of(args))
     print_plan(plan, cal, sharing)
+    print(f"  {data_line(args.train.dataset, args.train.eval_dataset)}")  # what the runs will be known by
     if "compare" in parts:
         print(interval_plan(args)[0])
     left = {folder: seconds for folder, seconds in plan.seconds.items() if not finished(folder)}

@@ -82,8 +82,10 @@ def checked_record(saved) -> tuple[str, str, dict]:
     fields = saved.keys() if isinstance(saved, dict) else set()
     if not {"kind", "files"} <= fields <= {"kind", "files", "tmp", "pid"}:  # pid: records before Dec 2026
         raise Damaged("not a record's fields")
-    if saved["kind"] not in KINDS or not isinstance(saved["files"], dict):
-        raise Damaged("not a record's kind and files")
+    if not isinstance(saved["kind"], str) or saved["kind"] not in KINDS:  # a list or dict: unhashable
+        raise Damaged("not a record's kind")
+    if not isinstance(saved["files"], dict):
+        raise Damaged("not a record's files")
     tmp = saved.get("tmp")
     if tmp is not None and not (isinstance(tmp, str) and RECORD_TMP.match(tmp)):
         raise Damaged(f"the temporary {str(tmp)[:60]!r}")
@@ -135,3 +137,18 @@ def same(now, then) -> bool:
 def describe(st: os.stat_result, now) -> str:
     return ("a symlink" if stat.S_ISLNK(st.st_mode) else "not a plain file or folder" if now == "other"
             else "changed")
+
+
+def plain_bytes(path: Path, limit: int) -> bytes | None:
+    """The bytes of `path` where it is a plain file (not a symlink) of at most `limit` bytes, else None.
+    Opened without blocking (a FIFO would wait for a writer) and without following a link, checked by its
+    open descriptor, and read no further than `limit` (a device never ends)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
+    except OSError:
+        return None
+    with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        data = f.read(limit + 1)
+        return data if len(data) <= limit else None

@@ -21,7 +21,7 @@ import transformers
 from tqdm import tqdm
 
 import packing
-from data.tasks import Problem, load_eval_problems, load_problems
+from data.tasks import Problem, held_out_problems, load_problems
 from decoding import FAST_ON, decode
 from eval import evaluate, score_groups
 from hardware import cast_weights, device_memory_bytes, pick_device, resident_bytes, where, working_copy
@@ -66,7 +66,7 @@ def check_inputs(args) -> None:
     pick_device(args.device)
     load_reward(args.reward)
     load_problems(args.dataset, "train", args.seed)
-    load_eval_problems(args.eval_dataset or args.dataset, args.seed)
+    held_out_problems(args.dataset, args.eval_dataset, args.seed)
     format_prompts(load_tokenizer(args.model), ["1 + 1?"], args.prompt_format, args.system)
     if adapters := adapter_folder(args.model):  # a LoRA checkpoint: its base and its adapters' file
         checked_adapters(adapters)
@@ -135,8 +135,7 @@ def start_run(args, run_dir: Path, device: torch.device, is_main: bool, state: d
     trained = [p for p in master.parameters() if p.requires_grad]  # LoRA: the adapters alone
     optimizer = torch.optim.AdamW(trained, lr=args.lr, weight_decay=0.0, fused=True)
     done = restore_checkpoint(checkpoint, optimizer, state) if checkpoint else 0
-    eval_problems = (load_eval_problems(args.eval_dataset, args.seed) if args.eval_dataset
-                     else load_problems(args.dataset, "test", args.seed))[: args.eval_size]
+    eval_problems = held_out_problems(args.dataset, args.eval_dataset, args.seed)[: args.eval_size]
     costs = Counter()  # this step's seconds, tokens and reward calls past --reward-timeout
     reward_fn = load_reward(args.reward, args.reward_range, args.reward_timeout, costs)
     train_problems = load_problems(args.dataset, "train", args.seed)

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from data.tasks import changed_data, data_hashes
 from lora import has_adapters, save_adapters
 from written import Folder, NotWritten, owned
 
@@ -165,8 +166,9 @@ def resume_conflicts(run_dir: Path, args) -> str | None:
     fixed = [key for key in now if key not in RESUMABLE and not (key == "steps" and now["lr_decay"] == 0)]
     changed = [f"--{key.replace('_', '-')} {saved.get(key, defaults[key])} -> {now[key]}" for key in fixed
                if saved.get(key, defaults[key]) != now[key]]  # a flag newer than the run: as its default
-    if not changed:
-        return None
+    if not changed:  # the same flags: the same data too (a file's content, config.json's "data_sha256")
+        data = changed_data(saved.get("data_sha256", {}), now["dataset"], now["eval_dataset"])
+        return data and f"--resume {run_dir}: {data}: restore it, or --overwrite to train the run again on it"
     return (f"--resume {run_dir}: {'; '.join(changed)}, unlike its config.json; only "
             f"{', '.join('--' + k.replace('_', '-') for k in RESUMABLE[2:])} may change on resume "
             "(and --steps with --lr-decay 0)")
@@ -320,7 +322,8 @@ def start_logs(folder: Folder, config: dict, last_step: int) -> dict:
         folder.clear(keep=("config.json",))
     folder.remove_temporaries()
     if last_step == 0:
-        folder.write("config.json", json.dumps(config, indent=2))
+        hashes = data_hashes(config["dataset"], config["eval_dataset"])  # the data's identity: its content
+        folder.write("config.json", json.dumps(config | {"data_sha256": hashes}, indent=2))
     for name in ("metrics.jsonl", "evals.jsonl", "samples.jsonl"):
         kept = [r for r in read_jsonl(folder.path / name) if r["step"] <= last_step] if last_step else []
         write_jsonl(folder, name, kept)

@@ -12,7 +12,7 @@ from tqdm import tqdm
 
 import train
 from advantage import advantage_collapse_rate
-from data.tasks import by_level, load_eval_problems, load_problems
+from data.tasks import by_level, changed_data, held_out_problems, load_problems
 from eval import evaluate, score_groups
 from flags import dataclass_parser
 from hardware import cpu_features, pick_device, working_copy
@@ -20,6 +20,7 @@ from model import load_model, sample
 from processes import STOP_SIGNALS
 from run import fast_or_plain
 from run_folder import RunFolderError, find_checkpoint, read_jsonl, saved_config
+from records import plain_bytes
 from workers import Stopped
 from verifier import load_reward
 from written import owned
@@ -76,11 +77,15 @@ def run_args(run: Run) -> train.Args:
     return train.Args(**vars(dataclass_parser(train.Args, "").parse_args(train_argv(*run))))
 
 
+SUMMARY_LIMIT = 2**20  # bytes: train.py's summary.json is a few hundred
+
+
 def finished(run: Path) -> bool:
-    """Whether train.py finished the run: its summary.json is whole (a run killed while writing it is not)."""
+    """Whether train.py finished the run: its summary.json is whole (a run killed while writing it is not), a
+    plain file read no further than SUMMARY_LIMIT (`plain_bytes`: a FIFO or a device there is not one)."""
     try:
-        return isinstance(json.loads((run / "summary.json").read_text()), dict)
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return isinstance(json.loads(plain_bytes(run / "summary.json", SUMMARY_LIMIT) or b""), dict)
+    except ValueError:  # not JSON, not UTF-8, an over-long integer
         return False
 
 
@@ -115,6 +120,9 @@ def check_run(out: Path, seed: int, algo: str, flags: list[str]) -> None:
                    if key not in HOW_RUN and saved.get(key, default[key]) != value]:  # newer flag: default
         raise RunFolderError(f"{run} was trained with {', '.join(changed)} (its config.json): ask for the "
                              "flags it was trained with, or choose another --out")
+    if data := changed_data(saved.get("data_sha256", {}), asked["dataset"], asked["eval_dataset"]):
+        raise RunFolderError(f"{run}: {data}: restore it, or move {run} away to train it again, or choose "
+                             "another --out")
 
 
 def as_written(folder: Path, kind: str, names: tuple[str, ...]) -> None:
@@ -170,8 +178,7 @@ def train_and_score(run: Run, problems: list) -> list[dict]:
 def held_out(config: train.Args, seed: int, per_level: int | None) -> list:
     """The held-out problems train.py evaluates a run of `config` on, for this seed (its --eval-dataset, else
     the test split of its --dataset), or their first `per_level` problems of each level (`by_level`)."""
-    problems = (load_eval_problems(config.eval_dataset, seed) if config.eval_dataset
-                else load_problems(config.dataset, "test", seed))
+    problems = held_out_problems(config.dataset, config.eval_dataset, seed)
     if per_level is None:
         return problems
     return [p for problems_of_level in by_level(problems).values() for p in problems_of_level[:per_level]]

@@ -292,9 +292,11 @@ def design_note(table: dict) -> str:
     return note
 
 
-def report(results: dict, what: str) -> str:
-    """report.md: the methods side by side, the early-ACR fit by level, and the claims this study judges."""
-    lines = [f"# The study: {what}", "", "## The methods (95% intervals over seeds and problems)", "",
+def report(results: dict, what: str, data: str) -> str:
+    """report.md: the data (`data_line`), the methods side by side, the early-ACR fit by level, and the claims
+    this study judges."""
+    lines = [f"# The study: {what}", "", data, "",
+             "## The methods (95% intervals over seeds and problems)", "",
              design_note(results["compare"]), "", results["compare_table"], ""]
     if fit := results.get("early_acr_by_level"):
         lines += ["## Early ACR against final accuracy, by level (AVSPO's Figure 1)", "",

@@ -57,7 +57,7 @@ class Args:
                     type=names_from(ALGOS))
     model: str = arg("smollm2-135m", "smollm2-135m, tiny-qwen2, hub id, folder or .gguf file", type=non_empty)
     dataset: str = arg("arith-mul1", "arith-<level> (add1 mul1 add2 mul2 mul3), arith-mix, or a .jsonl")
-    eval_dataset: str = arg("", "held-out problems (default: the test split of --dataset)")
+    eval_dataset: str = arg("", "held-out problems (default: --dataset's test split; a file's every 10th)")
     reward: str = arg("verifier", "verifier (verifier.py), math-verify (optional package), module:function")
     reward_range: tuple = arg((0.0, 1.0), "lo,hi: the rewards' range (else the run stops)", type=reward_range)
     reward_timeout: float = arg(REWARD_TIMEOUT, "seconds a reward call may take, else it scores 0 (not the "

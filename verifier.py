@@ -1166,8 +1166,7 @@ def _batch_reward(spec: str) -> tuple[Reward, bool]:
     except ImportError as err:
         raise ValueError(f"reward spec {spec!r}: no module {module_name!r} ({err})") from err
     except KeyboardInterrupt as err:  # a signal while it hangs: comes before the scripts' own handlers
-        signum = err.args[0] if err.args else signal.SIGINT  # `_interruptible` says which
-        name = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
+        signum, name = _signal_of(err)
         print(f"interrupted ({name}) while importing the reward module {module_name!r}, at {_where(err)}",
               file=sys.stderr)
         sys.exit(128 + signum)
@@ -1211,6 +1210,12 @@ def _interruptible():
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
+
+
+def _signal_of(err: KeyboardInterrupt) -> tuple[int, str]:
+    """The signal that `_interruptible` raised `err` for: its number, and its name as a user knows it."""
+    signum = err.args[0] if err.args else signal.SIGINT
+    return signum, "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
 
 
 def _where(err: BaseException) -> str:
@@ -1395,7 +1400,14 @@ class RewardWorker:
         self.end = weakref.finalize(self, end_worker, self.process)  # never outlives the run, however it ends
         self.channel.send((sys.path, self.spec))
         limit = max(IMPORT_LIMIT, self.time_limit)
-        if not self.channel.poll(limit):
+        try:
+            with _interruptible():  # as the run's own import: train.py's handler would wait out the limit
+                ready = self.channel.poll(limit)
+        except KeyboardInterrupt as err:  # a RewardError: in a step, the steps before it are saved
+            self.stop()
+            raise RewardError(f"reward {self.spec!r}: interrupted ({_signal_of(err)[1]}) while its process "
+                              "imported it: does its import hang?") from None
+        if not ready:
             self.stop()
             raise RewardError(f"reward {self.spec!r}: its process had not imported it after {limit:g} s (the "
                               f"longer of --reward-timeout and {IMPORT_LIMIT:g} s): does its import hang?")

@@ -42,7 +42,6 @@ from records import (ANY_DIR, ANY_FILE, KINDS, RECORD, TEMPORARY, Damaged, check
                      file_state, kind_of, same, sha256, temporary)
 
 
-
 class NotWritten(Exception):
     """A path this script may not touch (not its own, changed since, a symlink) or may not use now (in use):
     the message is the one line to print."""
@@ -74,7 +73,7 @@ class Folder:
                 raise Damaged("over 1 GiB")
             with self.open(RECORD, os.O_RDONLY) as f:
                 written_kind, tmp, self.files = checked_record(json.load(f))
-        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError, Damaged) as e:
+        except (ValueError, RecursionError, Damaged) as e:  # ValueError: bad JSON, UTF-8, an over-long int
             why = f" ({e})" if isinstance(e, Damaged) else ""
             raise NotWritten(f"{self.path / RECORD} is damaged{why}: restore it, or choose another "
                              "folder") from None
@@ -111,16 +110,19 @@ class Folder:
             return "other"
         known = [s["dir"] for s in accepted if isinstance(s, dict) and "dir" in s]
         tree = {}
-        for root, dirs, files, root_fd in os.fwalk(name, dir_fd=self.fd):
-            for entry in dirs + files:
-                entry_st = os.stat(entry, dir_fd=root_fd, follow_symlinks=False)
-                if stat.S_ISDIR(entry_st.st_mode):
-                    continue
-                if not stat.S_ISREG(entry_st.st_mode):
-                    return "other"
-                rel = os.path.relpath(os.path.join(root, entry), name)
-                with os.fdopen(os.open(entry, os.O_RDONLY | os.O_NOFOLLOW, dir_fd=root_fd), "rb") as f:
-                    tree[rel] = file_state(f, entry_st, [k[rel] for k in known if rel in k])
+        try:
+            for root, dirs, files, root_fd in os.fwalk(name, dir_fd=self.fd):
+                for entry in dirs + files:
+                    entry_st = os.stat(entry, dir_fd=root_fd, follow_symlinks=False)
+                    if stat.S_ISDIR(entry_st.st_mode):
+                        continue
+                    if not stat.S_ISREG(entry_st.st_mode):
+                        return "other"
+                    rel = os.path.relpath(os.path.join(root, entry), name)
+                    with os.fdopen(os.open(entry, os.O_RDONLY | os.O_NOFOLLOW, dir_fd=root_fd), "rb") as f:
+                        tree[rel] = file_state(f, entry_st, [k[rel] for k in known if rel in k])
+        except RecursionError:  # a tree deeper than Python's stack (os.fwalk recurses): no script made it
+            return "other"
         return {"dir": tree}
 
     def save(self) -> None:
@@ -236,15 +238,13 @@ class Folder:
         for name in list(self.files):
             with contextlib.suppress(NotWritten):
                 if (now := self.now(name)) is not None and "cut" in now:
-                    self.cut(name, now)
+                    self.rewrite(name, now["cut"])  # a part-written append undone
 
-    def cut(self, name: str, partial: dict) -> dict:
-        """A part-written append undone: the file as it was before it. Returns that state."""
-        states = self.files[name]
-        before = next(then for then in states if isinstance(then, dict) and "onto" in then)["onto"]
-        self.expect(name, {"file": partial["file"]}, {"file": before})
-        with self.open(name, os.O_WRONLY) as f:
-            f.truncate(partial["cut"])
+    def rewrite(self, name: str, size: int | None = None) -> dict:
+        """`name`'s first `size` bytes (all: None) put in place by rename, never written in place: a hard link
+        to it (a user's `cp -al` backup) keeps its bytes. Returns its state."""
+        with self.open(name, os.O_RDONLY) as f:
+            self.write(name, f.read(size))
         return self.now(name)
 
     def write(self, name: str, data: str | bytes) -> Path:
@@ -255,16 +255,18 @@ class Folder:
             with self.open(tmp, os.O_WRONLY) as f:
                 f.write(data.encode() if isinstance(data, str) else data)
             return self.rename(tmp, name)
-        except Exception:  # a full disk: the temporary goes, `name` stays as it was
+        except Exception as e:  # a full disk: the temporary goes, `name` stays as it was
             self.remove(tmp)
+            if isinstance(e, OSError) and e.filename is None:  # the write's own (ENOSPC, EFBIG) names none
+                e.filename = str(self.path / name)
             raise
 
     def append(self, name: str, text: str) -> None:
         """`text` at the end of `name` (made if absent), recorded first as the file it will then be, with the
         text itself: a part of it left by a failed write is known as this script's (`partial_append`)."""
         now, data = self.now(name), text.encode()
-        if now is not None and "cut" in now:
-            now = self.cut(name, now)
+        if now is not None and ("cut" in now or self.lstat(name).st_nlink > 1):  # a hard link: a copy of ours
+            now = self.rewrite(name, now.get("cut"))
         before = [now["file"][0], now["file"][1]] if now else [0, hashlib.sha256(b"").hexdigest()]
         digest = hashlib.sha256()
         if now:

@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from data.tasks import LEVELS, NO_LEVEL, Problem, by_level, level_order, load_eval_problems, load_problems
+from data.tasks import (LEVELS, NO_LEVEL, Problem, by_level, held_out_problems, level_order, load_eval_problems,
+                        load_problems)
 from verifier import verify
 from written import RECORD, owned
 
@@ -97,6 +98,26 @@ def test_jsonl_train_test_split_is_disjoint(tmp_path):
     path = write(tmp_path, [json.dumps({"problem": f"q{i}", "answer": str(i)}) for i in range(30)])
     train, test = load_problems(str(path), "train"), load_problems(str(path), "test")
     assert len(train) == 27 and len(test) == 3 and not set(train) & set(test)
+
+
+def test_a_file_too_small_to_hold_out_every_10th_problem_is_refused_unless_eval_dataset_is_given(tmp_path,
+                                                                                                   capsys):
+    """Before, a file of fewer than 10 problems trained and tested on the same problems, with no word."""
+    import train
+    small = write(tmp_path, [json.dumps({"problem": f"q{i}", "answer": str(i)}) for i in range(9)])
+    with pytest.raises(ValueError, match=f"^{small}: 9 problems, too few to hold out every 10th: give "
+                                         "--eval-dataset"):
+        load_problems(str(small), "test")
+    assert len(load_problems(str(small), "train")) == 9  # all of it trains: nothing of it is held out
+    with pytest.raises(SystemExit):
+        train.parse_args(["--model", "tiny-qwen2", "--dataset", str(small), "--out", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert "9 problems, too few to hold out every 10th" in err and err.count("\n") == 1
+    held = tmp_path / "held.jsonl"
+    held.write_text(json.dumps({"problem": "h", "answer": "1"}) + "\n")
+    args = train.parse_args(["--model", "tiny-qwen2", "--dataset", str(small), "--eval-dataset", str(held)])
+    assert held_out_problems(args.dataset, args.eval_dataset) == load_problems(str(held), "all")
+    assert not (tmp_path / "out").exists()
 
 
 @pytest.mark.parametrize("lines, message", [

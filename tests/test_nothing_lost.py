@@ -513,7 +513,7 @@ def test_a_run_warns_once_when_a_prompt_exceeds_the_context(tmp_path, capsys):
     data.write_text("".join(json.dumps({"problem": q, "answer": "1"}) + "\n" for q in ("7 " * 480, "1?")))
     train.main(["--model", "tiny-qwen2", "--max-new-tokens", "16", "--group-size", "2", "--eval-size", "1",
                 "--steps", "1", "--prompts-per-step", "1", "--save-every", "0", "--dataset", str(data),
-                "--out", str(tmp_path / "run")])
+                "--eval-dataset", str(data), "--out", str(tmp_path / "run")])  # 2 problems: none held out
     warnings = [line for line in capsys.readouterr().out.splitlines() if "context" in line]
     assert len(warnings) == 1 and "exceeds the model's context of 1024 tokens" in warnings[0]
 

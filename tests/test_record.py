@@ -62,6 +62,8 @@ CRAFTED = {  # what a stranger's record may say, each reaching outside its folde
     "a temporary's inode": {"files": {"a.0123abcd.tmp": [{"temporary": "any file", "inode": "x"}]}},
     "an unknown field": {"files": {}, "owner": "someone"},
     "an unknown kind": {"kind": "anything", "files": {}},
+    "a kind list": {"kind": ["run"], "files": {}},  # before, a TypeError (unhashable) in `kind in KINDS`
+    "a kind object": {"kind": {"run": 1}, "files": {}},
     "not an object": [],
 }
 
@@ -83,6 +85,43 @@ def test_a_record_reaching_outside_its_folder_or_of_another_shape_is_damaged_and
         with owned(folder, "run") as f:
             f.clear()  # --overwrite, had the record been taken
     assert snapshot(tmp_path) == before
+
+
+def test_a_record_holding_a_5000_digit_integer_is_damaged(tmp_path):
+    """json reads such an integer as a plain ValueError (Python's 4,300-digit limit), not a JSONDecodeError:
+    before, a traceback."""
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / RECORD).write_text('{"kind": "run", "files": {"a": [{"file": [%s, "%s", 1, 1, 1]}]}}'
+                                           % ("9" * 5000, SHA))
+    before = snapshot(tmp_path)
+    with pytest.raises(NotWritten, match=f"{tmp_path / 'run' / RECORD} is damaged: restore it"):
+        with owned(tmp_path / "run", "run"):
+            pass
+    assert snapshot(tmp_path) == before
+
+
+def test_a_folder_tree_deeper_than_pythons_stack_in_a_run_is_one_line_and_left(tmp_path):
+    """A 1,200-deep tree where a run's checkpoint was: before, os.fwalk's RecursionError."""
+    with owned(tmp_path / "run", "run") as folder:
+        with folder.filling("checkpoint") as filled:
+            (filled / "state.pt").write_text("x")
+    fd = os.open(tmp_path / "run" / "checkpoint", os.O_RDONLY)
+    limit = sys.getrecursionlimit()
+    try:
+        for _ in range(1200):  # through descriptors: the path itself would be too long to name
+            os.mkdir("d", dir_fd=fd)
+            fd, parent = os.open("d", os.O_RDONLY, dir_fd=fd), fd
+            os.close(parent)
+        os.close(fd)
+        with owned(tmp_path / "run", "run") as folder:
+            with pytest.raises(NotWritten, match="checkpoint is not a plain file or folder since a script"):
+                folder.clear()
+            assert folder.foreign() == ["checkpoint"]
+        assert (tmp_path / "run" / "checkpoint" / "d").is_dir()
+    finally:  # rmtree recurses too: pytest's clean-up of tmp_path would not remove it
+        sys.setrecursionlimit(10_000)
+        shutil.rmtree(tmp_path / "run" / "checkpoint")
+        sys.setrecursionlimit(limit)
 
 
 def test_a_record_that_is_a_symlink_to_a_device_is_one_line_and_never_read(tmp_path):
@@ -309,3 +348,22 @@ def test_a_copied_run_folder_is_known_by_content_not_by_its_times(tmp_path):
     shutil.copytree(tmp_path / "a", tmp_path / "b", copy_function=shutil.copy2)  # mtimes kept, ctimes new
     with owned(tmp_path / "b", "run") as folder:
         assert folder.foreign() == []
+
+
+@pytest.mark.parametrize("how", ["cut back", "appended to"])
+def test_a_file_hard_linked_elsewhere_is_replaced_by_rename_never_written_through(tmp_path, monkeypatch, how):
+    """A user's `cp -al` backup shares the run's inodes: before, --resume cut a part-written line in place
+    (open and truncate) and appended in place, so the backup's metrics.jsonl changed too."""
+    with owned(tmp_path / "run", "run") as folder:
+        folder.append("metrics.jsonl", '{"step": 1}\n')
+        if how == "cut back":
+            cut_short(folder, "metrics.jsonl", '{"step": 2, "loss": 0.5}\n', monkeypatch)
+    backup = tmp_path / "backup.jsonl"
+    os.link(tmp_path / "run" / "metrics.jsonl", backup)
+    kept = backup.read_bytes()
+    with owned(tmp_path / "run", "run") as folder:
+        folder.remove_temporaries()
+        folder.append("metrics.jsonl", '{"step": 2}\n')
+        assert folder.foreign() == []
+    assert (tmp_path / "run" / "metrics.jsonl").read_text() == '{"step": 1}\n{"step": 2}\n'
+    assert backup.read_bytes() == kept and backup.stat().st_nlink == 1

@@ -157,3 +157,51 @@ def test_a_checkpoint_read_between_its_saves_two_renames_is_the_new_one_or_one_l
     monkeypatch.setattr(model_files, "SAVE_WAIT", 0.2)
     with pytest.raises(FileNotFoundError, match="checkpoint is being saved by its run: try again"):
         model_source(str(run / "checkpoint"))
+
+
+@pytest.mark.parametrize("script", ["train", "eval", "experiments", "prepare"])
+def test_an_out_with_a_part_too_long_for_the_filesystem_is_one_line(tmp_path, capsys, script):
+    """A 300-byte name: before, ENAMETOOLONG from Path.exists in `flags.folder`, a traceback but in train.py."""
+    import eval as evaluation
+    out = str(tmp_path / ("x" * 300))
+    main = {"train": train.main, "eval": evaluation.main, "experiments": experiments.main,
+            "prepare": lambda argv: prepare.main(["gsm8k", *argv])}[script]
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--out", out])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and "argument --out: File name too long: " in err
+    assert err.count("\n") == 1 and os.listdir(tmp_path) == []
+
+
+def test_merge_of_a_checkpoint_caught_between_its_saves_renames_names_the_one_before(finished_run, tmp_path,
+                                                                                      monkeypatch, capsys):
+    """As eval.py: before, "holds no LoRA adapters ... nothing to merge" of a LoRA run mid-save."""
+    import model_files
+    run = copy_of(finished_run, tmp_path) / "grpo"
+    (run / "checkpoint").rename(run / "checkpoint.old")  # the save between its renames
+    monkeypatch.setattr(model_files, "SAVE_WAIT", 0.2)
+    refuses(lambda: merge.main([str(run / "checkpoint"), str(tmp_path / "merged")]), tmp_path,
+            "checkpoint is being saved by its run: try again in a moment (or read checkpoint.old")
+
+
+def test_a_run_is_known_by_its_datas_content_not_its_path(tmp_path, monkeypatch):
+    """Before, a data file rewritten with other problems since a run was trained on it was continued
+    (--resume) and reused by a study, exit 0: config.json recorded the path alone. It now records each file's
+    sha256; a changed file is one line naming it and the run, and nothing is written."""
+    import study_runs
+    data = tmp_path / "data.jsonl"
+    problems = [{"problem": f"What is {i} + 1?", "answer": str(i + 1)} for i in range(20)]
+    data.write_text("".join(json.dumps(p) + "\n" for p in problems))
+    out = tmp_path / "out"
+    flags = FINISHED + ["--dataset", str(data), "--out", str(out)]
+    train.main(flags)
+    config = json.loads((out / "grpo" / "config.json").read_text())
+    assert list(config["data_sha256"]) == [str(data)]
+    study_runs.check_run(out, 0, "grpo", flags)  # as trained: reused
+    data.write_text("".join(json.dumps(p | {"answer": "0"}) + "\n" for p in problems))  # other golds
+    no_model_in_a_run(monkeypatch)
+    refuses(lambda: train.main(flags + ["--resume", "--steps", "3"]), tmp_path,
+            f"--resume {out / 'grpo'}: {data} is not the file the run was trained on (sha256 ")
+    with pytest.raises(run_folder.RunFolderError, match=f"^{out / 'grpo'}: {data} is not the file the run was "
+                                                        "trained on .*: restore it, or move"):
+        study_runs.check_run(out, 0, "grpo", flags)

@@ -174,6 +174,34 @@ def test_a_signal_while_a_reward_module_imports_is_one_line_exit_128_plus_it(tmp
     assert f"interrupted ({name}) while importing the reward module 'mymod'" in last, last  # and where it was
 
 
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_while_the_reward_s_process_imports_it_stops_at_once_in_one_line(tmp_path, signum):
+    """The run's own import returned; its reward's process waits at import for a lock the run's import took.
+    One Ctrl-C there (the first evaluation: train.py's handler only asks its loop to stop) ends the run at
+    once in one line, not after the import's 60 s limit."""
+    (tmp_path / "locked.py").write_text("import os, time\nfrom pathlib import Path\n\n"
+                                        "lock = Path(os.environ['LOCK'])\nif lock.exists():\n"
+                                        "    Path(f'{lock}.waiting').touch()\n    time.sleep(3600)\n"
+                                        "lock.touch()\n\ndef fn(c, g):\n    return 1.0\n")
+    waiting = tmp_path / "lock.waiting"
+    run = python_run(TINY + ["--reward", "locked:fn", "--out", str(tmp_path / "run")], tmp_path,
+                     LOCK=str(tmp_path / "lock"))
+    try:
+        deadline = time.monotonic() + 240
+        while not waiting.exists() and run.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        sent = time.monotonic()
+        run.send_signal(signum)
+        err = run.communicate(timeout=60)[1]
+        took = time.monotonic() - sent
+    finally:
+        run.kill()
+    assert waiting.exists() and took < 10 and "Traceback" not in err, (took, err[-2000:])
+    name = {signal.SIGINT: "Ctrl-C", signal.SIGTERM: "SIGTERM"}[signum]
+    assert err.strip().splitlines()[-1] == (f"error: reward 'locked:fn': interrupted ({name}) while its "
+                                            "process imported it: does its import hang?")
+
+
 @pytest.mark.parametrize("time_limit", [0, 60], ids=["in-process", "own-process"])
 def test_what_a_reward_returns_is_a_float_where_it_returns_it(worker_rewards, time_limit):
     """A 0-d tensor (any dtype), a numpy scalar, a bool: a float before it leaves the reward's process, which

@@ -188,6 +188,16 @@ def test_a_line_is_recovered_exactly_and_no_spread_is_no_line():
     assert math.isnan(flat["slope"]) and all(map(math.isnan, flat["slope_ci"]))
 
 
+@pytest.mark.parametrize("points", [0, 1, 2])
+def test_fewer_than_three_points_are_no_line_pooled_or_within_groups(points):
+    """A study of one step, one seed and one method can give the early-ACR fit by level no point at all (no
+    level both trained and held out; np.ptp of an empty array raises, issue 72 says). No line, no error."""
+    x, names = np.linspace(0, 1, points), np.arange(points)
+    fit = stats.line_fit(x, 1 - x, names)
+    assert all(math.isnan(f["slope"]) and all(map(math.isnan, f["slope_ci"])) for f in (fit, fit["within"]))
+    assert math.isnan(fit["r2_groups"])
+
+
 def test_the_fit_within_groups_separates_what_the_groups_explain():
     """Points whose y is set by their group alone, and x too: the pooled fit is strong, the groups explain
     all of y, and within the groups there is no slope."""
