@@ -84,13 +84,22 @@ def peak_memory_bytes(device: torch.device) -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
-def out_of_memory(error: Exception) -> str:
-    """One line for an out-of-memory error mid-run (torch.OutOfMemoryError), saying what to change: a step's
-    prompts follow from --seed and the step, so --resume as it was would meet the same wall."""
+class SamplingOutOfMemory(torch.OutOfMemoryError):
+    """Out of device memory while sampling a step: before its advantages (AVSPO's trigger state) and its
+    update, so the steps before it can be saved as they were (`run.before_failed_step`). In the update the
+    weights may have moved part-way (a second PPO epoch, inside the optimizer's step): only the checkpoints
+    already saved stand."""
+
+
+def out_of_memory(error: torch.OutOfMemoryError) -> str:
+    """One line for an out-of-memory error mid-run, saying what to change: a step's prompts follow from
+    --seed and the step, so --resume as it was would meet the same wall."""
     what = str(error).splitlines()[0] if str(error) else type(error).__name__
-    return (f"out of device memory ({what}); the steps before it are saved (unless --save-every 0): before "
-            "--resume, lower --max-prompt-tokens, --micro-batch, --prompts-per-step or --group-size, or add "
-            "--grad-checkpointing (the first line's estimate says which phase is the larger)")
+    kept = ("the steps before it are saved (unless --save-every 0)" if isinstance(error, SamplingOutOfMemory)
+            else "past sampling, so only the checkpoints saved before it stand (--save-every)")
+    return (f"out of device memory ({what}); {kept}: before --resume, lower --max-prompt-tokens, "
+            "--micro-batch, --prompts-per-step or --group-size, or add --grad-checkpointing (the first line's "
+            "estimate says which phase is the larger)")
 
 
 def resident_bytes() -> int:

@@ -24,7 +24,8 @@ import packing
 from data.tasks import Problem, held_out_problems, load_problems
 from decoding import FAST_ON, decode
 from eval import evaluate, score_groups
-from hardware import cast_weights, device_memory_bytes, pick_device, resident_bytes, where, working_copy
+from hardware import (SamplingOutOfMemory, cast_weights, device_memory_bytes, pick_device, resident_bytes,
+                      where, working_copy)
 from lora import (adapter_folder, adapters_off, add_adapters, base_identity, base_of, check_rank,
                   checked_adapters, merged)
 from memory import (context_warning, describe_estimate, estimate_memory, fits_warning, longest_prompt,
@@ -160,9 +161,12 @@ def sample_and_score(args, run: Run, network, problems: list[Problem]) -> tuple[
     sample_completions = fast_or_plain(args.fast, network.device).sample_completions
     if run.rows_at_once:  # fewer than a step's rows (`rows_at_once`)
         sample_completions = in_calls_of(run.rows_at_once, sample_completions)
-    rollout = sample(network, run.tokenizer, questions, args.group_size, args.max_new_tokens,
-                     args.temperature, args.top_p, sample_completions, args.prompt_format, args.system,
-                     [p.instruction for p in problems], run.stop_ids)
+    try:
+        rollout = sample(network, run.tokenizer, questions, args.group_size, args.max_new_tokens,
+                         args.temperature, args.top_p, sample_completions, args.prompt_format, args.system,
+                         [p.instruction for p in problems], run.stop_ids)
+    except torch.OutOfMemoryError as error:
+        raise SamplingOutOfMemory(str(error)) from error
     run.costs["generate"] += time.perf_counter() - start
     run.costs["gen_tokens"] += rollout.completion_mask.sum().item()
     start = time.perf_counter()
@@ -279,9 +283,8 @@ def first_eval(args, run: Run, folder: Folder) -> None:
 
 def before_failed_step(args, run: Run, folder: Folder, step: int, error: Exception) -> None:
     """Process 0, when step `step` fails before its update (a RewardError, or Ctrl-C while scoring, which
-    `processes.stops_at_once` raises as StoppedWhileScoring) or runs out of device memory in sampling or the
-    update's passes (the weights change only at the optimizer's step): the steps before it saved, and the
-    line said."""
+    `processes.stops_at_once` raises as StoppedWhileScoring) or runs out of device memory while sampling
+    (SamplingOutOfMemory): the steps before it saved, and the line said."""
     if args.save_every and step - 1 > run.done:
         save_checkpoint(folder, run.master, run.tokenizer, run.optimizer, step - 1, run.state)
     if isinstance(error, StoppedWhileScoring):

@@ -38,8 +38,8 @@ from metrics import group_map, group_samples, step_metrics, summarise_run
 from model import PROMPT_FORMATS, Rollout, real_tokens, replace_groups, trim_padding
 from processes import (StoppedWhileScoring, all_sum, bad_input_is_one_line, exits_cleanly, gather_groups,
                        init_processes, sum_gradients)
-from run import (Run, after_step, before_failed_step, check_inputs, fast_or_plain, first_eval,
-                 sample_and_score, start_run)
+from run import (Run, SamplingOutOfMemory, after_step, before_failed_step, check_inputs, fast_or_plain,
+                 first_eval, sample_and_score, start_run)
 from run_folder import folder_problem, owned_out, start_logs, stopped_line
 from verifier import REWARD_TIMEOUT, RewardError, reward_range
 from written import Folder
@@ -314,7 +314,7 @@ def train(args: Args, files: Folder | None, stop_requested: Sequence = ()) -> di
     for step in bar:
         try:
             record, samples = train_step(args, run, step, rank, mine, device)
-        except (RewardError, StoppedWhileScoring, torch.OutOfMemoryError) as e:  # save the steps before it
+        except (RewardError, StoppedWhileScoring, SamplingOutOfMemory) as e:  # save the steps before it
             if is_main:
                 before_failed_step(args, run, files, step, e)
             raise

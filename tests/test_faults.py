@@ -151,26 +151,36 @@ def test_a_bad_reward_mid_run_loses_no_finished_step(rewards, tmp_path, monkeypa
     assert evaluated == [0, *range(every, steps + 1, every)]
 
 
+@pytest.mark.parametrize("phase", ["sampling", "update"])
 def test_out_of_device_memory_mid_run_is_one_line_saying_what_to_change_and_loses_no_finished_step(
-        tmp_path, monkeypatch):
-    """A step's sampling runs out of device memory (a long prompt's prefill, say): the steps before it are
-    saved, and the run ends in one line saying which flags to change, since --resume as it was would meet
-    the same prompts at the same step (they follow from --seed and the step), and the same wall."""
-    sample_and_score, calls = run_module.sample_and_score, []
+        tmp_path, monkeypatch, phase):
+    """A step runs out of device memory (a long prompt's prefill, say): the run ends in one line saying which
+    flags to change, since --resume as it was would meet the same prompts at the same step (they follow from
+    --seed and the step), and the same wall. Out of memory while sampling, the steps before it are saved;
+    in the update, where the weights or AVSPO's state may have moved part-way, nothing more is saved."""
+    calls = []
 
-    def out_of_memory_in_step_3(args, run, network, problems):  # GRPO: one call a step
-        calls.append(len(calls) + 1)
-        if len(calls) == 3:
-            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 21.50 GiB")
-        return sample_and_score(args, run, network, problems)
+    def out_of_memory_at_step_3(real):  # GRPO: one sampling and one update a step
+        def call(*args, **kwargs):
+            calls.append(len(calls) + 1)
+            if len(calls) == 3:
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 21.50 GiB")
+            return real(*args, **kwargs)
+        return call
 
-    monkeypatch.setattr(train, "sample_and_score", out_of_memory_in_step_3)
+    where = (run_module, "sample") if phase == "sampling" else (train, "update_policy")
+    monkeypatch.setattr(*where, out_of_memory_at_step_3(getattr(*where)))
     with pytest.raises(SystemExit) as exit_info:
-        train.main(TINY + ["--steps", "4", "--eval-every", "0", "--out", str(tmp_path)])
+        train.main(TINY + ["--steps", "4", "--eval-every", "0", "--save-every", "10", "--out", str(tmp_path)])
     line = str(exit_info.value.code)
     assert line.startswith("error: out of device memory (CUDA out of memory. Tried to allocate 21.50 GiB)")
     assert "\n" not in line and "--max-prompt-tokens" in line and "--resume" in line
-    assert torch.load(tmp_path / "grpo" / "checkpoint" / "state.pt", weights_only=False)["step"] == 2
+    assert ("the steps before it are saved" in line) == (phase == "sampling")
+    state = tmp_path / "grpo" / "checkpoint" / "state.pt"
+    if phase == "sampling":
+        assert torch.load(state, weights_only=False)["step"] == 2
+    else:  # --save-every 10: no checkpoint yet, and none made of weights the update may have moved
+        assert not state.exists()
 
 
 def test_virtual_rewards_follow_the_declared_range():
