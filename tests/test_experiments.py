@@ -770,7 +770,8 @@ def test_a_write_that_fails_is_one_line(scatter_run, tmp_path, monkeypatch, caps
 
 def test_a_write_past_the_file_size_limit_names_its_file(scatter_run, tmp_path, capsys):
     """A file size limit (RLIMIT_FSIZE) met as a figure is written: EFBIG, as a full disk's ENOSPC, comes
-    from the write itself, with no file name; the one line names the file being written; the files stay as they were."""
+    from the write itself, with no file name; the one line names the file being written; the files stay as
+    they were."""
     out = tmp_path / "out"
     shutil.copytree(scatter_run[0], out)
     before, limit = tree(out), resource.getrlimit(resource.RLIMIT_FSIZE)
