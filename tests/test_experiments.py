@@ -24,23 +24,23 @@ import pytest
 import torch
 
 import experiments
-import plan
-import run_folder
-import study_flags
-import study_runs
-import stats
-import tables
 import train
-import workers
+from loop import run_folder
+from study import plan
+from study import flags as study_flags
+from study import runs as study_runs
+from study import stats
+from study import tables
+from study import workers
 from cuda_stand_in import CudaDeviceRules
 from data import tasks
-from flags import dataclass_parser
-from lora import has_adapters
+from infra.flags import dataclass_parser
+from infra.lora import has_adapters
+from loop.processes import on_stop_signals
 from model import sample_with_generate
-from processes import on_stop_signals
 from test_faults import small_processes
 from test_plan import STAND_IN
-from written import RECORD, Folder, owned
+from infra.written import RECORD, Folder, owned
 
 LEVELS = np.array(["easy"] * 20 + ["hard"] * 30)
 

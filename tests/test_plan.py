@@ -1,5 +1,5 @@
-"""plan.py: a study's time from a calibration (a stand-in, then train.py's own on the tiny model), the rule
-that fits --budget-minutes, the memory said against the device's, and the progress said by the plan."""
+"""study/plan.py: a study's time from a calibration (a stand-in, then train.py's own on the tiny model), the
+rule that fits --budget-minutes, the memory said against the device's, and the progress said by the plan."""
 
 import dataclasses
 import json
@@ -10,13 +10,13 @@ import pytest
 import torch
 
 import experiments
-import plan
-import run
-import study_flags
 import train
-import workers
 from data import tasks
-from run_folder import read_jsonl
+from loop import run
+from loop.run_folder import read_jsonl
+from study import plan
+from study import flags as study_flags
+from study import workers
 
 GIB = 2**30
 # a stand-in calibration: a step of 64 completions takes 10 s, 6 of them sampling; a problem 0.5 s

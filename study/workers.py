@@ -13,8 +13,8 @@ from typing import Callable
 
 import torch
 
-from hardware import pick_device
-from processes import STOP_SIGNALS, on_stop_signals
+from infra.hardware import pick_device
+from loop.processes import STOP_SIGNALS, on_stop_signals
 
 
 class Stopped(KeyboardInterrupt):

@@ -26,15 +26,15 @@ import numpy as np
 
 import train
 from data.tasks import by_level, data_line, load_problems
-from hardware import device_memory_bytes, pick_device
-from run_folder import read_jsonl
-from stats import as_design, design, expected_half_width, problems_to_decide, seeds_to_decide
-from study_flags import as_flags, lr_grid, part_flags
-from study_runs import (BASELINE, METHODS, PRECISIONS, Run, check_run, finished, held_out,
-                        method_runs, run_args, run_training)
-from tables import compare_variances
-from workers import run_all, runs_at_once
-from written import NotWritten, owned
+from infra.hardware import device_memory_bytes, pick_device
+from infra.written import NotWritten, owned
+from loop.run_folder import read_jsonl
+from study.flags import as_flags, lr_grid, part_flags
+from study.runs import (BASELINE, METHODS, PRECISIONS, Run, check_run, finished, held_out, method_runs,
+                        run_args, run_training)
+from study.stats import as_design, design, expected_half_width, problems_to_decide, seeds_to_decide
+from study.tables import compare_variances
+from study.workers import run_all, runs_at_once
 
 CALIBRATION_PROBLEMS = 32  # eval.evaluate's batch: a full one gives a problem's share of its time
 SCORED = ("compare", "readings", "lora")  # the parts whose final models are evaluated problem by problem
@@ -131,7 +131,8 @@ def calibrate(args: argparse.Namespace) -> Calibration:
     """Train the calibration run as the study's runs will be trained (`run_all`: --jobs), then read what
     train.py wrote of it (each file as train.py left it: `check_run`)."""
     run = calibration_run(args)
-    with owned(Path(args.out), "experiments") as out:  # the study's folder, known as a script's (written.py)
+    # the study's folder, known as a script's (infra/written.py)
+    with owned(Path(args.out), "experiments") as out:
         out.subfolder("calibration", "experiments")
     check_run(*run)
     if not finished(run[0] / run[2]):
@@ -283,7 +284,8 @@ def print_plan(plan: Plan, cal: Calibration, sharing: int) -> None:
           f"rest of a run {cal.run_seconds:.0f} s; peak memory {cal.peak_bytes / gib:.1f} GiB a run, "
           f"{sharing} on a device: {sharing * cal.peak_bytes / gib:.1f} of its "
           f"{cal.device_bytes / gib:.1f} GiB")
-    if sharing * cal.peak_bytes > 0.9 * cal.device_bytes:  # the allocator's fragmentation: 10% (memory.py)
+    # the allocator's fragmentation: 10% (infra/memory.py)
+    if sharing * cal.peak_bytes > 0.9 * cal.device_bytes:
         print(f"warning: {sharing} runs of {cal.peak_bytes / gib:.1f} GiB on a device of "
               f"{cal.device_bytes / gib:.1f} GiB may not fit: fewer --jobs, or --grad-checkpointing, or "
               "--lora-rank")
@@ -338,7 +340,8 @@ def plan_study(args: argparse.Namespace, parts: list[str]) -> tuple[argparse.Nam
     return args, left
 
 
-COMMITTED = Path(__file__).resolve().parent / "runs" / "experiments" / "compare"  # the README's comparison
+# the README's comparison
+COMMITTED = Path(__file__).resolve().parent.parent / "runs" / "experiments" / "compare"
 
 
 def interval_plan(args: argparse.Namespace) -> tuple[str, int | None]:

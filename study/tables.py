@@ -9,11 +9,11 @@ from pathlib import Path
 import numpy as np
 
 from data.tasks import NO_LEVEL, level_order, load_problems, step_problems
-from metrics import early_steps
-from run_folder import RunFolderError, read_jsonl
-from stats import RULE, line_fit, mean_interval, no_information, seed_interval, variance_parts, verdict
-from study_runs import ABLATIONS, BASELINE, LORA, as_written, final_records, held_out, run_dir
-from written import Folder
+from infra.written import Folder
+from loop.metrics import early_steps
+from loop.run_folder import RunFolderError, read_jsonl
+from study.runs import ABLATIONS, BASELINE, LORA, as_written, final_records, held_out, run_dir
+from study.stats import RULE, line_fit, mean_interval, no_information, seed_interval, variance_parts, verdict
 
 
 def accuracy_table(correct: np.ndarray, levels: np.ndarray, problems: np.ndarray, names: list[str],

@@ -14,16 +14,16 @@ import train
 from advantage import advantage_collapse_rate
 from data.tasks import by_level, changed_data, held_out_problems, load_problems
 from eval import evaluate, score_groups
-from flags import dataclass_parser
-from hardware import cpu_features, pick_device, working_copy
+from infra.flags import dataclass_parser
+from infra.hardware import cpu_features, pick_device, working_copy
+from infra.records import plain_bytes
+from infra.written import owned
+from loop.processes import STOP_SIGNALS
+from loop.run import fast_or_plain
+from loop.run_folder import RunFolderError, find_checkpoint, read_jsonl, saved_config
 from model import load_model, sample
-from processes import STOP_SIGNALS
-from run import fast_or_plain
-from run_folder import RunFolderError, find_checkpoint, read_jsonl, saved_config
-from records import plain_bytes
-from workers import Stopped
+from study.workers import Stopped
 from verifier import load_reward
-from written import owned
 
 COMPARE = ("grpo", "avspo", "avspo-always", "aapo", "dapo")
 READINGS = ("grpo", "avspo", "avspo-fixed", "avspo-k1", "avspo-wrong", "avspo-correct")
@@ -35,7 +35,7 @@ METHODS = {"grpo": ("grpo", []), "avspo": ("avspo", []),  # name: (train.py --al
            "avspo-wrong": ("avspo", ["--virtual-ends", "all-wrong"]),  # the paper's ablation of the two ends
            "avspo-correct": ("avspo", ["--virtual-ends", "all-correct"]),
            "aapo": ("aapo", []), "dapo": ("dapo", []),
-           # the lora part's arms, each at the learning rate its sweep chose (lora.py's alpha, layers)
+           # the lora part's arms, each at the learning rate its sweep chose (infra/lora.py's alpha, layers)
            "full-ft": ("grpo", ["--lora-rank", "0"]),
            "lora-r1": ("grpo", ["--lora-rank", "1", "--lora-alpha", "32"]),
            "lora-r32": ("grpo", ["--lora-rank", "32", "--lora-alpha", "32"])}

@@ -11,9 +11,9 @@ import sys
 
 import train
 from data.tasks import LEVELS
-from flags import FlagParser, add_fields, at_least, folder, in_range
-from study_runs import COMPARE, LORA, METHODS, READINGS
-from workers import default_jobs
+from infra.flags import FlagParser, add_fields, at_least, folder, in_range
+from study.runs import COMPARE, LORA, METHODS, READINGS
+from study.workers import default_jobs
 
 # "matches": Δ within 2.5 points, the smallest gain a claim in the README's table calls an effect (AAPO's)
 MARGIN = 0.025
