@@ -72,11 +72,11 @@ from loop.plots import (plot_accuracy_vs_compute, plot_accuracy_vs_tokens, plot_
                         plot_compare_curves, plot_difficulty, plot_early_acr_scatter, plot_precision_curves)
 from loop.processes import on_stop_signals
 from loop.run_folder import RunFolderError, read_jsonl
-from study.flags import MARGIN, as_flags, parse_args, study_title
-from study.plan import (NoPlanFits, plan_study, planned_runs, precision_runs, scale_of, scatter_runs,
-                        sweep_runs)
-from study.runs import (BASELINE, LORA, PRECISIONS, Run, acr_by_difficulty, check_flags, check_run, held_out,
-                        method_runs, run_dir, run_training, seed_cpus, train_and_score, train_argv)
+from study.flags import BASELINE, LORA, MARGIN, PRECISIONS, as_flags, parse_args, study_title
+from study.parts import planned_runs, precision_runs, scatter_runs, sweep_runs
+from study.plan import NoPlanFits, plan_study, scale_of
+from study.runs import (Run, acr_by_difficulty, check_flags, check_run, held_out, method_runs, run_dir,
+                        run_training, seed_cpus, train_and_score, train_argv)
 from study.stats import no_information
 from study.tables import (accuracy_curves, accuracy_table, collapse, compute_cost, early_acr_by_level,
                           early_acr_scatter, judged, lora_table, markdown_table, pick_lr, print_results,

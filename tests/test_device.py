@@ -26,10 +26,7 @@ from benchmarks.gpu_bench import PARITY, SIZES  # PARITY: a coin flip per comple
 from data.tasks import Problem
 from fast import packing
 from fast.decoding import decode
-from infra import hardware
-from infra import lora
-from infra import memory
-from infra import model_files
+from infra import hardware, lora, memory, model_files
 from infra.memory import estimate_memory
 from infra.written import owned
 from loop import processes

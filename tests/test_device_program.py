@@ -28,10 +28,7 @@ import train
 from benchmarks import gpu_bench
 from benchmarks.gpu_bench import PARITY  # PARITY: a coin flip per completion, groups split, rows train
 from data.tasks import LEVELS
-from infra import hardware
-from infra import lora
-from infra import memory
-from infra import model_files
+from infra import hardware, lora, memory, model_files
 from loop import processes
 from model import load_model, sample_with_generate
 from study import workers

@@ -15,8 +15,7 @@ from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, Qwen2ForCa
 
 import model as model_module
 from benchmarks.gpu_bench import with_adapters
-from fast import decoding
-from fast import packing
+from fast import decoding, packing
 from fast.decoding import DecodeCache, decode, decode_step, decode_weights, packed_linear
 from fast.packing import TokenLogProbs
 from fast.packing import completion_logprobs as packed_logprobs

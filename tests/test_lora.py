@@ -22,8 +22,7 @@ import eval as evaluation
 import merge
 import train
 from fast import packing
-from infra import lora
-from infra import model_files
+from infra import lora, model_files
 from infra.hardware import working_copy
 from infra.lora import (ADAPTER_CONFIG, ADAPTERS, BASE_SHA256, base_identity, digest, has_adapters,
                         save_adapters)

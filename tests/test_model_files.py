@@ -19,8 +19,7 @@ import pytest
 import torch
 import transformers
 
-from infra import model_files
-from infra import written
+from infra import model_files, written
 from model import load_model, load_tokenizer
 
 ROOT = Path(__file__).resolve().parent.parent

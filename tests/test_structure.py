@@ -80,6 +80,33 @@ def test_the_layers_import_in_one_direction():
             assert layer(other) <= layer(module), f"{module} imports {other}, of a layer above"
 
 
+# The study's rooms, in the one order in which each may import only those before it (issue 73): beneath them
+# the statistics and the worker processes, which import no room; then the flags, parsed once into the one
+# Namespace the later rooms read; the runs; which runs each part trains; the plan of their time (it trains the
+# calibration through the workers); the tables and the report. experiments.py drives them all.
+ROOMS = ("study.stats", "study.workers", "study.flags", "study.runs", "study.parts", "study.plan",
+         "study.tables")
+
+
+def defined(module: str) -> set[str]:
+    """The functions and classes that `module` defines at its top level."""
+    return {node.name for node in ast.parse(MODULES[module].read_text()).body
+            if isinstance(node, (ast.FunctionDef, ast.ClassDef))}
+
+
+def test_the_study_flows_one_way():
+    assert {module for module in MODULES if module.startswith("study.")} == set(ROOMS), "a new room: order it"
+    for i, room in enumerate(ROOMS):
+        assert not imports_of(MODULES[room]) & set(ROOMS[i + 1:]), f"{room} imports a room after it"
+    for room in ROOMS:  # only experiments.py parses the flags; the rooms read what it parsed
+        tree = ast.parse(MODULES[room].read_text())
+        assert not any(isinstance(node, ast.ImportFrom) and node.module == "study.flags"
+                       and "parse_args" in {alias.name for alias in node.names} for node in ast.walk(tree))
+    which, how_long = defined("study.parts"), defined("study.plan")  # two rooms, one concern each
+    assert {"planned_runs", "scatter_runs", "precision_runs", "sweep_runs"} <= which
+    assert {"calibrate", "run_seconds", "study_plan", "fit_budget", "print_plan", "interval_plan"} <= how_long
+
+
 def test_each_file_says_first_what_it_holds_and_stays_short():
     """issue 51's budget: train.py within 350 lines, the learner's three files within 1,000, any other file
     within ~400 but the verifier's tables and the experiments' driver; each file's docstring opens it."""
