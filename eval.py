@@ -24,14 +24,14 @@ import transformers
 from tqdm import tqdm
 
 from data.tasks import Problem, load_eval_problems
-from decoding import FAST_ON, decode
-from flags import FlagParser, at_least, folder, in_range
-from hardware import DEVICES, pick_device, resident_bytes, where, working_copy
-from memory import context_warning, describe_estimate, estimate_memory, longest_prompt, parameter_counts
+from fast.decoding import FAST_ON, decode
+from infra.flags import FlagParser, at_least, folder, in_range
+from infra.hardware import DEVICES, pick_device, resident_bytes, where, working_copy
+from infra.memory import context_warning, describe_estimate, estimate_memory, longest_prompt, parameter_counts
+from infra.written import NotWritten, owned
 from model import (PROMPT_FORMATS, load_config, load_model, load_tokenizer, sample, sample_with_generate,
                    stop_token_ids)
 from verifier import REWARD_TIMEOUT, Reward, extract_answer, load_reward, per_completion, reward_range, verify
-from written import NotWritten, owned
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -165,8 +165,8 @@ def write_results(out: Path, summary: dict, results: dict, dataset: str, tempera
 def where_it_runs(args: argparse.Namespace, model, net, prompt_len: int, problems: int,
                   runtime: int = 0) -> str:
     """The first line of a model's evaluation, as train.py's (`run.where_it_runs`): the device, the precision
-    and dtypes, and the memory it should need (memory.py, sampling alone: one generate call's rows; `runtime`,
-    the process's bytes before the model loaded)."""
+    and dtypes, and the memory it should need (infra/memory.py, sampling alone: one generate call's rows;
+    `runtime`, the process's bytes before the model loaded)."""
     own, adapters = parameter_counts(model)
     terms = estimate_memory(model.config, own, rows=min(args.batch_size, problems) * args.samples,
                             prompt_len=prompt_len, completion_len=args.max_new_tokens, micro_batch=0,
@@ -207,8 +207,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--system", default="",
                    help="system message of every chat prompt; empty: the chat template's own")
     p.add_argument("--fast", action=argparse.BooleanOptionalAction, default=True,
-                   help="sample with the fast decoding loop (decoding.py) where verified (CPU; on CUDA not "
-                        "yet, as train.py); --no-fast: with HF generate")
+                   help="sample with the fast decoding loop (fast/decoding.py) where verified (CPU; on CUDA "
+                        "not yet, as train.py); --no-fast: with HF generate")
     p.add_argument("--device", default="auto", choices=DEVICES,
                    help="auto (CUDA if usable, else CPU), cpu, cuda")
     args = p.parse_args(argv)

@@ -34,13 +34,13 @@ the data's (a JSONL file's "level", MATH's "Level 1".."Level 5"; a file without 
    well? Held-out accuracy, batch reward and seconds per step against steps. Only with --only precision (bf16
    without native support, AVX2 alone, takes many times longer).
 6. lora:       does LoRA match full fine-tuning in RL, even at rank 1 ("LoRA Without Regret", Schulman et al.,
-   2025)? GRPO with full fine-tuning, LoRA rank 1 and rank 32 (lora.py), as compare (Δ against full
+   2025)? GRPO with full fine-tuning, LoRA rank 1 and rank 32 (infra/lora.py), as compare (Δ against full
    fine-tuning), each arm at the learning rate of its sweep on --sweep-seed, not one of --seeds (--full-lrs,
    --lora-lrs): the rate whose final model is the most accurate, the smaller on a tie. "Matches" is the
    region +-MARGIN, judged by `stats.RULE`. Only with --only lora.
 
-First the plan (plan.py): one step (AVSPO always on: every row trained) and two evaluations, trained at the
-comparison runs' settings on this device (the calibration, kept in <out>/calibration), then each run's
+First the plan (study/plan.py): one step (AVSPO always on: every row trained) and two evaluations, trained at
+the comparison runs' settings on this device (the calibration, kept in <out>/calibration), then each run's
 minutes from them, the peak memory against the device's, each comparison's expected interval, and with
 --budget-minutes the seeds, steps and evaluation size that fit (`plan.fit_budget`); as runs end, the minutes
 left by the plan.
@@ -49,7 +49,7 @@ Finished runs are reused and unfinished ones resume from their last checkpoint, 
 run is reused only when its config.json holds the flags asked for (`check_run`). Before any run, every run's
 flags and data pass train.py's checks and every folder it writes can be written (`check_before_any_run`).
 Ctrl-C or SIGTERM stops it at once, in one line: the runs under way save their step, no other starts
-(`run_all`). Every write goes through written.py's records. --print-commands prints each run's train.py
+(`run_all`). Every write goes through infra/written.py's records. --print-commands prints each run's train.py
 command for a scheduler instead; the same study then gathers the finished runs.
 """
 
@@ -66,21 +66,22 @@ import numpy as np
 
 import train
 from data.tasks import NO_LEVEL, data_line
-from hardware import pick_device, resolve_precision
-from plan import NoPlanFits, plan_study, planned_runs, precision_runs, scale_of, scatter_runs, sweep_runs
-from plots import (plot_accuracy_vs_compute, plot_accuracy_vs_tokens, plot_collapse_map, plot_compare_curves,
-                   plot_difficulty, plot_early_acr_scatter, plot_precision_curves)
-from processes import on_stop_signals
-from run_folder import RunFolderError, read_jsonl
-from stats import no_information
-from study_flags import MARGIN, as_flags, parse_args, study_title
-from study_runs import (BASELINE, LORA, PRECISIONS, Run, acr_by_difficulty, check_flags, check_run, held_out,
-                        method_runs, run_dir, run_training, seed_cpus, train_and_score, train_argv)
-from tables import (accuracy_curves, accuracy_table, collapse, compute_cost, early_acr_by_level,
-                    early_acr_scatter, judged, lora_table, markdown_table, pick_lr, print_results, report,
-                    results_so_far, seed_deltas)
-from workers import Progress, Stopped, Workers, run_all, runs_at_once, stop_handler
-from written import Folder, NotWritten, owned
+from infra.hardware import pick_device, resolve_precision
+from infra.written import Folder, NotWritten, owned
+from loop.plots import (plot_accuracy_vs_compute, plot_accuracy_vs_tokens, plot_collapse_map,
+                        plot_compare_curves, plot_difficulty, plot_early_acr_scatter, plot_precision_curves)
+from loop.processes import on_stop_signals
+from loop.run_folder import RunFolderError, read_jsonl
+from study.flags import BASELINE, LORA, MARGIN, PRECISIONS, as_flags, parse_args, study_title
+from study.parts import planned_runs, precision_runs, scatter_runs, sweep_runs
+from study.plan import NoPlanFits, plan_study, scale_of
+from study.runs import (Run, acr_by_difficulty, check_flags, check_run, held_out, method_runs, run_dir,
+                        run_training, seed_cpus, train_and_score, train_argv)
+from study.stats import no_information
+from study.tables import (accuracy_curves, accuracy_table, collapse, compute_cost, early_acr_by_level,
+                          early_acr_scatter, judged, lora_table, markdown_table, pick_lr, print_results,
+                          report, results_so_far, seed_deltas)
+from study.workers import Progress, Stopped, Workers, run_all, runs_at_once, stop_handler
 
 
 

@@ -3,9 +3,10 @@ transformers folder in float32 that any library loads, peft or not.
 
     python merge.py runs/default/grpo/checkpoint merged   # then: merged/model, or --model merged here
 
-The folder is written by the rule of written.py: <out> holds a record, and an earlier merge there is replaced
-only once the new one is whole; anything else in <out> is left as it is. A merge stopped at any moment (a
-kill, a full disk) leaves the earlier merge or the new one, and what it left part-written goes at the next.
+The folder is written by the rule of infra/written.py: <out> holds a record, and an earlier merge there is
+replaced only once the new one is whole; anything else in <out> is left as it is. A merge stopped at any
+moment (a kill, a full disk) leaves the earlier merge or the new one, and what it left part-written goes at
+the next.
 """
 
 import sys
@@ -15,11 +16,11 @@ import torch
 import transformers
 from safetensors import SafetensorError
 
-from lora import ADAPTER_CONFIG, adapter_folder, base_of, merged
+from infra.lora import ADAPTER_CONFIG, adapter_folder, base_of, merged
+from infra.model_files import settled
+from infra.written import NotWritten, owned
+from loop.processes import bad_input_is_one_line
 from model import load_model
-from model_files import settled
-from processes import bad_input_is_one_line
-from written import NotWritten, owned
 
 
 def write_merged(out: Path, model, tokenizer) -> Path:

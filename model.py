@@ -1,8 +1,8 @@
 """Load a causal LM, sample groups of completions, and compute per-token log-probs of completions.
 
-Models: a hub id (`Qwen/Qwen2.5-0.5B-Instruct`), a local folder, a `.gguf` file, or an alias (model_files.py):
-`smollm2-135m`, SmolLM2-135M-Instruct embedded in a PyPI package (no model hub needed), or `tiny-qwen2`, a
-tiny random Qwen2 for tests and smoke runs.
+Models: a hub id (`Qwen/Qwen2.5-0.5B-Instruct`), a local folder, a `.gguf` file, or an alias
+(infra/model_files.py): `smollm2-135m`, SmolLM2-135M-Instruct embedded in a PyPI package (no model hub
+needed), or `tiny-qwen2`, a tiny random Qwen2 for tests and smoke runs.
 
 This file holds the plain definitions: sampling with HF `generate` (`sample_with_generate`) and the log-probs
 as log_softmax(logits / T) at the targets (`completion_logprobs`). train.py's --fast swaps in other functions
@@ -20,9 +20,10 @@ from safetensors import SafetensorError
 from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedModel,
                           PreTrainedTokenizerBase)
 
-from hardware import pick_device
-from lora import ADAPTER_CONFIG, adapter_folder, base_of, load_adapters
-from model_files import byte_tokenizer, gguf_folder, settled, smollm2_folder, tiny_qwen2, tiny_qwen2_config
+from infra.hardware import pick_device
+from infra.lora import ADAPTER_CONFIG, adapter_folder, base_of, load_adapters
+from infra.model_files import (byte_tokenizer, gguf_folder, settled, smollm2_folder, tiny_qwen2,
+                               tiny_qwen2_config)
 
 # ----------------------------------------------------------------------------- loading
 
@@ -81,7 +82,7 @@ def load_model(name: str,
     """(model, tokenizer) from an alias, a .gguf file, a folder, a hub id or LoRA adapters, in float32."""
     device = device or pick_device()
     tokenizer = load_tokenizer(name)
-    if adapters := adapter_folder(name):  # a --lora-rank checkpoint (lora.py): its base, then the adapters
+    if adapters := adapter_folder(name):  # a --lora-rank checkpoint (infra/lora.py): its base, then adapters
         return load_adapters(load_model(base_of(adapters), device)[0], adapters), tokenizer
     # Safetensors only: unpickling weights could run code. No hub kernels: transformers 5.25 turns them on by
     # default, and on CUDA model.train() then fetches layers from the hub (kernels-community's rotary), which
@@ -120,9 +121,8 @@ class Rollout:
 
 PROMPT_FORMATS = ("chat", "raw")
 # --prompt-format raw, for base models: the question, then Qwen2.5-Math's chain-of-thought instruction, as the
-# user turn of Qwen2.5-Math's evaluation template "qwen-boxed" has them (QwenLM/Qwen2.5-Math,
-# evaluation/utils.py), without the chat markup; the newline after it is ours. The verifier reads the last
-# \boxed{}.
+# user turn of its evaluation template "qwen-boxed" has them (QwenLM/Qwen2.5-Math, evaluation/utils.py),
+# without the chat markup; the newline after it is ours. The verifier reads the last \boxed{}.
 RAW_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
 
 
@@ -278,7 +278,7 @@ def completion_logprobs(model: PreTrainedModel, input_ids: torch.Tensor, attenti
     `token_logprobs` works LOGPROB_CHUNK of the N x C tokens at a time, each chunk recomputed in backward
     (torch's checkpoint): the float32 log-softmax of all N x C tokens at once, [N, C, V], would be the largest
     tensor of the update (7 GiB at micro-batch 8, 512 tokens and Qwen's vocabulary). What stays is the logits
-    in the model's dtype (memory.py counts the bytes)."""
+    in the model's dtype (infra/memory.py counts the bytes)."""
     positions = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)  # [N, T]: count real tokens, as sampling did
     inputs, mask = input_ids[:, :-1], attention_mask[:, :-1]  # the last token predicts nothing: no input
     logits = model(input_ids=inputs, attention_mask=mask, position_ids=positions[:, :-1], use_cache=False,

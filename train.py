@@ -5,7 +5,7 @@
     torchrun --standalone --nproc_per_node 2 train.py  # the same run, its batch split over 2 processes
 
 Read top to bottom, in the order a step runs: config, ALGO LOGIC (sampling and advantages, the one place the
-methods differ), the loss and the update, then the loop. Plumbing lives in run.py and the files it names.
+methods differ), the loss and the update, then the loop. Plumbing lives in loop/run.py and the files it names.
 
 Choices, each made once here:
   1. Token-level loss ("dapo" in TRL): per-token losses summed over the batch / its completion token count.
@@ -32,17 +32,17 @@ from tqdm import tqdm
 from advantage import (AVSPO_ENDS, AdaptiveThreshold, aapo_advantages, aapo_margin, avspo_advantages,
                        collapsed_groups, grpo_advantages)
 from data.tasks import Problem, step_problems
-from flags import FlagParser, arg, at_least, dataclass_parser, folder, in_range, names_from, non_empty
-from hardware import DEVICES, accumulate_gradients, copy_weights
-from metrics import group_map, group_samples, step_metrics, summarise_run
+from infra.flags import FlagParser, arg, at_least, dataclass_parser, folder, in_range, names_from, non_empty
+from infra.hardware import DEVICES, accumulate_gradients, copy_weights
+from infra.written import Folder
+from loop.metrics import group_map, group_samples, step_metrics, summarise_run
+from loop.processes import (StoppedWhileScoring, all_sum, bad_input_is_one_line, exits_cleanly,
+                            gather_groups, init_processes, sum_gradients)
+from loop.run import (Run, SamplingOutOfMemory, after_step, before_failed_step, check_inputs, fast_or_plain,
+                      first_eval, sample_and_score, start_run)
+from loop.run_folder import folder_problem, owned_out, start_logs, stopped_line
 from model import PROMPT_FORMATS, Rollout, real_tokens, replace_groups, trim_padding
-from processes import (StoppedWhileScoring, all_sum, bad_input_is_one_line, exits_cleanly, gather_groups,
-                       init_processes, sum_gradients)
-from run import (Run, SamplingOutOfMemory, after_step, before_failed_step, check_inputs, fast_or_plain,
-                 first_eval, sample_and_score, start_run)
-from run_folder import folder_problem, owned_out, start_logs, stopped_line
 from verifier import REWARD_TIMEOUT, RewardError, reward_range
-from written import Folder
 
 ALGOS, PRECISIONS = ("grpo", "avspo", "aapo", "dapo"), ("auto", "fp32", "bf16")
 POSITIVE, NON_NEGATIVE = in_range(0, math.inf, low_open=True), in_range(0, math.inf)
@@ -67,7 +67,7 @@ class Args:
     resume: bool = arg(False, "continue each algorithm from the checkpoint in its run folder")
     overwrite: bool = arg(False, "replace the runs in --out, only what they wrote (else a folder is refused)")
     device: str = arg("auto", "auto (CUDA if this process can use it, else CPU), cpu, cuda", choices=DEVICES)
-    fast: bool = arg(True, "fast paths where verified (CPU: decoding.py, packing.py); --no-fast: plain")
+    fast: bool = arg(True, "fast paths where verified (CPU: fast/decoding.py, packing.py); --no-fast: plain")
     # sampling
     steps: int = arg(30, "optimizer steps (one batch of groups each)", type=at_least(1))
     prompts_per_step: int = arg(2, "prompts per step (B), over all processes", type=at_least(1))
@@ -341,7 +341,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             summaries = [train(dataclasses.replace(args, algo=algo), out and out.subfolder(algo, "run"),
                                stop_requested) for algo in args.algo.split(",")]
             if out:  # process 0, <out>'s one owner, reports; the others wrote nothing
-                from plots import report_runs  # matplotlib only here: `import train` stays light
+                from loop.plots import report_runs  # matplotlib only here: `import train` stays light
                 report_runs(out, summaries)
     return summaries
 

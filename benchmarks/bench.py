@@ -51,18 +51,18 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-import run  # noqa: E402
 import train  # noqa: E402
 from benchmarks.floors import FLOOR_COLUMNS, batch_shape, floor_rows, phase_floors  # noqa: E402
 from benchmarks.timing import fmt, markdown_table, median_of, run_isolated  # noqa: E402
 from data.prepare import DOWNLOADS  # noqa: E402
 from data.tasks import load_problems  # noqa: E402
-from flags import FlagParser, at_least  # noqa: E402
-from hardware import cpu_features, working_copy  # noqa: E402
-from lora import add_adapters  # noqa: E402
+from infra.flags import FlagParser, at_least  # noqa: E402
+from infra.hardware import cpu_features, working_copy  # noqa: E402
+from infra.lora import add_adapters  # noqa: E402
+from infra.written import owned  # noqa: E402
+from loop import run  # noqa: E402
 from model import load_model, sample  # noqa: E402
 from verifier import verify  # noqa: E402
-from written import owned  # noqa: E402
 
 AVSPO_GOAL, AAPO_GOAL = 0.1, 1.6  # AVSPO advantage step < 0.1% of a GRPO step; AAPO step <= 1.6x GRPO's
 

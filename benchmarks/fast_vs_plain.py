@@ -17,10 +17,10 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from flags import FlagParser, at_least  # noqa: E402
-from hardware import cpu_features, working_copy  # noqa: E402
+from infra.flags import FlagParser, at_least  # noqa: E402
+from infra.hardware import cpu_features, working_copy  # noqa: E402
+from loop.run import fast_or_plain  # noqa: E402
 from model import load_model, sample, trim_padding  # noqa: E402
-from run import fast_or_plain  # noqa: E402
 
 QUESTIONS = ["What is 37 * 8?", "Compute 12 * 9."]
 

@@ -7,7 +7,7 @@ import statistics
 import torch
 
 from benchmarks.timing import best_seconds, fmt
-from decoding import packed_linear
+from fast.decoding import packed_linear
 from model import load_model
 
 

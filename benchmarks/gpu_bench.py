@@ -2,7 +2,7 @@
 
   python benchmarks/gpu_bench.py --smoke         # one GPU: checks, then the table, within --budget-s (400 s)
   python benchmarks/gpu_bench.py --smoke --tiny --device cpu  # the same code on tiny shapes, seconds on a CPU
-  python benchmarks/gpu_bench.py --memory-table  # docs/performance.md's memory table (memory.py), no GPU
+  python benchmarks/gpu_bench.py --memory-table  # docs/performance.md's table (infra/memory.py), no GPU
 
 --smoke first (within --smoke-s seconds) runs on the device what no CPU test can show:
   - the fast paths against the plain ones (tests/test_fast_paths.py's checks, here on the device): greedy
@@ -18,7 +18,7 @@
   - one `train.train_step` of each method with every flag that makes other tensors meet (`OPENED`: the KL's
     reference, PPO's old log-probs, top-p, checkpointing) and torchrun's collectives through a one-process
     nccl group (`one_process_group`): what tests/cuda_stand_in.py's CPU stand-in for CUDA cannot run;
-  - LoRA (train.py --lora-rank, lora.py): the fast paths against the plain ones with adapters (B drawn
+  - LoRA (train.py --lora-rank, infra/lora.py): the fast paths against the plain ones with adapters (B drawn
     nonzero, `with_adapters`), in bf16, and one `train.train_step` of each method at rank 2, bf16 frozen
     weights and float32 adapters, with checkpointing, the reference the policy with its adapters off; each
     step must move the adapters and leave every frozen weight as it was.
@@ -34,9 +34,9 @@ bf16 working weights with float32 master weights as train.py uses on CUDA. Cavea
   - Random weights never answer correctly, and update_policy skips zero-advantage rows, so the rewards
     fed to the advantage step are a fixed mixed pattern: every row is trained, as in a useful batch.
 Rows take the path train.py takes there (`run.fast_or_plain`: plain on CUDA), plus one row of the fast
-paths forced on at the first size, to time them. "est GiB" is memory.py's estimate for the config, next to
-the measured peak, both with the CUDA context and the allocator's reserve (hardware.peak_memory_bytes); "SDPA"
-names the attention kernels the update's forward ran (from the profiler).
+paths forced on at the first size, to time them. "est GiB" is infra/memory.py's estimate for the config, next
+to the measured peak, both with the CUDA context and the allocator's reserve (hardware.peak_memory_bytes);
+"SDPA" names the attention kernels the update's forward ran (from the profiler).
 MFU = model FLOPs / time / the bf16 matmul rate measured on this card first (not the datasheet peak).
 Model FLOPs: 2 per parameter per token forward, x3 with backward (recomputation under gradient
 checkpointing is not counted, as usual for MFU), plus the LM head on the positions that get logits;
@@ -71,21 +71,21 @@ import transformers
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-import packing  # noqa: E402
-import run  # noqa: E402
 import train  # noqa: E402
 from benchmarks.timing import markdown_table, sync  # noqa: E402
 from data.tasks import load_problems, step_problems  # noqa: E402
-from decoding import decode  # noqa: E402
 from eval import score_groups  # noqa: E402
-from flags import FlagParser, at_least, in_range  # noqa: E402
-from hardware import DEVICES, peak_memory_bytes, pick_device, working_copy  # noqa: E402
-from lora import adapters_off, add_adapters  # noqa: E402
-from memory import FITS, GIB, STATIC, adapter_count, estimate_memory  # noqa: E402
+from fast import packing  # noqa: E402
+from fast.decoding import decode  # noqa: E402
+from infra.flags import FlagParser, at_least, in_range  # noqa: E402
+from infra.hardware import DEVICES, peak_memory_bytes, pick_device, working_copy  # noqa: E402
+from infra.lora import adapters_off, add_adapters  # noqa: E402
+from infra.memory import FITS, GIB, STATIC, adapter_count, estimate_memory  # noqa: E402
+from infra.model_files import byte_tokenizer  # noqa: E402
+from loop import run  # noqa: E402
+from loop.run import fast_or_plain  # noqa: E402
 from model import (checkpoint_activations, completion_logprobs, load_model, sample,  # noqa: E402
                    sample_with_generate)
-from model_files import byte_tokenizer  # noqa: E402
-from run import fast_or_plain  # noqa: E402
 from verifier import load_reward  # noqa: E402
 
 VOCAB = 151_936  # Qwen2.5's vocabulary
@@ -125,8 +125,9 @@ def build_model(size: str, device: torch.device, tokenizer):
 
 
 def with_adapters(model, name: str = "tiny-qwen2") -> None:
-    """Rank-2 LoRA adapters on `model` (lora.py), each B drawn small: at B = 0, as a run starts, they change
-    nothing and A has no gradient, so a check of their log-probs or gradients would hold them to nothing."""
+    """Rank-2 LoRA adapters on `model` (infra/lora.py), each B drawn small: at B = 0, as a run starts, they
+    change nothing and A has no gradient, so a check of their log-probs or gradients would hold them to
+    nothing."""
     add_adapters(model, 2, 32, name, 0)
     with torch.no_grad():
         for param_name, p in model.named_parameters():
@@ -233,10 +234,10 @@ class Config:
 
 
 # The README's 24 GB recipe (Qwen2.5-Math-1.5B, LoRA rank 32, B = G = 8, 512 new tokens, train.py's
-# micro-batch 8, checkpointing) at 1,024-token prompts, where memory.py says sampling is the larger phase
-# (HF generate prefills all 64 rows): its row shows max_memory_allocated after the first sampling and after
-# the steps, beside the estimate of each phase (docs/performance.md says what confirms it). --tiny: the same
-# shape of row on the tiny model.
+# micro-batch 8, checkpointing) at 1,024-token prompts, where infra/memory.py says sampling is the larger
+# phase (HF generate prefills all 64 rows): its row shows max_memory_allocated after the first sampling and
+# after the steps, beside the estimate of each phase (docs/performance.md says what confirms it). --tiny: the
+# same shape of row on the tiny model.
 RECIPE = {"1.5B": Config("1.5B", True, lora_rank=32, micro_batch=8, prompt_tokens=1024),
           "tiny": Config("tiny", True, lora_rank=2, micro_batch=2, prompt_tokens=64)}
 FILLER = "Read the problem carefully, then answer it. "
@@ -327,7 +328,7 @@ COLUMNS = [("size", "size", "{}"), ("grad_checkpointing", "grad ckpt", "{}"), ("
            ("mfu_step", "MFU step", "{:.1%}"), ("sdpa", "SDPA", "{}")]
 
 
-# Each phase's memory (CUDA: max_memory_allocated, what tensors held, no context) against memory.py's
+# Each phase's memory (CUDA: max_memory_allocated, what tensors held, no context) against infra/memory.py's
 # (CUDA only: "-" elsewhere)
 PHASES = [("config", "config", "{}"), ("allocated_sampling_gib", "allocated after sampling GiB", "{:.1f}"),
           ("est_sampling_gib", "est static + sampling GiB", "{:.1f}"),
@@ -435,8 +436,8 @@ def fast_equals_plain(device: torch.device) -> list[tuple[str, object]]:
 
 @contextlib.contextmanager
 def one_process_group(device: torch.device):
-    """torchrun's collectives (processes.py) in this one process: nccl on CUDA, which takes only tensors on
-    the GPU, gloo on the CPU."""
+    """torchrun's collectives (loop/processes.py) in this one process: nccl on CUDA, which takes only tensors
+    on the GPU, gloo on the CPU."""
     import torch.distributed as dist
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=dist.HashStore(), rank=0,
                             world_size=1)
@@ -598,7 +599,7 @@ CARDS_GIB = (24, 48, 80)  # a "24 GB" card holds 24 GiB
 
 
 def memory_table(prompts: int, group_size: int, new_tokens: int, prompt_len: int) -> str:
-    """docs/performance.md's table: memory.py's estimate at the Qwen2.5 sizes (parameters counted on the
+    """docs/performance.md's table: infra/memory.py's estimate at the Qwen2.5 sizes (parameters counted on the
     meta device, nothing allocated), bf16, with and without checkpointing: full fine-tuning (float32 master
     weights) at micro-batch 4, 8 and 16, LoRA at rank 32 and 1 (adapters on every linear layer but the
     output layer, `memory.adapter_count`) at micro-batch 8; the static terms include memory.CUDA_ALLOWANCE."""
@@ -656,7 +657,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--smoke", action="store_true", help="the device checks first, then the table")
     parser.add_argument("--smoke-s", type=SECONDS, default=100, help="time box of the smoke checks")
     parser.add_argument("--memory-table", action="store_true",
-                        help="print memory.py's estimate at the Qwen2.5 sizes and stop (no device needed)")
+                        help="print infra/memory.py's estimate at the Qwen2.5 sizes and stop "
+                             "(no device needed)")
     parser.add_argument("--sizes", default="0.5B,1.5B", help="comma list of " + ", ".join(SIZES))
     parser.add_argument("--prompts", type=at_least(1), default=8, help="prompts per step (B)")
     parser.add_argument("--group-size", type=at_least(2), default=8, help="completions per prompt (G)")

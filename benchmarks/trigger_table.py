@@ -18,7 +18,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from advantage import AdaptiveThreshold  # noqa: E402
-from flags import FlagParser, at_least  # noqa: E402
+from infra.flags import FlagParser, at_least  # noqa: E402
 
 TRENDS = ("rising", "flat", "falling")
 MEAN_ACRS = (0.25, 0.35, 0.45, 0.55)

@@ -8,7 +8,7 @@ import time
 from benchmarks.floors import batch_shape
 from benchmarks.timing import median_of, sync
 from data.tasks import load_problems
-from hardware import peak_memory_bytes, pick_device
+from infra.hardware import peak_memory_bytes, pick_device
 from model import load_model
 from verifier import verify
 

@@ -28,8 +28,8 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.timing import best_seconds  # noqa: E402
 from data.prepare import DOWNLOADS  # noqa: E402
-from flags import FlagParser  # noqa: E402
-from run_folder import read_jsonl  # noqa: E402
+from infra.flags import FlagParser  # noqa: E402
+from loop.run_folder import read_jsonl  # noqa: E402
 from tests.verifier_cases import CASES  # noqa: E402
 from verifier import load_reward, normalise, verify  # noqa: E402
 

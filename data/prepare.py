@@ -8,8 +8,8 @@ They are written in the forms data/tasks.py lists; git ignores the folder. Train
 Sources, both MIT-licensed: GSM8K (Cobbe et al., arXiv 2110.14168) from openai/grade-school-math; MATH
 (Hendrycks et al., arXiv 2103.03874) as split in openai/prm800k (Lightman et al., arXiv 2305.20050), whose
 test split is MATH-500 and whose training split holds the other 12,000 problems, so the two never share one.
-A file already there is kept (delete it to fetch it again). Every file is written through written.py: a file
-in --out that prepare.py did not write (a user's, a symlink) is left as it is, and stops it in one line.
+A file already there is kept (delete it to fetch it again). Every file is written through infra/written.py: a
+file in --out that prepare.py did not write (a user's, a symlink) is left as it is, and stops it in one line.
 """
 
 import json
@@ -22,8 +22,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # `python data/prepare.py` puts data/, not the repository, on the path
 
 from data.tasks import read_jsonl  # noqa: E402
-from flags import FlagParser, folder  # noqa: E402
-from written import Folder, NotWritten, owned  # noqa: E402
+from infra.flags import FlagParser, folder  # noqa: E402
+from infra.written import Folder, NotWritten, owned  # noqa: E402
 
 DOWNLOADS = ROOT / "data" / "downloads"
 GSM8K = "https://raw.githubusercontent.com/openai/grade-school-math/master/grade_school_math/data/"

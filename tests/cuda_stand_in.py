@@ -51,7 +51,8 @@ def on_the_stand_in(func, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
 
 
 INPUTS = object()  # `named_side`: the call names no side; its inputs decide
-COLLECTIVES = ("all_reduce", "all_gather", "all_gather_object", "broadcast", "barrier")  # processes.py's, more
+# loop/processes.py's collectives, and more
+COLLECTIVES = ("all_reduce", "all_gather", "all_gather_object", "broadcast", "barrier")
 REAL = {name: getattr(dist, name) for name in ("init_process_group", "get_backend", *COLLECTIVES)}
 
 
@@ -424,7 +425,7 @@ WORKER: CudaDeviceRules | None = None  # in a worker of `run_all` on the stand-i
 def start_worker(stopping, started, devices: int) -> None:
     """`workers.start_worker` in a spawned worker of a machine of `devices` stand-in GPUs, where CUDA has not
     started: the stand-in is entered for the worker's life, before any of its code runs."""
-    import workers  # here: the stand-in itself needs nothing of the project's
+    from study import workers  # here: the stand-in itself needs nothing of the project's
     global WORKER
     WORKER = CudaDeviceRules(count=devices)
     WORKER.__enter__()
@@ -436,7 +437,7 @@ def with_threads(threads: int, fn: Callable, *args):
     names: CUDA_VISIBLE_DEVICES as the worker's first CUDA call found it, and the devices it made tensors
     on."""
     import json
-    import workers
+    from study import workers
     result = workers.with_threads(threads, fn, *args)
     with open(os.environ[WORKER_LOG], "a") as log:
         told = {"pid": os.getpid(), "visible": WORKER.seen_visible, "seen": sorted(WORKER.seen)}

@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import train  # noqa: E402
 from benchmarks.gpu_bench import with_adapters  # noqa: E402
-from processes import close_processes, init_processes  # noqa: E402
+from loop.processes import close_processes, init_processes  # noqa: E402
 from model import Rollout, load_model, sample  # noqa: E402
 
 QUESTIONS = ["What is 2 + 3?", "What is 12 * 7? Think step by step.", "What is 9 - 4?", "Name a prime."]

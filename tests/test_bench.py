@@ -15,11 +15,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-import hardware
-import run
-from memory import CUDA_ALLOWANCE, GIB
 import train
 from benchmarks import bench, demo_phases, floors, gpu_bench
+from infra import hardware
+from infra.memory import CUDA_ALLOWANCE, GIB
+from loop import run
 from cuda_stand_in import DEVICE, CudaDeviceRules
 from data.prepare import DOWNLOADS
 from data.tasks import load_problems
@@ -367,7 +367,7 @@ def test_gpu_bench_kernel_check_fails_where_no_sdpa_ran(monkeypatch):
 
 
 def test_the_peak_on_a_gpu_counts_what_the_estimate_counts(monkeypatch):
-    """The allocator's peak reservation and the CUDA context, as memory.py's total: max_memory_allocated
+    """The allocator's peak reservation and the CUDA context, as infra/memory.py's total: max_memory_allocated
     counts neither, and made a right estimate read as 1-2 GiB too high."""
     gib = 2**30
     cuda = torch.device("cuda")

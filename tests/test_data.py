@@ -8,8 +8,8 @@ import pytest
 
 from data.tasks import (LEVELS, NO_LEVEL, Problem, by_level, held_out_problems, level_order, load_eval_problems,
                         load_problems)
+from infra.written import RECORD, owned
 from verifier import verify
-from written import RECORD, owned
 
 SHARED = Path(__file__).resolve().parent.parent.parent / "shared" / "data"
 

@@ -20,20 +20,17 @@ import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 import eval as eval_module
-import hardware
-import lora
-import memory
 import model
-import model_files
-import packing
-import processes
-import run as run_module
 import train
 from benchmarks.gpu_bench import PARITY, SIZES  # PARITY: a coin flip per completion, groups split
 from data.tasks import Problem
-from decoding import decode
-from memory import estimate_memory
-from written import owned
+from fast import packing
+from fast.decoding import decode
+from infra import hardware, lora, memory, model_files
+from infra.memory import estimate_memory
+from infra.written import owned
+from loop import processes
+from loop import run as run_module
 from cuda_stand_in import CONTEXT, DEVICE, HOST, SEGMENT, CudaDeviceRules
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -170,8 +167,9 @@ def favour_stops(nets, stop_ids: list[int], bias: float = 4.0) -> None:
 
 
 def nccl_processes(monkeypatch, world: int = 2) -> None:
-    """processes.py as under torchrun with nccl, in this one process: `world` processes that sample alike,
-    the GPU's index from torch.cuda, and collectives that raise as nccl does for a tensor off the device."""
+    """loop/processes.py as under torchrun with nccl, in this one process: `world` processes that sample
+    alike, the GPU's index from torch.cuda, and collectives that raise as nccl does for a tensor off the
+    device."""
     def on_device(*tensors):
         if not all(CudaDeviceRules.on_device(t) for t in tensors):
             raise RuntimeError("Tensors must be CUDA and dense (nccl; CudaDeviceRules)")
@@ -474,7 +472,7 @@ def test_the_first_line_under_lora_counts_frozen_weights_and_adapters_and_no_cop
     assert "working copy" not in line and "reference" not in line and "weights+AdamW" not in line
 
 
-# ------------------------------------------------------------------------------ memory.py
+# ------------------------------------------------------------------------------ infra/memory.py
 
 
 # SmolLM2-135M's widths (its config.json; a Llama, taken here as a Qwen2 of the same widths: GQA 3 of 9)
@@ -559,7 +557,7 @@ def saved_bytes(net, ids: torch.Tensor, mask: torch.Tensor, completion_len: int)
     ("0.5B", "fp32", 32), ("smollm2", "bf16", 0), ("smollm2", "bf16", 8)])
 def test_memory_activations_are_what_the_forward_keeps_for_backward(size, precision, rank, checkpointing):
     """Two layers at Qwen2.5's real widths, rows padded on the left and the right as in training: the bytes
-    autograd saves (the logits' own among them) against memory.py's activations and logits. Under
+    autograd saves (the logits' own among them) against infra/memory.py's activations and logits. Under
     checkpointing the forward keeps each layer's input only, and the estimate adds one layer's
     `layer_bytes`, recomputed in backward. `rank`: LoRA through peft, frozen weights in the working precision
     and float32 adapters (`lora_layer_bytes`)."""

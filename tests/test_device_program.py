@@ -23,18 +23,15 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 
 import eval as eval_module
 import experiments
-from data.tasks import LEVELS
-import hardware
-import lora
 import merge
-import memory
-import model_files
-import processes
 import train
-import workers
 from benchmarks import gpu_bench
 from benchmarks.gpu_bench import PARITY  # PARITY: a coin flip per completion, groups split, rows train
+from data.tasks import LEVELS
+from infra import hardware, lora, memory, model_files
+from loop import processes
 from model import load_model, sample_with_generate
+from study import workers
 from test_bench import TINY_CONFIGS, gpu_check_command, smoke_checks_all_ran, table_rows_measured
 import cuda_stand_in
 from cuda_stand_in import CudaDeviceRules
@@ -114,7 +111,7 @@ def test_cuda_settings_keep_float32_products_float32_and_are_made_in_one_place(m
     files = subprocess.run(["git", "ls-files", "*.py"], cwd=ROOT, capture_output=True, text=True).stdout
     setting = {name for name in files.split() if not name.startswith("tests/")
                and SETTING.search((ROOT / name).read_text())}
-    assert setting == {"hardware.py"}
+    assert setting == {"infra/hardware.py"}
 
 
 def test_under_torchrun_on_cuda_each_process_takes_its_gpu_and_waits_out_the_first_ones_evaluation(
@@ -141,7 +138,7 @@ def test_under_torchrun_on_cuda_each_process_takes_its_gpu_and_waits_out_the_fir
     ("smollm2", "bf16", 0), ("smollm2", "bf16", 8)])
 def test_memory_sampling_is_the_peak_of_hf_generates_prefill(size, precision, rank):
     """Two layers at real widths, GQA included (Qwen2.5-1.5B: 2 KV heads of 12): torch's profiler's peak
-    while HF generate (CUDA's sampling path) prefills 2 prompts x 2 completions, against memory.py's
+    while HF generate (CUDA's sampling path) prefills 2 prompts x 2 completions, against infra/memory.py's
     sampling term. Before, the term counted the KV cache alone: at 1.5B under LoRA in bf16 a sixth of it."""
     config = Qwen2Config(vocab_size=1000, tie_word_embeddings=True, eos_token_id=999, pad_token_id=998,
                          **{**widths(size), "num_hidden_layers": 2})
@@ -281,7 +278,7 @@ def test_experiments_quick_runs_its_runs_and_evaluations_on_the_stand_in(tmp_pat
     assert set(results["difficulty"]) == {*LEVELS, "mix"}
     assert list(results["compare"]) == ["grpo", "dapo"] and set(results["precision"]) == {"bf16", "fp32"}
     for row in results["compare"].values():
-        assert math.isfinite(row["accuracy"]["mean"])  # one seed: no interval (stats.py), NaN
+        assert math.isfinite(row["accuracy"]["mean"])  # one seed: no interval (study/stats.py), NaN
         assert all(math.isnan(v) for v in row["by_level"]["add1"]["ci"])
 
 
@@ -359,7 +356,7 @@ def two_processes(body, *args, wait: float = 300) -> list[tuple[object, list[int
 
 
 def collectives(entered: dict) -> None:
-    """torchrun's process group as processes.py starts it (nccl on CUDA, waiting `COLLECTIVE_WAIT`), then
+    """torchrun's process group as loop/processes.py starts it (nccl on CUDA, waiting `COLLECTIVE_WAIT`), then
     each process's collective from `entered` (by rank): a sum, a gather, or none (it leaves the group)."""
     rank, world, device = processes.init_processes("cuda")
     torch.zeros(1, device=device)  # on its GPU

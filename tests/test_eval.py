@@ -9,16 +9,16 @@ import pytest
 import torch
 
 import eval as evaluation
-import memory
 import model as model_module
 from data.tasks import Problem
 from eval import evaluate, pass_at_k
-from memory import STATIC, estimate_memory
+from infra import memory
+from infra.memory import STATIC, estimate_memory
+from infra.model_files import tiny_qwen2
 from model import Rollout
-from model_files import tiny_qwen2
 from test_faults import in_a_small_process, killed_at
+from infra.written import RECORD, owned
 from verifier import per_completion
-from written import RECORD, owned
 
 
 @pytest.mark.parametrize("n, c, k, expected", [

@@ -24,23 +24,20 @@ import pytest
 import torch
 
 import experiments
-import plan
-import run_folder
-import study_flags
-import study_runs
-import stats
-import tables
 import train
-import workers
+from loop import run_folder
+from study import plan, stats, tables, workers
+from study import flags as study_flags
+from study import runs as study_runs
 from cuda_stand_in import CudaDeviceRules
 from data import tasks
-from flags import dataclass_parser
-from lora import has_adapters
+from infra.flags import dataclass_parser
+from infra.lora import has_adapters
+from loop.processes import on_stop_signals
 from model import sample_with_generate
-from processes import on_stop_signals
 from test_faults import small_processes
 from test_plan import STAND_IN
-from written import RECORD, Folder, owned
+from infra.written import RECORD, Folder, owned
 
 LEVELS = np.array(["easy"] * 20 + ["hard"] * 30)
 
@@ -149,8 +146,8 @@ def test_quick_pipeline_writes_every_number_and_figure(tmp_path, capsys):
                             "scatter"}
     assert set(results["difficulty"]) == {*tasks.LEVELS, "mix"}
     table = results["compare"]
-    assert list(table) == list(study_runs.COMPARE)
-    assert list(results["readings"]) == list(study_runs.READINGS)
+    assert list(table) == list(study_flags.COMPARE)
+    assert list(results["readings"]) == list(study_flags.READINGS)
     for name, row in table.items():
         assert len(row["per_seed"]) == 2  # two seeds
         assert set(row["by_level"]) == set(tasks.LEVELS)
@@ -489,8 +486,8 @@ def test_the_plan_states_each_comparisons_interval_and_the_seeds_that_decide_the
     problems, nested: runs/experiments/compare) and says so, and from what task; its width and seeds are the
     simulated procedure's (`stats`); more seeds narrow it, a wider --margin takes fewer seeds."""
     parts = {"design": "nested", "seed_var": 0.0006421383463211154, "problem_var": 0.0,
-             "noise_var": 0.10501421464108031}  # tables.compare_variances of the committed runs
-    assert tables.compare_variances([plan.COMMITTED], study_runs.COMPARE)[0] == pytest.approx(parts)
+             "noise_var": 0.10501421464108031}  # plan.compare_variances of the committed runs
+    assert plan.compare_variances([plan.COMMITTED], study_flags.COMPARE)[0] == pytest.approx(parts)
     line = plan_line(["--out", str(tmp_path)], capsys, monkeypatch)
     width, seeds = stats.expected_half_width(5, 336, parts), stats.seeds_to_decide(0.025, 336, parts)
     assert f"over 5 seeds of 336 held-out problems (nested): expected 95% interval ±{100 * width:.1f}" in line
@@ -641,7 +638,7 @@ def test_quick_lora_part_sweeps_each_arm_then_trains_the_seeds_at_the_chosen_rat
     argv = ["--quick", "--out", str(tmp_path), "--only", "lora", "--seeds", "3", "--lora-lrs", "1e-4"]
     results = experiments.main(argv)
     lora, folder = results["lora"], tmp_path / "lora"
-    assert list(lora["arms"]) == list(study_runs.LORA) and lora["sweep"]["seed"] == 100
+    assert list(lora["arms"]) == list(study_flags.LORA) and lora["sweep"]["seed"] == 100
     grids = {"full-ft": ["1e-05", "2e-05"], "lora-r1": ["0.0001"], "lora-r32": ["0.0001"]}
     ranks = {"full-ft": 0, "lora-r1": 1, "lora-r32": 32}
     for arm, row in lora["arms"].items():
@@ -661,10 +658,10 @@ def test_quick_lora_part_sweeps_each_arm_then_trains_the_seeds_at_the_chosen_rat
         assert row["verdict"] == (None if arm == "full-ft" else "no information: fewer than 2 seeds: no "
                                                                  "spread between seeds to measure")
         assert row["cost"]["seconds"]["delta"] if arm != "full-ft" else row["delta"]["mean"] == 0
-    logs = [study_runs.run_dir(folder, arm, 3) / "samples.jsonl" for arm in study_runs.LORA]
+    logs = [study_runs.run_dir(folder, arm, 3) / "samples.jsonl" for arm in study_flags.LORA]
     asked = [[g["prompt"] for g in run_folder.read_jsonl(log) if g["step"] == 1] for log in logs]
     assert asked[0] and asked[0] == asked[1] == asked[2]
-    assert all(f"| {arm} | {lora['arms'][arm]['lr']} (" in results["lora_table"] for arm in study_runs.LORA)
+    assert all(f"| {arm} | {lora['arms'][arm]['lr']} (" in results["lora_table"] for arm in study_flags.LORA)
     again = experiments.main(argv)  # finished runs reused
     assert timeless(again["lora"]) == timeless(lora)
 

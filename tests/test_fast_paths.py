@@ -1,7 +1,7 @@
-"""Each fast path (decoding.py, packing.py) changes nothing it should not against the plain definition in
-model.py: same greedy tokens as HF `generate`, the same sampling distribution, the same log-probs and
-gradients as the plain pass, close log-probs from the bf16 sampling copy, and precision chosen from CPU
-flags."""
+"""Each fast path (fast/decoding.py, fast/packing.py) changes nothing it should not against the plain
+definition in model.py: same greedy tokens as HF `generate`, the same sampling distribution, the same
+log-probs and gradients as the plain pass, close log-probs from the bf16 sampling copy, and precision chosen
+from CPU flags."""
 
 import types
 from copy import deepcopy
@@ -13,20 +13,19 @@ import torch.nn.functional as F
 from peft import LoraConfig, inject_adapter_in_model
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, Qwen2ForCausalLM
 
-import decoding
-import hardware
 import model as model_module
-import packing
 from benchmarks.gpu_bench import with_adapters
-from decoding import DecodeCache, decode, decode_step, decode_weights, packed_linear
-from hardware import (accumulate_gradients, cast_weights, copy_weights, cpu_features, resolve_precision,
-                      working_copy)
-from lora import adapters_off, add_adapters
+from fast import decoding, packing
+from fast.decoding import DecodeCache, decode, decode_step, decode_weights, packed_linear
+from fast.packing import TokenLogProbs
+from fast.packing import completion_logprobs as packed_logprobs
+from infra import hardware
+from infra.hardware import (accumulate_gradients, cast_weights, copy_weights, cpu_features,
+                            resolve_precision, working_copy)
+from infra.lora import adapters_off, add_adapters
+from infra.model_files import byte_tokenizer, tiny_qwen2
 from model import completion_logprobs as plain_logprobs
 from model import load_model, next_tokens, sample, sample_with_generate
-from model_files import byte_tokenizer, tiny_qwen2
-from packing import TokenLogProbs
-from packing import completion_logprobs as packed_logprobs
 from test_lora import LINEAR
 
 sample_fast = partial(sample, sample_completions=decode)  # what train.py samples with (--fast)
@@ -895,7 +894,7 @@ def test_dataclass_parser_gives_a_true_bool_field_a_no_flag():
     stays --x."""
     import dataclasses
 
-    from flags import arg, dataclass_parser
+    from infra.flags import arg, dataclass_parser
 
     @dataclasses.dataclass
     class Config:

@@ -22,15 +22,15 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-import run as run_module
-import run_folder
 import train
 from eval import main as eval_main
-from lora import has_adapters
+from infra.lora import has_adapters
+from infra.written import RECORD, owned
+from loop import run as run_module
+from loop import run_folder
+from loop.run_folder import read_jsonl
 from model import load_model
-from run_folder import read_jsonl
 from verifier import RewardError, checked, load_reward, per_completion
-from written import RECORD, owned
 
 TINY = ["--model", "tiny-qwen2", "--max-new-tokens", "8", "--group-size", "4", "--eval-size", "4"]
 ROOT = Path(__file__).resolve().parent.parent

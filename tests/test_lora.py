@@ -1,8 +1,8 @@
-"""LoRA through peft (lora.py, issue 56): a run starts at the base policy, its reference is the base with the
-adapters off at every step, only the adapters train, checkpoints hold the adapters and resume exactly,
-eval.py and merge.py read them, and every path (fast, bf16, checkpointing, each method) runs under it. A
-checkpoint knows its base by content, and every loader refuses another base or damaged adapters in one line;
-merge.py survives a kill at any moment and a full disk (issue 61)."""
+"""LoRA through peft (infra/lora.py, issue 56): a run starts at the base policy, its reference is the base
+with the adapters off at every step, only the adapters train, checkpoints hold the adapters and resume
+exactly, eval.py and merge.py read them, and every path (fast, bf16, checkpointing, each method) runs under
+it. A checkpoint knows its base by content, and every loader refuses another base or damaged adapters in one
+line; merge.py survives a kill at any moment and a full disk (issue 61)."""
 
 import json
 import os
@@ -19,22 +19,22 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 import eval as evaluation
-import lora
 import merge
-import model_files
-import packing
-import run as run_module
 import train
-from hardware import working_copy
-from lora import ADAPTER_CONFIG, ADAPTERS, BASE_SHA256, base_identity, digest, has_adapters, save_adapters
+from fast import packing
+from infra import lora, model_files
+from infra.hardware import working_copy
+from infra.lora import (ADAPTER_CONFIG, ADAPTERS, BASE_SHA256, base_identity, digest, has_adapters,
+                        save_adapters)
+from infra.model_files import SMOLLM2_SHA256, save_folder, tiny_qwen2
+from loop import run as run_module
+from loop.run import Paths
+from loop.run_folder import read_jsonl
 from model import completion_logprobs, load_model, sample
-from model_files import SMOLLM2_SHA256, save_folder, tiny_qwen2
-from run import Paths
-from run_folder import read_jsonl
 from cuda_stand_in import HOST, CudaDeviceRules
 from test_faults import in_a_small_process, killed_at
 from test_model_files import write_tiny_gguf
-from written import RECORD, sha256
+from infra.written import RECORD, sha256
 
 TINY = ["--model", "tiny-qwen2", "--max-new-tokens", "8", "--group-size", "4", "--eval-size", "4"]
 PARITY = "def parity(completion, gold): return float(len(completion) % 2)\n"  # rewards that vary: a gradient
@@ -429,7 +429,7 @@ def test_damaged_adapters_are_one_line_in_every_loader(tiny_lora_run, tmp_path, 
         says = f"{checkpoint / 'model'} is damaged: its {ADAPTER_CONFIG} says rank 4, its {ADAPTERS} holds "
     for name, line in loaders(checkpoint, tmp_path, capsys).items():
         assert line.startswith("error: ") and "\n" not in line, (name, line)
-        if name != "--resume":  # --resume: the checkpoint is changed since its run wrote it (written.py)
+        if name != "--resume":  # --resume: the checkpoint changed since its run wrote it (infra/written.py)
             assert says in line, (name, line)
 
 

@@ -7,9 +7,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 import model as model_module
-import model_files
-import packing
-from hardware import working_copy
+from fast import packing
+from infra import model_files
+from infra.hardware import working_copy
 from model import load_model, sample
 
 

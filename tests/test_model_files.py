@@ -1,6 +1,6 @@
-"""The model cache (model_files.py): a converted model is known by the sha256 of its GGUF file, written whole
-or not at all by written.py's rule, one conversion at a time; bad model names and files are one line. Tiny
-GGUF files (a 1-layer llama, written here with gguf.GGUFWriter) convert in well under a second."""
+"""The model cache (infra/model_files.py): a converted model is known by the sha256 of its GGUF file, written
+whole or not at all by infra/written.py's rule, one conversion at a time; bad model names and files are one
+line. Tiny GGUF files (a 1-layer llama, written here with gguf.GGUFWriter) convert in well under a second."""
 
 import errno
 import hashlib
@@ -19,8 +19,7 @@ import pytest
 import torch
 import transformers
 
-import model_files
-import written
+from infra import model_files, written
 from model import load_model, load_tokenizer
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -22,9 +22,9 @@ import experiments
 import train
 import verifier
 from data import prepare
-from run_folder import find_checkpoint, read_jsonl
+from infra.written import ANY_DIR, RECORD, owned
+from loop.run_folder import find_checkpoint, read_jsonl
 from verifier import load_reward
-from written import ANY_DIR, RECORD, owned
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -147,7 +147,7 @@ def test_eval_results_are_written_whole_or_not_at_all(tmp_path, monkeypatch, cap
         def __exit__(self, *exc):
             self.file.close()
 
-        def __getattr__(self, name):  # reading, as written.py reads its record and hashes files
+        def __getattr__(self, name):  # reading, as infra/written.py reads its record and hashes files
             return getattr(self.file, name)
 
         def write(self, data):
@@ -244,7 +244,7 @@ TINY = ["--model", "tiny-qwen2", "--max-new-tokens", "8", "--group-size", "4", "
 
 
 def no_model_in_a_run(monkeypatch):
-    import run as run_module
+    from loop import run as run_module
     monkeypatch.setattr(run_module, "load_model", no_model)
 
 
@@ -263,7 +263,7 @@ def test_train_refuses_a_bad_flag_in_one_line_before_any_model(flags, monkeypatc
 
 
 def runs_folder(out: Path) -> Path:
-    """<out> as train.py leaves it: a folder of runs, with its record (written.py)."""
+    """<out> as train.py leaves it: a folder of runs, with its record (infra/written.py)."""
     with owned(out, "runs") as folder:
         folder.save()  # a record as a run leaves it (owning alone writes nothing)
         return out
@@ -363,9 +363,9 @@ def test_resume_never_starts_over_a_run_it_cannot_continue(finished_run, tmp_pat
 
 
 def test_a_save_stopped_between_its_renames_resumes_from_the_whole_older_one(finished_run, tmp_path):
-    """checkpoint/ renamed to checkpoint.old, the new one not yet in place (written.py's record says so).
-    Before issue 54 this test damaged checkpoint/ by hand: a checkpoint changed since a run wrote it is now
-    refused (`test_a_symlink_or_a_changed_file_at_a_run_file_stops_the_run`)."""
+    """checkpoint/ renamed to checkpoint.old, the new one not yet in place (infra/written.py's record says
+    so). Before issue 54 this test damaged checkpoint/ by hand: a checkpoint changed since a run wrote it is
+    now refused (`test_a_symlink_or_a_changed_file_at_a_run_file_stops_the_run`)."""
     out = copy_of(finished_run, tmp_path)
     run_dir = out / "grpo"
     with owned(out, "runs") as runs:
@@ -412,7 +412,7 @@ def test_a_run_folder_that_is_a_file_is_one_line_before_any_model(tmp_path, monk
 def test_a_save_that_fails_is_one_line_and_loses_nothing(tmp_path, monkeypatch, code):
     """The save of step 2 fails: one line, the checkpoint of step 1 stays whole, nothing half-written is
     left, and --resume (once there is room) goes on from step 1 to the same end."""
-    import run_folder
+    from loop import run_folder
     import torch
     real_save, saves = torch.save, iter([True, False])
 
@@ -439,7 +439,7 @@ def test_a_save_that_fails_is_one_line_and_loses_nothing(tmp_path, monkeypatch, 
 def test_a_log_line_that_cannot_be_written_is_one_line_and_loses_nothing(tmp_path, monkeypatch):
     """The disk fills as step 2's metrics line is appended: one line naming the file; step 1's line and
     checkpoint stay, and --resume goes on from them."""
-    import run_folder
+    from loop import run_folder
     import torch
     real_append = run_folder.append_jsonl
 
@@ -518,7 +518,7 @@ def test_a_run_warns_once_when_a_prompt_exceeds_the_context(tmp_path, capsys):
     assert len(warnings) == 1 and "exceeds the model's context of 1024 tokens" in warnings[0]
 
 
-# ---------------------------------------------------------------- written.py's rule: only what a script wrote
+# ---------------------------------------------------------- infra/written.py's rule: only what a script wrote
 
 
 def test_a_folder_of_run_file_names_no_run_wrote_is_refused_and_kept(tmp_path):

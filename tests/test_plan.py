@@ -1,5 +1,5 @@
-"""plan.py: a study's time from a calibration (a stand-in, then train.py's own on the tiny model), the rule
-that fits --budget-minutes, the memory said against the device's, and the progress said by the plan."""
+"""study/plan.py: a study's time from a calibration (a stand-in, then train.py's own on the tiny model), the
+rule that fits --budget-minutes, the memory said against the device's, and the progress said by the plan."""
 
 import dataclasses
 import json
@@ -10,13 +10,12 @@ import pytest
 import torch
 
 import experiments
-import plan
-import run
-import study_flags
 import train
-import workers
 from data import tasks
-from run_folder import read_jsonl
+from loop import run
+from loop.run_folder import read_jsonl
+from study import parts, plan, workers
+from study import flags as study_flags
 
 GIB = 2**30
 # a stand-in calibration: a step of 64 completions takes 10 s, 6 of them sampling; a problem 0.5 s
@@ -46,8 +45,8 @@ def test_a_study_plan_adds_the_runs_of_each_part_it_trains(tmp_path):
     args = study_flags.parse_args(["--out", str(tmp_path), "--seeds", "0,1", "--steps", "10", "--eval-every",
                                    "5", "--methods", "grpo,aapo", "--scatter-levels", "add1",
                                    "--scatter-g", "4", "--scatter-seeds", "0"])
-    parts = ["difficulty", "compare", "scatter"]
-    runs = plan.planned_runs(args, parts, every_rate=False)
+    asked = ["difficulty", "compare", "scatter"]
+    runs = parts.planned_runs(args, asked, every_rate=False)
     assert len(runs) == 4 + 1  # 2 methods x 2 seeds; 1 level x 1 G x 1 seed
     levels = len(tasks.by_level(tasks.load_problems(args.train.dataset)))
     result = plan.study_plan(runs, tmp_path, 336, STAND_IN, 2, plan.difficulty_seconds(STAND_IN, levels, 32))
@@ -62,8 +61,8 @@ def test_a_study_plan_adds_the_runs_of_each_part_it_trains(tmp_path):
     assert result.problems == 4 * (3 * 112 + 336) + 2 * min(32, len(plan.held_out(level, 0, None)))
     lora = study_flags.parse_args(["--out", str(tmp_path), "--seeds", "0,1", "--full-lrs", "1e-5,2e-5",
                                    "--lora-lrs", "1e-4,2e-4,4e-4"])
-    assert len(plan.planned_runs(lora, ["lora"], every_rate=False)) == 2 + 3 * 2 + 3 * 2  # sweep, then arms
-    assert len(plan.planned_runs(lora, ["lora"])) == 2 + 3 * 2 + 2 * 2 + 3 * 2 * 2  # every rate: checks
+    assert len(parts.planned_runs(lora, ["lora"], every_rate=False)) == 2 + 3 * 2 + 3 * 2  # sweep, then arms
+    assert len(parts.planned_runs(lora, ["lora"])) == 2 + 3 * 2 + 2 * 2 + 3 * 2 * 2  # every rate: checks
 
 
 def minutes_of(scale: plan.Scale) -> float:
@@ -112,7 +111,7 @@ def test_the_budget_fits_a_study_on_a_stand_in_step_and_says_so(tmp_path, monkey
 
     def minutes(seeds: str) -> float:
         at = study_flags.parse_args([*argv, "--seeds", seeds])
-        return plan.study_plan(plan.planned_runs(at, ["compare"]), tmp_path, 336, STAND_IN, 2).minutes
+        return plan.study_plan(parts.planned_runs(at, ["compare"]), tmp_path, 336, STAND_IN, 2).minutes
 
     assert minutes(seeds) <= 300 < minutes(f"{seeds},{len(args.seeds.split(','))}")
     assert f"about {minutes(seeds):.1f} min, 2 runs at once" in printed

@@ -13,14 +13,14 @@ from transformers import AutoModelForCausalLM, GenerationConfig
 
 import eval as evaluation
 import model as model_module
-import run as run_module
 import train
 from data.tasks import Problem, load_problems
-from decoding import decode
-from hardware import working_copy
+from fast.decoding import decode
+from infra.hardware import working_copy
+from infra.model_files import save_folder, tiny_qwen2
+from loop import run as run_module
 from model import (RAW_INSTRUCTION, completion_logprobs, format_prompts, load_model, sample,
                    sample_with_generate, stop_token_ids)
-from model_files import save_folder, tiny_qwen2
 from verifier import load_reward
 
 CPU = torch.device("cpu")

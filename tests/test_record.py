@@ -1,8 +1,8 @@
-"""A folder's record (written.py) is input from a stranger (issue 61): run folders are shared, committed and
-downloaded. A record that names anything outside its folder, or is not of the shape written.py writes, is
-refused in one line before anything is touched, by every script that reads one; a folder moved or swapped for
-a symlink while a script runs cannot redirect a write; an edit with its mtime put back is still an edit; a
-line that a script's own append left cut short is the script's, and is cut back."""
+"""A folder's record (infra/written.py) is input from a stranger (issue 61): run folders are shared, committed
+and downloaded. A record that names anything outside its folder, or is not of the shape infra/written.py
+writes, is refused in one line before anything is touched, by every script that reads one; a folder moved or
+swapped for a symlink while a script runs cannot redirect a write; an edit with its mtime put back is still an
+edit; a line that a script's own append left cut short is the script's, and is cut back."""
 
 import errno
 import json
@@ -15,11 +15,11 @@ import pytest
 
 import experiments
 import merge
-import model_files
 import train
 from data import prepare
+from infra import model_files
+from infra.written import RECORD, Folder, NotWritten, owned
 from tests.test_nothing_lost import FINISHED, copy_of, finished_run, no_model_in_a_run  # noqa: F401
-from written import RECORD, Folder, NotWritten, owned
 
 SHA = "0" * 64
 
@@ -311,7 +311,7 @@ def test_a_line_a_full_disk_cut_short_is_the_scripts_own_and_is_cut_back(tmp_pat
         assert path.read_text() == '{"step": 1}\n'
         folder.append("metrics.jsonl", '{"step": 2}\n')
     assert path.read_text() == '{"step": 1}\n{"step": 2}\n'
-    with owned(tmp_path / "run", "run") as folder:  # the record of the cut reads back as written.py's
+    with owned(tmp_path / "run", "run") as folder:  # the record of the cut reads back as infra/written.py's
         assert folder.foreign() == []
 
 

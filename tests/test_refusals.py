@@ -12,13 +12,13 @@ import pytest
 
 import experiments
 import merge
-import run as run_module
-import run_folder
 import train
 from data import prepare
+from infra.written import NotWritten, owned
+from loop import run as run_module
+from loop import run_folder
 from tests.test_nothing_lost import FINISHED, copy_of, finished_run, no_model_in_a_run  # noqa: F401
 from tests.test_record import snapshot
-from written import NotWritten, owned
 
 
 def refuses(script, folder: Path, says: str) -> None:
@@ -145,7 +145,7 @@ def test_a_checkpoint_read_between_its_saves_two_renames_is_the_new_one_or_one_l
     saved."""
     import threading
 
-    import model_files
+    from infra import model_files
     from model import model_source
     run = copy_of(finished_run, tmp_path) / "grpo"
     (run / "checkpoint").rename(run / "checkpoint.old")  # the save between its renames
@@ -176,7 +176,7 @@ def test_an_out_with_a_part_too_long_for_the_filesystem_is_one_line(tmp_path, ca
 def test_merge_of_a_checkpoint_caught_between_its_saves_renames_names_the_one_before(finished_run, tmp_path,
                                                                                       monkeypatch, capsys):
     """As eval.py: before, "holds no LoRA adapters ... nothing to merge" of a LoRA run mid-save."""
-    import model_files
+    from infra import model_files
     run = copy_of(finished_run, tmp_path) / "grpo"
     (run / "checkpoint").rename(run / "checkpoint.old")  # the save between its renames
     monkeypatch.setattr(model_files, "SAVE_WAIT", 0.2)
@@ -188,7 +188,7 @@ def test_a_run_is_known_by_its_datas_content_not_its_path(tmp_path, monkeypatch)
     """Before, a data file rewritten with other problems since a run was trained on it was continued
     (--resume) and reused by a study, exit 0: config.json recorded the path alone. It now records each file's
     sha256; a changed file is one line naming it and the run, and nothing is written."""
-    import study_runs
+    from study import runs as study_runs
     data = tmp_path / "data.jsonl"
     problems = [{"problem": f"What is {i} + 1?", "answer": str(i + 1)} for i in range(20)]
     data.write_text("".join(json.dumps(p) + "\n" for p in problems))

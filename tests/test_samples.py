@@ -11,9 +11,9 @@ import transformers
 import train
 from advantage import advantage_collapse_rate, avspo_advantages, grpo_advantages
 from data.tasks import Problem
-from metrics import SAMPLE_CHARS, SAMPLE_GROUPS, group_samples, show_group
-from run_folder import read_jsonl, resume_conflicts, start_logs, write_jsonl
-from written import owned
+from infra.written import owned
+from loop.metrics import SAMPLE_CHARS, SAMPLE_GROUPS, group_samples, show_group
+from loop.run_folder import read_jsonl, resume_conflicts, start_logs, write_jsonl
 
 TINY = ["--model", "tiny-qwen2", "--max-new-tokens", "8", "--group-size", "4", "--eval-size", "4"]
 # even golds: every completion right (a collapsed group); odd golds: right by the completion's length (mixed)

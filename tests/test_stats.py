@@ -1,6 +1,6 @@
-"""stats.py, the study's statistics: the coverage of every interval report.md prints, measured on simulated
-studies of both designs where the truth is known, and on the committed runs under a sign-flip null; the
-verdict rule; the planner's power against the procedure it plans.
+"""study/stats.py, the study's statistics: the coverage of every interval report.md prints, measured on
+simulated studies of both designs where the truth is known, and on the committed runs under a sign-flip null;
+the verdict rule; the planner's power against the procedure it plans.
 
 Coverage is counted over K simulated studies; a 95% interval's count has a Monte Carlo error of
 sqrt(0.95 * 0.05 / K), and each test states its band."""
@@ -14,8 +14,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 from scipy import stats as sp
 
-import stats
-from run_folder import read_jsonl
+from loop.run_folder import read_jsonl
+from study import stats
 
 K = 2000  # simulated studies a cell
 TOLERANCE = 2 * math.sqrt(0.95 * 0.05 / K)  # 0.0097: two Monte Carlo standard errors

@@ -16,16 +16,16 @@ import torch
 from safetensors.torch import save_file
 
 import model as model_module
-import run as run_module
 import train
 from advantage import avspo_advantages, grpo_advantages
 from data.tasks import Problem, step_problems
-from flags import arg, dataclass_parser
-from hardware import working_copy
-from metrics import collapse_warning, early_steps, group_map, step_metrics, summarise_run
+from infra.flags import arg, dataclass_parser
+from infra.hardware import working_copy
+from infra.written import owned
+from loop import run as run_module
+from loop.metrics import collapse_warning, early_steps, group_map, step_metrics, summarise_run
+from loop.run_folder import find_checkpoint, read_jsonl, start_logs, write_jsonl
 from model import completion_logprobs, completion_mask_from_eos, load_model, sample
-from run_folder import find_checkpoint, read_jsonl, start_logs, write_jsonl
-from written import owned
 
 TINY = ["--model", "tiny-qwen2", "--max-new-tokens", "8", "--group-size", "4", "--eval-size", "4"]
 ROOT = Path(__file__).resolve().parent.parent

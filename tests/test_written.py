@@ -1,4 +1,5 @@
-"""written.py: a script touches only what its record says it wrote, and the file is still what it wrote."""
+"""infra/written.py: a script touches only what its record says it wrote, and the file is still what it
+wrote."""
 
 import json
 import os
@@ -13,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from written import RECORD, NotWritten, owned
+from infra.written import RECORD, NotWritten, owned
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -163,7 +164,7 @@ def test_a_failed_fill_removes_what_it_filled_and_keeps_the_last_whole_one(tmp_p
 WRITER = """
 import sys, itertools
 sys.path.insert(0, {root!r})
-from written import owned
+from infra.written import owned
 with owned({folder!r}, "run") as folder:
     for i in itertools.count():
         folder.append("metrics.jsonl", f"{{i}}\\n")

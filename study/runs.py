@@ -1,6 +1,6 @@
-"""The study's train.py runs: the methods as train.py runs them, where each run goes, whether a finished or
-stopped one may be reused (its flags, its files as train.py wrote them), training it, and its final model's
-per-problem evaluation; and the difficulty part's sampling with the untrained model, as train.py samples."""
+"""The study's train.py runs: where each run goes, whether a finished or stopped one may be reused (its flags,
+its files as train.py wrote them), training it, and its final model's per-problem evaluation; and the
+difficulty part's sampling with the untrained model, as train.py samples."""
 
 import dataclasses
 import json
@@ -14,36 +14,18 @@ import train
 from advantage import advantage_collapse_rate
 from data.tasks import by_level, changed_data, held_out_problems, load_problems
 from eval import evaluate, score_groups
-from flags import dataclass_parser
-from hardware import cpu_features, pick_device, working_copy
+from infra.flags import dataclass_parser
+from infra.hardware import cpu_features, pick_device, working_copy
+from infra.records import plain_bytes
+from infra.written import owned
+from loop.processes import STOP_SIGNALS
+from loop.run import fast_or_plain
+from loop.run_folder import RunFolderError, find_checkpoint, read_jsonl, saved_config
 from model import load_model, sample
-from processes import STOP_SIGNALS
-from run import fast_or_plain
-from run_folder import RunFolderError, find_checkpoint, read_jsonl, saved_config
-from records import plain_bytes
-from workers import Stopped
+from study.flags import METHODS
+from study.workers import Stopped
 from verifier import load_reward
-from written import owned
 
-COMPARE = ("grpo", "avspo", "avspo-always", "aapo", "dapo")
-READINGS = ("grpo", "avspo", "avspo-fixed", "avspo-k1", "avspo-wrong", "avspo-correct")
-METHODS = {"grpo": ("grpo", []), "avspo": ("avspo", []),  # name: (train.py --algo, extra flags)
-           # AVSPO's readings: each changes one choice that is ours or unverified (advantage.py's docstring)
-           "avspo-always": ("avspo", ["--acr-threshold", "0", "--fixed-threshold"]),  # no trigger
-           "avspo-fixed": ("avspo", ["--fixed-threshold"]),  # the paper's ablation: a fixed threshold, 0.5
-           "avspo-k1": ("avspo", ["--num-virtual", "1"]),  # "a few" virtual rewards: K = 1, |A| = 1/3
-           "avspo-wrong": ("avspo", ["--virtual-ends", "all-wrong"]),  # the paper's ablation of the two ends
-           "avspo-correct": ("avspo", ["--virtual-ends", "all-correct"]),
-           "aapo": ("aapo", []), "dapo": ("dapo", []),
-           # the lora part's arms, each at the learning rate its sweep chose (lora.py's alpha, layers)
-           "full-ft": ("grpo", ["--lora-rank", "0"]),
-           "lora-r1": ("grpo", ["--lora-rank", "1", "--lora-alpha", "32"]),
-           "lora-r32": ("grpo", ["--lora-rank", "32", "--lora-alpha", "32"])}
-BASELINE = "grpo"
-LORA = ("full-ft", "lora-r1", "lora-r32")  # the first is the lora part's baseline
-# also compared paired with these: does AVSPO's trigger help, and which end of collapse costs accuracy?
-ABLATIONS = {"avspo": ("avspo-always", "avspo-fixed"), "avspo-wrong": ("avspo-correct",)}
-PRECISIONS = ("bf16", "fp32")  # the precision part's arms
 Run = tuple[Path, int, str, list[str]]  # a training run: train.py's --out, --seed, --algo and its other flags
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedModel
 
-from lora import has_adapters
+from infra.lora import has_adapters
 
 DEVICES = ("auto", "cpu", "cuda")
 
@@ -73,9 +73,9 @@ def describe_device(device: torch.device) -> str:
 
 
 def peak_memory_bytes(device: torch.device) -> int:
-    """Peak memory of this process so far on `device`, counted as memory.py's estimate counts it. On a GPU
-    (since the last reset of the peak statistics): what the caching allocator reserved at its peak, not only
-    what tensors held (max_memory_allocated leaves out its reserve), plus the CUDA context and kernel
+    """Peak memory of this process so far on `device`, counted as infra/memory.py's estimate counts it. On a
+    GPU (since the last reset of the peak statistics): what the caching allocator reserved at its peak, not
+    only what tensors held (max_memory_allocated leaves out its reserve), plus the CUDA context and kernel
     workspaces, the device's used memory beyond the allocator's now (mem_get_info: another process on the GPU
     counts in it). On the CPU: the resident set size, the whole process's."""
     if device.type == "cuda":
@@ -104,7 +104,7 @@ def out_of_memory(error: torch.OutOfMemoryError) -> str:
 
 def resident_bytes() -> int:
     """This process's resident memory now (Linux's /proc/self/statm; elsewhere its peak so far): before a
-    model loads, what Python, torch and transformers hold beside any tensor, which memory.py's estimate
+    model loads, what Python, torch and transformers hold beside any tensor, which infra/memory.py's estimate
     counts on the CPU as the runtime."""
     try:
         return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")

@@ -1,6 +1,6 @@
-"""The study's statistics (experiments.py, plan.py): 95% intervals for accuracies, their paired differences
-and the per-seed numbers (collapse, cost), a line's fit, the verdict on a claim, and the planner's power.
-Pure: arrays in, numbers out, no files and no model.
+"""The study's statistics (experiments.py, study/plan.py): 95% intervals for accuracies, their paired
+differences and the per-seed numbers (collapse, cost), a line's fit, the verdict on a claim, and the planner's
+power. Pure: arrays in, numbers out, no files and no model.
 
 What an interval is about: the population that the training seeds and the held-out problems are drawn from.
 The seed is the unit that varies between studies (Colas et al., arXiv 1806.08295), and the problems are a

@@ -11,11 +11,11 @@ from tqdm import tqdm
 
 from advantage import advantage_collapse_rate, effective_collapse_rate, grpo_advantages
 from data.tasks import Problem
-from hardware import peak_memory_bytes
+from infra.hardware import peak_memory_bytes
+from infra.written import Folder
+from loop.processes import all_sum
+from loop.run_folder import read_jsonl
 from model import Rollout
-from processes import all_sum
-from run_folder import read_jsonl
-from written import Folder
 
 EARLY_FRACTION, EARLY_MAX_STEPS = 0.2, 100  # ours: the first 20% of the steps; the paper reads its first 100
 COLLAPSED_SETUP = 0.75  # ours: an early ACR this high means three groups in four teach nothing

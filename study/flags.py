@@ -1,7 +1,8 @@
-"""experiments.py's flags: the study's own (which parts, methods and seeds, each part's scale, the plan), and
-every train.py flag, given once and passed to every run (`train.Args` is their one source of truth). Bad
-values stop here in one line, before any model loads; what train.py checks across flags (a data file, a
-seed's range) it checks for every run before any starts (`study_runs.check_flags`).
+"""experiments.py's flags, the study's first room: the study's own (which parts, methods and seeds, each
+part's scale, the plan), the methods they name (METHODS), and every train.py flag, given once and passed to
+every run (`train.Args` is their one source of truth). `parse_args` parses them once, into the one Namespace
+that the later rooms read. Bad values stop here in one line, before any model loads; what train.py checks
+across flags (a data file, a seed's range) it checks for every run before any starts (`runs.check_flags`).
 """
 
 import argparse
@@ -11,10 +12,29 @@ import sys
 
 import train
 from data.tasks import LEVELS
-from flags import FlagParser, add_fields, at_least, folder, in_range
-from study_runs import COMPARE, LORA, METHODS, READINGS
-from workers import default_jobs
+from infra.flags import FlagParser, add_fields, at_least, folder, in_range
+from study.workers import default_jobs
 
+# the methods as train.py runs them: what --methods and --readings choose from, and each part's arms
+COMPARE = ("grpo", "avspo", "avspo-always", "aapo", "dapo")
+READINGS = ("grpo", "avspo", "avspo-fixed", "avspo-k1", "avspo-wrong", "avspo-correct")
+METHODS = {"grpo": ("grpo", []), "avspo": ("avspo", []),  # name: (train.py --algo, extra flags)
+           # AVSPO's readings: each changes one choice that is ours or unverified (advantage.py's docstring)
+           "avspo-always": ("avspo", ["--acr-threshold", "0", "--fixed-threshold"]),  # no trigger
+           "avspo-fixed": ("avspo", ["--fixed-threshold"]),  # the paper's ablation: a fixed threshold, 0.5
+           "avspo-k1": ("avspo", ["--num-virtual", "1"]),  # "a few" virtual rewards: K = 1, |A| = 1/3
+           "avspo-wrong": ("avspo", ["--virtual-ends", "all-wrong"]),  # the paper's ablation of the two ends
+           "avspo-correct": ("avspo", ["--virtual-ends", "all-correct"]),
+           "aapo": ("aapo", []), "dapo": ("dapo", []),
+           # the lora part's arms, each at the learning rate its sweep chose (infra/lora.py's alpha, layers)
+           "full-ft": ("grpo", ["--lora-rank", "0"]),
+           "lora-r1": ("grpo", ["--lora-rank", "1", "--lora-alpha", "32"]),
+           "lora-r32": ("grpo", ["--lora-rank", "32", "--lora-alpha", "32"])}
+BASELINE = "grpo"
+LORA = ("full-ft", "lora-r1", "lora-r32")  # the first is the lora part's baseline
+# also compared paired with these: does AVSPO's trigger help, and which end of collapse costs accuracy?
+ABLATIONS = {"avspo": ("avspo-always", "avspo-fixed"), "avspo-wrong": ("avspo-correct",)}
+PRECISIONS = ("bf16", "fp32")  # the precision part's arms
 # "matches": Δ within 2.5 points, the smallest gain a claim in the README's table calls an effect (AAPO's)
 MARGIN = 0.025
 PER_RUN = ("algo", "seed", "out", "resume", "overwrite")  # the train.py flags the study sets run by run

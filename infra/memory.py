@@ -38,7 +38,7 @@ from typing import Callable
 from transformers import PreTrainedTokenizerBase
 
 from data.tasks import Problem
-from lora import has_adapters
+from infra.lora import has_adapters
 from model import LOGPROB_CHUNK, format_prompts
 
 GIB = 2**30

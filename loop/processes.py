@@ -13,10 +13,10 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from hardware import out_of_memory, pick_device
-from run_folder import RunFolderError
+from infra.hardware import out_of_memory, pick_device
+from infra.written import NotWritten
+from loop.run_folder import RunFolderError
 from verifier import RewardError
-from written import NotWritten
 
 
 # How long a process waits in a collective for the others. The first process evaluates and saves alone while
@@ -160,9 +160,9 @@ def exits_cleanly():
     """train.py's way out: Ctrl-C or SIGTERM ends the step under way (while the flags, data and models load:
     the run stops before its first step), then exits with code 128 + the signal (130, 143) once it is saved
     (`ctrl_c_stops_after_the_step` yields the stop requests); an unknown model, a missing file, a damaged run
-    folder, a file that is not the run's (written.py) or a bad reward exits with one line, not a traceback;
-    the processes of torchrun are closed whichever way it ends. A filesystem failure (a full disk, a
-    read-only folder) is one line too: what was saved before it stays whole; so is running out of device
+    folder, a file that is not the run's (infra/written.py) or a bad reward exits with one line, not a
+    traceback; the processes of torchrun are closed whichever way it ends. A filesystem failure (a full disk,
+    a read-only folder) is one line too: what was saved before it stays whole; so is running out of device
     memory, with what to change (`hardware.out_of_memory`)."""
     requested: list[int] = []
     try:

@@ -3,17 +3,17 @@ early-ACR fits), their markdown tables, and report.md: the papers' claims judged
 
 import json
 import math
-import re
 from pathlib import Path
 
 import numpy as np
 
 from data.tasks import NO_LEVEL, level_order, load_problems, step_problems
-from metrics import early_steps
-from run_folder import RunFolderError, read_jsonl
-from stats import RULE, line_fit, mean_interval, no_information, seed_interval, variance_parts, verdict
-from study_runs import ABLATIONS, BASELINE, LORA, as_written, final_records, held_out, run_dir
-from written import Folder
+from infra.written import Folder
+from loop.metrics import early_steps
+from loop.run_folder import RunFolderError, read_jsonl
+from study.flags import ABLATIONS, BASELINE, LORA
+from study.runs import final_records, held_out
+from study.stats import RULE, line_fit, mean_interval, no_information, seed_interval, verdict
 
 
 def accuracy_table(correct: np.ndarray, levels: np.ndarray, problems: np.ndarray, names: list[str],
@@ -304,46 +304,6 @@ def report(results: dict, what: str, data: str) -> str:
     lines += ["## The papers' claims", "", RULE, "",
               "| claim | measured here (95% interval) | verdict |", "|---|---|---|", *claim_rows(results)]
     return "\n".join(lines) + "\n"
-
-
-def evaluated_seeds(folder: Path, method: str) -> set[int]:
-    """The seeds of `method` in a compare folder whose final evaluation is there (`run_dir`'s names)."""
-    named = (re.fullmatch(rf"seed(\d+)-{re.escape(method)}", p.name) for p in folder.glob(f"seed*-{method}"))
-    return {int(m[1]) for m in named if m and (folder / m[0] / "final_eval.jsonl").exists()}
-
-
-def compare_variances(folders: list[Path], methods: list[str]) -> tuple[dict, Path, str] | None:
-    """(parts, folder, dataset): the variance parts of the paired Δs against GRPO (`stats.variance_parts`, by
-    the design their problems show, averaged over the methods), from the first folder holding finished
-    compare runs of GRPO and another method on two seeds or more, each final evaluation on the same
-    problems, and the dataset they trained on; None where none does."""
-    answers = {}  # (folder, method, seed) -> the final evaluation's records, each file read once
-
-    def answers_of(folder: Path, method: str, seed: int) -> list[dict]:
-        if (folder, method, seed) not in answers:
-            run = run_dir(folder, method, seed).parent  # where the study caches final_eval.jsonl
-            as_written(run, "runs", ("final_eval.jsonl",))
-            answers[folder, method, seed] = read_jsonl(run / "final_eval.jsonl")
-        return answers[folder, method, seed]
-
-    for folder in folders:
-        parts = []
-        for method in [m for m in methods if m != BASELINE]:
-            seeds = sorted(evaluated_seeds(folder, method) & evaluated_seeds(folder, BASELINE))
-            if len(seeds) < 2:
-                continue
-            base, other = ([answers_of(folder, name, s) for s in seeds] for name in (BASELINE, method))
-            problems = np.array([[r["question"] for r in records] for records in base])  # [S, N]
-            if problems.tolist() == [[r["question"] for r in records] for records in other]:
-                d = np.array([[r["correct"] for r in records] for records in other], dtype=float) \
-                    - np.array([[r["correct"] for r in records] for records in base], dtype=float)  # [S, N]
-                parts.append(variance_parts(d, problems))
-        if parts:
-            mean = {key: float(np.mean([p[key] for p in parts])) for key in ("seed_var", "problem_var",
-                                                                               "noise_var")}
-            config = json.loads((run_dir(folder, BASELINE, seeds[0]) / "config.json").read_text())
-            return {"design": parts[0]["design"], **mean}, folder, config["dataset"]
-    return None
 
 
 def results_so_far(figures: Folder, name: str) -> dict:

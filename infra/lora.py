@@ -41,7 +41,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 from transformers.pytorch_utils import Conv1D
 
-from model_files import SMOLLM2_SHA256, file_sha256, tiny_qwen2
+from infra.model_files import SMOLLM2_SHA256, file_sha256, tiny_qwen2
 
 ADAPTERS = "adapter_model.safetensors"  # peft's names, so that peft's PeftModel.from_pretrained reads them
 ADAPTER_CONFIG = "adapter_config.json"
@@ -108,10 +108,11 @@ def adapters_off(model):
 def adapter_output(linear: torch.nn.Module) -> Callable[[torch.Tensor], torch.Tensor] | None:
     """x -> what the adapters of `linear` add to its output, (alpha / r) B A x over its active adapters,
     computed as peft's lora.Linear.forward computes it (x cast to the adapters' float32, B's bias if it has
-    one), for code that runs the layer's weight itself (decoding.py's `decode_weights`); None where adapters
-    add nothing (a plain layer, adapters off, adapters merged in). Apart from W, not merged into it: in a bf16
-    model, W + (alpha / r) B A would be rounded to bf16 where peft rounds the sum of the two outputs, and the
-    policy that samples would differ (by bf16 rounding) from the one whose log-probs the update follows."""
+    one), for code that runs the layer's weight itself (fast/decoding.py's `decode_weights`); None where
+    adapters add nothing (a plain layer, adapters off, adapters merged in). Apart from W, not merged into it:
+    in a bf16 model, W + (alpha / r) B A would be rounded to bf16 where peft rounds the sum of the two
+    outputs, and the policy that samples would differ (by bf16 rounding) from the one whose log-probs the
+    update follows."""
     if not hasattr(linear, "lora_A") or linear.disable_adapters or linear.merged:  # peft's layers have lora_A
         return None
     names = [name for name in linear.active_adapters if name in linear.lora_A]

@@ -13,8 +13,8 @@ from typing import Callable
 
 import torch
 
-from hardware import pick_device
-from processes import STOP_SIGNALS, on_stop_signals
+from infra.hardware import pick_device
+from loop.processes import STOP_SIGNALS, on_stop_signals
 
 
 class Stopped(KeyboardInterrupt):
@@ -56,7 +56,7 @@ class Progress:
         self.start = time.monotonic()
 
     def ran(self, run: tuple) -> None:
-        """`run` (`study_runs.Run`) ended; one it had not planned (finished before the study) says nothing."""
+        """`run` (`runs.Run`) ended; one it had not planned (finished before the study) says nothing."""
         out, _, algo, _ = run
         if self.left.pop(out / algo, None) is None:
             return
@@ -77,7 +77,7 @@ class Workers:
 
 def run_all(tasks: list[tuple], jobs: int, progress: Progress | None = None) -> list:
     """fn(*args) for each task (fn, *args), in order; with jobs > 1 in that many processes that split the
-    cores. A study's tasks are (fn, run, ...), a `study_runs.Run` second: `progress` says each run ended.
+    cores. A study's tasks are (fn, run, ...), a `runs.Run` second: `progress` says each run ended.
 
     Runs are small (16-64 rows): on 2 cores two 1-thread runs side by side did ~15% more work per second than
     one 2-thread run (measured). With CUDA devices, each worker has one of its own (`start_worker`). Spawned,

@@ -20,25 +20,25 @@ import torch.nn.functional as F
 import transformers
 from tqdm import tqdm
 
-import packing
 from data.tasks import Problem, held_out_problems, load_problems
-from decoding import FAST_ON, decode
 from eval import evaluate, score_groups
-from hardware import (SamplingOutOfMemory, cast_weights, device_memory_bytes, pick_device, resident_bytes,
-                      where, working_copy)
-from lora import (adapter_folder, adapters_off, add_adapters, base_identity, base_of, check_rank,
-                  checked_adapters, merged)
-from memory import (context_warning, describe_estimate, estimate_memory, fits_warning, longest_prompt,
-                    parameter_counts, sampled_rows, short_enough)
-from metrics import collapse_warning, early_steps, show_group
+from fast import packing
+from fast.decoding import FAST_ON, decode
+from infra.hardware import (SamplingOutOfMemory, cast_weights, device_memory_bytes, pick_device,
+                            resident_bytes, where, working_copy)
+from infra.lora import (adapter_folder, adapters_off, add_adapters, base_identity, base_of, check_rank,
+                        checked_adapters, merged)
+from infra.memory import (context_warning, describe_estimate, estimate_memory, fits_warning, longest_prompt,
+                          parameter_counts, sampled_rows, short_enough)
+from infra.model_files import tiny_qwen2
+from infra.written import Folder
+from loop.metrics import collapse_warning, early_steps, show_group
+from loop.processes import StoppedWhileScoring, bad_input_is_one_line, gather_groups, stops_at_once
+from loop.run_folder import (append_jsonl, checkpoint_damage, find_checkpoint, log_eval, log_step,
+                             read_jsonl, restore_checkpoint, save_checkpoint, stopped_line)
 from model import (Rollout, checkpoint_activations, completion_logprobs, format_prompts, from_source,
                    load_model, load_tokenizer, sample, sample_with_generate, stop_token_ids)
-from model_files import tiny_qwen2
-from processes import StoppedWhileScoring, bad_input_is_one_line, gather_groups, stops_at_once
-from run_folder import (append_jsonl, checkpoint_damage, find_checkpoint, log_eval, log_step, read_jsonl,
-                        restore_checkpoint, save_checkpoint, stopped_line)
 from verifier import RewardError, load_reward
-from written import Folder
 
 
 class Paths(NamedTuple):
@@ -217,9 +217,9 @@ def step_rows(args) -> int:
 
 
 def run_estimate(args, master, policy, reference, prompt_len: int, runtime: int, sampled: int) -> dict:
-    """memory.py's terms for this run's shapes, prompts of `prompt_len` tokens, `sampled` rows sampled at
-    once (under LoRA, the frozen weights apart from the adapters); `runtime`, the process's bytes before the
-    model loaded."""
+    """infra/memory.py's terms for this run's shapes, prompts of `prompt_len` tokens, `sampled` rows sampled
+    at once (under LoRA, the frozen weights apart from the adapters); `runtime`, the process's bytes before
+    the model loaded."""
     rows, (own, adapters) = step_rows(args), parameter_counts(master)
     return estimate_memory(master.config, own, rows=sampled, prompt_len=prompt_len,
                            completion_len=args.max_new_tokens, micro_batch=min(args.micro_batch, rows),

@@ -1,9 +1,9 @@
 """A run folder, <out>/<algo>: whether a new run may start there or an old one resume, checkpoints, and the
 logs (JSON lines).
 
-Every file of a run is written through written.py: the run folder's record knows what a run wrote there, so
---overwrite removes that and nothing else (`written.Folder.clear`), and a folder holding a file no run wrote
-(a user's, or one changed since) is refused in one line, with or without --overwrite.
+Every file of a run is written through infra/written.py: the run folder's record knows what a run wrote there,
+so --overwrite removes that and nothing else (`written.Folder.clear`), and a folder holding a file no run
+wrote (a user's, or one changed since) is refused in one line, with or without --overwrite.
 """
 
 import contextlib
@@ -20,8 +20,8 @@ from pathlib import Path
 import torch
 
 from data.tasks import changed_data, data_hashes
-from lora import has_adapters, save_adapters
-from written import Folder, NotWritten, owned
+from infra.lora import has_adapters, save_adapters
+from infra.written import Folder, NotWritten, owned
 
 
 class RunFolderError(Exception):

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 from transformers import PreTrainedModel
 
-from decoding import SHAPE_MULTIPLE, rotate, writes_out_block
+from fast.decoding import SHAPE_MULTIPLE, rotate, writes_out_block
 from model import last_positions
 
 

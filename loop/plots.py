@@ -10,8 +10,8 @@ matplotlib.use("Agg")  # files only, no screen needed
 import matplotlib.pyplot as plt
 import numpy as np
 
-from run_folder import PLOT, read_jsonl
-from written import Folder
+from infra.written import Folder
+from loop.run_folder import PLOT, read_jsonl
 
 COLORS = {"grpo": "tab:blue", "avspo": "tab:orange", "aapo": "tab:green", "dapo": "tab:red"}
 

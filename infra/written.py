@@ -8,8 +8,8 @@ with `NotWritten`, one line naming the path, with or without --overwrite: a user
 file's name, a file changed since, a symlink, a folder that holds files and no record. Nothing is written
 through a symlink (O_NOFOLLOW, O_EXCL), and no file but a script's own is opened for writing.
 
-A file's identity is its content (records.py): a run folder copied or checked out elsewhere is still known
-(experiments.py's logs are committed), and a file whose inode, mtime and ctime held is not read again.
+A file's identity is its content (infra/records.py): a run folder copied or checked out elsewhere is still
+known (experiments.py's logs are committed), and a file whose inode, mtime and ctime held is not read again.
 
 A change is recorded before it is made, as the states the file may be in after it, so a script killed at any
 moment leaves a record that still knows its files. A temporary is recorded by its random name before it is
@@ -17,7 +17,7 @@ made, and by its inode once made: a leftover is removed only while it is still t
 never because a record names it. An append records the text it adds, so that a line cut short (a full disk,
 a kill) is known as the script's own and cut back (`remove_temporaries`).
 
-The record is a stranger's input (records.py): a damaged one is refused in one line before anything is
+The record is a stranger's input (infra/records.py): a damaged one is refused in one line before anything is
 touched. Every change goes through the folder's open descriptor (`dir_fd`), so a folder moved, or swapped for
 a symlink, while a script runs cannot redirect a write. A refusal writes nothing: a folder's record is first
 written by its first change.
@@ -38,8 +38,8 @@ import stat
 import weakref
 from pathlib import Path
 
-from records import (ANY_DIR, ANY_FILE, KINDS, RECORD, TEMPORARY, Damaged, checked_record, describe,
-                     file_state, kind_of, same, sha256, temporary)
+from infra.records import (ANY_DIR, ANY_FILE, KINDS, RECORD, TEMPORARY, Damaged, checked_record, describe,
+                           file_state, kind_of, same, sha256, temporary)
 
 
 class NotWritten(Exception):

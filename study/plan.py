@@ -1,5 +1,5 @@
-"""What a study trains (`planned_runs`), what it will take and what it can decide, printed before it runs
-(`plan_study`):
+"""What the runs of a study (`parts.planned_runs`) will take and what they can decide, printed before they
+run (`plan_study`):
 
 1. `calibrate`: one step and two evaluations, trained by train.py on this device at the comparison runs'
    settings, as one of the study's runs (a worker with its share of the cores, or its own GPU). The step is
@@ -11,13 +11,15 @@
 3. `fit_budget`: with --budget-minutes, the seeds, steps and evaluation size that fit, by the rule in its
    docstring; where nothing fits, the smallest plan it reached and its minutes.
 4. `interval_plan`: each comparison's expected interval and the seeds (crossed: and problems) that would
-   decide --margin, by the study's design (`stats`), from the variances of finished compare runs.
+   decide --margin, by the study's design (`stats`), from the variances of finished compare runs
+   (`compare_variances`).
 """
 
 import argparse
 import dataclasses
 import hashlib
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -26,70 +28,18 @@ import numpy as np
 
 import train
 from data.tasks import by_level, data_line, load_problems
-from hardware import device_memory_bytes, pick_device
-from run_folder import read_jsonl
-from stats import as_design, design, expected_half_width, problems_to_decide, seeds_to_decide
-from study_flags import as_flags, lr_grid, part_flags
-from study_runs import (BASELINE, METHODS, PRECISIONS, Run, check_run, finished, held_out,
-                        method_runs, run_args, run_training)
-from tables import compare_variances
-from workers import run_all, runs_at_once
-from written import NotWritten, owned
+from infra.hardware import device_memory_bytes, pick_device
+from infra.written import NotWritten, owned
+from loop.run_folder import read_jsonl
+from study.flags import BASELINE, METHODS, as_flags
+from study.parts import planned_runs
+from study.runs import Run, as_written, check_run, finished, held_out, run_args, run_dir, run_training
+from study.stats import (as_design, design, expected_half_width, problems_to_decide, seeds_to_decide,
+                         variance_parts)
+from study.workers import run_all, runs_at_once
 
 CALIBRATION_PROBLEMS = 32  # eval.evaluate's batch: a full one gives a problem's share of its time
 SCORED = ("compare", "readings", "lora")  # the parts whose final models are evaluated problem by problem
-
-
-# ------------------------------------------------------------------------------ the runs a study trains
-
-
-def scatter_runs(args: argparse.Namespace, out: Path) -> dict[tuple[str, int, int], Run]:
-    """The scatter's short GRPO runs over levels x G x seeds, the largest G first: (level, G, seed) -> its
-    run."""
-    own = dict(steps=args.scatter_steps, prompts_per_step=args.scatter_prompts, eval_every=args.scatter_steps,
-               eval_size=args.scatter_eval_size, save_every=0)
-    seeds = [int(s) for s in args.scatter_seeds.split(",")]
-    return {(level, g, seed): (out / f"{level}-g{g}-seed{seed}", seed, "grpo",
-                               part_flags(args, **own, dataset=f"arith-{level}", group_size=g))
-            for g in sorted([int(g) for g in args.scatter_g.split(",")], reverse=True)
-            for level in args.scatter_levels.split(",") for seed in seeds}
-
-
-def precision_runs(args: argparse.Namespace, out: Path) -> dict[tuple[str, int], Run]:
-    """The default run (`python train.py`) in each precision on each seed: (precision, seed) -> its run; fp32,
-    the slower, first: balances the jobs."""
-
-    return {(name, seed): (out / f"seed{seed}-{name}", seed, "grpo",  # else the default run's own settings
-                           part_flags(args, steps=args.precision_steps, save_every=0, precision=name))
-            for name in reversed(PRECISIONS) for seed in [int(s) for s in args.precision_seeds.split(",")]}
-
-
-def sweep_runs(args: argparse.Namespace, folder: Path) -> dict[tuple[str, str], Run]:
-    """The lora part's sweep on --sweep-seed: (arm, lr) -> its run
-    (<folder>/sweep/lr2e-05/seed100-full-ft/grpo, say)."""
-    flags, seed = as_flags(args.train), args.sweep_seed
-    sweep = {(arm, lr): method_runs(folder / "sweep" / f"lr{lr}", [arm], [seed], flags + ["--lr", lr])
-             for arm, lrs in lr_grid(args).items() for lr in lrs}
-    return {(arm, lr): runs[arm, seed] for (arm, lr), runs in sweep.items()}
-
-
-def planned_runs(args: argparse.Namespace, parts: list[str], every_rate: bool = True) -> list[Run]:
-    """Every training run of the parts asked for; the lora part's arms at every rate of their grids (its
-    sweep picks one only later), or at the first alone (`every_rate` False: as many runs as will train)."""
-    out, seeds, flags = Path(args.out), [int(s) for s in args.seeds.split(",")], as_flags(args.train)
-    runs = []
-    for part, methods in (("compare", args.methods), ("readings", args.readings)):
-        if part in parts:
-            runs += method_runs(out / part, methods.split(","), seeds, flags).values()
-    if "scatter" in parts:
-        runs += scatter_runs(args, out / "scatter").values()
-    if "precision" in parts:
-        runs += precision_runs(args, out / "precision").values()
-    if "lora" in parts:
-        runs += sweep_runs(args, out / "lora").values()
-        runs += [run for arm, lrs in lr_grid(args).items() for lr in (lrs if every_rate else lrs[:1])
-                 for run in method_runs(out / "lora", [arm], seeds, flags, {arm: ["--lr", lr]}).values()]
-    return runs
 
 
 # ------------------------------------------------------------------------------ their time, measured first
@@ -131,7 +81,8 @@ def calibrate(args: argparse.Namespace) -> Calibration:
     """Train the calibration run as the study's runs will be trained (`run_all`: --jobs), then read what
     train.py wrote of it (each file as train.py left it: `check_run`)."""
     run = calibration_run(args)
-    with owned(Path(args.out), "experiments") as out:  # the study's folder, known as a script's (written.py)
+    # the study's folder, known as a script's (infra/written.py)
+    with owned(Path(args.out), "experiments") as out:
         out.subfolder("calibration", "experiments")
     check_run(*run)
     if not finished(run[0] / run[2]):
@@ -283,7 +234,8 @@ def print_plan(plan: Plan, cal: Calibration, sharing: int) -> None:
           f"rest of a run {cal.run_seconds:.0f} s; peak memory {cal.peak_bytes / gib:.1f} GiB a run, "
           f"{sharing} on a device: {sharing * cal.peak_bytes / gib:.1f} of its "
           f"{cal.device_bytes / gib:.1f} GiB")
-    if sharing * cal.peak_bytes > 0.9 * cal.device_bytes:  # the allocator's fragmentation: 10% (memory.py)
+    # the allocator's fragmentation: 10% (infra/memory.py)
+    if sharing * cal.peak_bytes > 0.9 * cal.device_bytes:
         print(f"warning: {sharing} runs of {cal.peak_bytes / gib:.1f} GiB on a device of "
               f"{cal.device_bytes / gib:.1f} GiB may not fit: fewer --jobs, or --grad-checkpointing, or "
               "--lora-rank")
@@ -338,7 +290,8 @@ def plan_study(args: argparse.Namespace, parts: list[str]) -> tuple[argparse.Nam
     return args, left
 
 
-COMMITTED = Path(__file__).resolve().parent / "runs" / "experiments" / "compare"  # the README's comparison
+# the README's comparison
+COMMITTED = Path(__file__).resolve().parent.parent / "runs" / "experiments" / "compare"
 
 
 def interval_plan(args: argparse.Namespace) -> tuple[str, int | None]:
@@ -378,3 +331,43 @@ def interval_plan(args: argparse.Namespace) -> tuple[str, int | None]:
             f"between seeds, {parts['problem_var']:.3f} a problem shared by the seeds, "
             f"{parts['noise_var']:.3f} a problem's noise{assumed}); deciding ±{100 * args.margin:g} points 4 "
             f"times in 5 at a true Δ of 0 {decides}"), needed
+
+
+def evaluated_seeds(folder: Path, method: str) -> set[int]:
+    """The seeds of `method` in a compare folder whose final evaluation is there (`run_dir`'s names)."""
+    named = (re.fullmatch(rf"seed(\d+)-{re.escape(method)}", p.name) for p in folder.glob(f"seed*-{method}"))
+    return {int(m[1]) for m in named if m and (folder / m[0] / "final_eval.jsonl").exists()}
+
+
+def compare_variances(folders: list[Path], methods: list[str]) -> tuple[dict, Path, str] | None:
+    """(parts, folder, dataset): the variance parts of the paired Δs against GRPO (`stats.variance_parts`, by
+    the design their problems show, averaged over the methods), from the first folder holding finished
+    compare runs of GRPO and another method on two seeds or more, each final evaluation on the same
+    problems, and the dataset they trained on; None where none does."""
+    answers = {}  # (folder, method, seed) -> the final evaluation's records, each file read once
+
+    def answers_of(folder: Path, method: str, seed: int) -> list[dict]:
+        if (folder, method, seed) not in answers:
+            run = run_dir(folder, method, seed).parent  # where the study caches final_eval.jsonl
+            as_written(run, "runs", ("final_eval.jsonl",))
+            answers[folder, method, seed] = read_jsonl(run / "final_eval.jsonl")
+        return answers[folder, method, seed]
+
+    for folder in folders:
+        parts = []
+        for method in [m for m in methods if m != BASELINE]:
+            seeds = sorted(evaluated_seeds(folder, method) & evaluated_seeds(folder, BASELINE))
+            if len(seeds) < 2:
+                continue
+            base, other = ([answers_of(folder, name, s) for s in seeds] for name in (BASELINE, method))
+            problems = np.array([[r["question"] for r in records] for records in base])  # [S, N]
+            if problems.tolist() == [[r["question"] for r in records] for records in other]:
+                d = np.array([[r["correct"] for r in records] for records in other], dtype=float) \
+                    - np.array([[r["correct"] for r in records] for records in base], dtype=float)  # [S, N]
+                parts.append(variance_parts(d, problems))
+        if parts:
+            mean = {key: float(np.mean([p[key] for p in parts])) for key in ("seed_var", "problem_var",
+                                                                               "noise_var")}
+            config = json.loads((run_dir(folder, BASELINE, seeds[0]) / "config.json").read_text())
+            return {"design": parts[0]["design"], **mean}, folder, config["dataset"]
+    return None

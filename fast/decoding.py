@@ -14,10 +14,10 @@ import torch
 import torch.nn.functional as F
 from transformers import DynamicCache, PreTrainedModel
 
-from lora import adapter_output, has_variants
+from infra.lora import adapter_output, has_variants
 from model import last_positions, next_tokens
 
-FAST_ON = ("cpu",)  # device types where this file's and packing.py's paths were shown equal and faster
+FAST_ON = ("cpu",)  # device types where this file's and fast/packing.py's paths were shown equal and faster
 SHAPE_MULTIPLE = 16  # token counts are padded to a multiple of this, so matmul shapes recur (see `decode`)
 
 
