@@ -170,7 +170,8 @@ def test_text_after_the_first_stop_token_never_reaches_the_reward(layout, path):
     model, tokenizer = qwen25(layout)
     tokens = script(tokenizer, "<|im_end|>", "<|endoftext|>")
     args = train.Args(model="tiny-qwen2", group_size=2, max_new_tokens=40, fast=path == "decode")
-    run = types.SimpleNamespace(tokenizer=tokenizer, reward_fn=load_reward(), costs=Counter(), stop_ids=None)
+    run = types.SimpleNamespace(tokenizer=tokenizer, reward_fn=load_reward(), costs=Counter(), stop_ids=None,
+                                rows_at_once=0)
     problems = [Problem("What is 1 + 1?", "2", ""), Problem("What is 1 + 2?", "3", "")]
     with scripted(model, tokens):
         _, rewards = train.sample_and_score(args, run, model, problems)  # [b, G]
@@ -305,7 +306,7 @@ def test_training_and_evaluation_sample_in_the_chosen_format(monkeypatch):
         args = train.Args(model="tiny-qwen2", group_size=2, max_new_tokens=2, prompt_format=prompt_format,
                           system=system)
         run = types.SimpleNamespace(policy=model, tokenizer=tokenizer, reward_fn=load_reward(), stop_ids=None,
-                                    costs=Counter(), eval_problems=[Problem("1 + 1?", "2", "")])
+                                    costs=Counter(), eval_problems=[Problem("1 + 1?", "2", "")], rows_at_once=0)
         train.sample_and_score(args, run, model, run.eval_problems)
         monkeypatch.setattr(run_module, "log_eval", lambda *a: 0.0)
         run_module.run_eval(args, run, None, 0)

@@ -351,7 +351,7 @@ def test_logs_keep_what_the_checkpoint_covers_and_a_fresh_run_keeps_nothing(tmp_
         write_jsonl(folder, "evals.jsonl", [{"step": s, "eval_accuracy": 0.5} for s in (0, 2, 4)])
         write_jsonl(folder, "metrics.jsonl", [{"step": s, "gen_tokens_total": 10 * s, "train_tokens_total": s}
                                               for s in (1, 2, 3, 4)])
-        totals = start_logs(folder, {"seed": 1}, last_step)
+        totals = start_logs(folder, {"seed": 1, "dataset": "arith-mix", "eval_dataset": ""}, last_step)
     assert [r["step"] for r in read_jsonl(tmp_path / "evals.jsonl")] == kept_evals
     assert [r["step"] for r in read_jsonl(tmp_path / "metrics.jsonl")] == kept_steps
     # where the resumed run goes on
