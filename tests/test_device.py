@@ -4,7 +4,6 @@ with every flag that makes other tensors meet; the choice of device, precision a
 --precision, --fast)."""
 
 import copy
-import dataclasses
 import functools
 import json
 import os
@@ -410,7 +409,10 @@ def test_a_step_whose_sampling_would_not_fit_samples_fewer_rows_at_once(tmp_path
                          "16 rows sampled at once)"), line
     calls, in_calls_of = [], run_module.in_calls_of
     monkeypatch.setattr(run_module, "in_calls_of", lambda n, fn: calls.append(n) or in_calls_of(n, fn))
-    run = dataclasses.replace(run, rows_at_once=8)
+    monkeypatch.setattr(run_module, "resident_bytes", lambda: 0)  # the runtime the totals above counted
+    run = run_module.start_run(args, tmp_path / "run", torch.device("cpu"), True, train.algo_state(args),
+                               with_reference=False)
+    assert run.rows_at_once == 8  # the run keeps what it found, and samples that many at once
     run_module.sample_and_score(args, run, run.policy, run.train_problems[:4])
     assert calls == [8]
 
