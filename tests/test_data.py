@@ -109,6 +109,9 @@ def test_a_file_too_small_to_hold_out_every_10th_problem_is_refused_unless_eval_
                                          "--eval-dataset"):
         load_problems(str(small), "test")
     assert len(load_problems(str(small), "train")) == 9  # all of it trains: nothing of it is held out
+    (tmp_path / "ten").mkdir()
+    ten = write(tmp_path / "ten", [json.dumps({"problem": f"q{i}", "answer": str(i)}) for i in range(10)])
+    assert [len(load_problems(str(ten), split)) for split in ("test", "train")] == [1, 9]  # the edge splits
     with pytest.raises(SystemExit):
         train.parse_args(["--model", "tiny-qwen2", "--dataset", str(small), "--out", str(tmp_path / "out")])
     err = capsys.readouterr().err

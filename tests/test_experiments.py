@@ -32,6 +32,7 @@ from study import runs as study_runs
 from cuda_stand_in import CudaDeviceRules
 from data import tasks
 from infra.flags import dataclass_parser
+from infra import records
 from infra.lora import has_adapters
 from loop.processes import on_stop_signals
 from model import sample_with_generate
@@ -432,21 +433,37 @@ def test_a_damaged_summary_is_named_in_one_line_and_left_as_it_is(scatter_run, c
         assert tree(out) == before
 
 
-@pytest.mark.parametrize("what", ["a FIFO", "a link to /dev/zero", "/dev/zero itself"])
+def blocked_read(signum, frame):
+    pytest.fail("a read blocked: a FIFO opened without O_NONBLOCK waits for a writer")  # no OSError: uncaught
+
+
+@pytest.mark.parametrize("what", ["a FIFO", "a FIFO holding JSON", "a link to /dev/zero", "/dev/zero itself"])
 def test_a_summary_that_is_no_plain_file_is_never_read_and_named_in_one_line(tmp_path, what):
     """Before, study_runs.finished read summary.json with Path.read_text before the record vouched for it: a
     FIFO hung the study, /dev/zero ended in a MemoryError. It is read only as a plain file, and bounded."""
     run = tmp_path / "out" / "grpo"
     run.mkdir(parents=True)
-    summary = run / "summary.json"
-    if what == "a FIFO":
+    summary, writer = run / "summary.json", None
+    if what.startswith("a FIFO"):
         os.mkfifo(summary)
+    if what == "a FIFO holding JSON":  # a writer's bytes wait in the pipe: a summary's JSON, in no file
+        writer = os.open(summary, os.O_RDWR | os.O_NONBLOCK)
+        os.write(writer, json.dumps({"acc_after": 0.99}).encode())
     elif what == "a link to /dev/zero":
         summary.symlink_to("/dev/zero")
-    else:  # a device node at the name itself, as root may make one: the same node as /dev/zero's
+    elif what == "/dev/zero itself":  # a device node at the name itself, as root may make one
         os.mknod(summary, 0o600 | __import__("stat").S_IFCHR, os.stat("/dev/zero").st_rdev)
-    with pytest.raises(run_folder.RunFolderError, match=f"^{summary} is damaged"):
-        study_runs.check_run(tmp_path / "out", 0, "grpo", [])
+    previous = signal.signal(signal.SIGALRM, blocked_read)
+    signal.alarm(30)  # a blocking open fails this test rather than hanging the suite
+    try:
+        assert records.plain_bytes(summary, 1 << 20) is None
+        with pytest.raises(run_folder.RunFolderError, match=f"^{summary} is damaged"):
+            study_runs.check_run(tmp_path / "out", 0, "grpo", [])
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+        if writer is not None:
+            os.close(writer)
 
 
 @pytest.mark.parametrize("edit", ["an accuracy of 0.99", "an empty object", "a metrics line"])
