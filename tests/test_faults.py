@@ -3,6 +3,7 @@ earlier run, an --out that is a file, a --resume under other flags, a damaged ch
 pickle, SIGTERM or Ctrl-C, and a run killed at random moments."""
 
 import contextlib
+import dataclasses
 import json
 import multiprocessing
 import os
@@ -30,6 +31,7 @@ from loop import run as run_module
 from loop import run_folder
 from loop.run_folder import read_jsonl
 from model import load_model
+from study.runs import run_config
 from verifier import RewardError, checked, load_reward, per_completion
 
 TINY = ["--model", "tiny-qwen2", "--max-new-tokens", "8", "--group-size", "4", "--eval-size", "4"]
@@ -249,10 +251,8 @@ def test_resume_may_change_bookkeeping_and_extend_a_constant_lr_run(tmp_path):
     train.main(base + ["--steps", "2"])
     train.main(base + ["--steps", "4", "--resume", "--save-every", "1", "--micro-batch", "2"])
     assert [r["step"] for r in read_jsonl(tmp_path / "grpo" / "metrics.jsonl")] == [1, 2, 3, 4]
-    saved = json.loads((tmp_path / "grpo" / "config.json").read_text())
-    del saved["data_sha256"]  # config.json's, not a flag
-    assert run_folder.resume_conflicts(tmp_path / "grpo", train.Args(**{
-        **saved, "lr_decay": 1.0, "steps": 5, "reward_range": (0.0, 1.0)})).count("->") == 2  # with the lr decaying, --steps counts too
+    asked = dataclasses.replace(run_config(tmp_path / "grpo"), lr_decay=1.0, steps=5)
+    assert run_folder.resume_conflicts(tmp_path / "grpo", asked).count("->") == 2  # lr decaying: --steps counts
 
 
 def test_a_flag_newer_than_the_run_counts_as_its_default(tmp_path):
@@ -260,9 +260,7 @@ def test_a_flag_newer_than_the_run_counts_as_its_default(tmp_path):
     config = json.loads((tmp_path / "grpo" / "config.json").read_text())
     del config["virtual_ends"]  # a run made before the flag existed
     (tmp_path / "grpo" / "config.json").write_text(json.dumps(config))
-    del config["data_sha256"]  # config.json's, not a flag
-    now = train.Args(**{**config, "reward_range": (0.0, 1.0)})
-    assert run_folder.resume_conflicts(tmp_path / "grpo", now) is None
+    assert run_folder.resume_conflicts(tmp_path / "grpo", run_config(tmp_path / "grpo")) is None
 
 
 # ---------------------------------------------------------------- killed at random moments
